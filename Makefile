@@ -1,0 +1,33 @@
+# PageKV — the two commands: `make demo` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install lint proto bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned to the local CPU wheel, so pip never resolves a CUDA build.
+$(STAMP): pyproject.toml | $(VPY)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0 || $(VPY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.4"
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m kvnode.demo
+
+# pytest exit code 5 (no tests collected) is a failure, like any other non-zero code.
+test: $(STAMP)
+	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info
