@@ -1,0 +1,287 @@
+"""The paged KV pool's bookkeeping: blocks, the free queue, and the prefix-cache map.
+
+Pure Python, no torch: the tensors live in the model runner; this module only decides which
+block id holds what. Names follow vLLM V1 (`KVCacheBlock`, `FreeKVCacheBlockQueue`,
+`BlockPool`) because that is the vocabulary the field reads.
+
+A block has two independent properties: `ref_cnt` (how many request tables point at it) and
+`block_hash` (whether its content is a reusable prefix-cache entry). A free block that still
+carries a hash is both free *and* a valid cache entry; it is evicted lazily, only when it is
+popped from the free queue for reuse — and that is the moment `on_evict` hands it to the tiers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvnode.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvnode.metrics import KVCacheMetrics
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
+    # Lifecycle timestamps (monotonic seconds) for the block-lifetime histograms.
+    alloc_time: float = 0.0
+    free_time: float = 0.0
+
+    def __repr__(self) -> str:  # the default would recurse through the free-list links
+        h = self.block_hash.hex()[:12] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list threaded through the blocks themselves.
+
+    The head is the next victim. Every operation is O(1) per block: `remove` is how a prefix
+    hit pulls a free cached block out of the middle of the queue, which a `deque` would make
+    O(n) in the pool size.
+    """
+
+    __slots__ = ("num_free_blocks", "_head", "_tail")
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels: no None checks on the hot path
+        self._tail = KVCacheBlock(-2)
+        self.num_free_blocks = 0
+        self._head.next_free_block = self._tail
+        self._tail.prev_free_block = self._head
+        self.append_n(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free_block
+        if block is self._tail:
+            raise ValueError("no free blocks left")
+        self._unlink(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} left")
+        out = []
+        block = self._head.next_free_block
+        for _ in range(n):
+            out.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = nxt
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if block.prev_free_block is None:
+            raise ValueError(f"{block} is not in the free queue")
+        self._unlink(block)
+
+    def _unlink(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free_block
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        last = self._tail.prev_free_block
+        n = 0
+        for block in blocks:
+            last.next_free_block = block
+            block.prev_free_block = last
+            last = block
+            n += 1
+        last.next_free_block = self._tail
+        self._tail.prev_free_block = last
+        self.num_free_blocks += n
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put blocks at the head, in the given order (the first becomes the next victim)."""
+        if not blocks:
+            return
+        first = self._head.next_free_block
+        prev = self._head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        out = []
+        block = self._head.next_free_block
+        while block is not self._tail:
+            out.append(block)
+            block = block.next_free_block
+        return out
+
+
+EvictHook = Callable[[KVCacheBlock], None]
+
+
+class BlockPool:
+    """All blocks, made once at start-up, plus the hash → block map of the prefix cache."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        block_size: int = 16,
+        on_evict: EvictHook | None = None,
+        metrics: KVCacheMetrics | None = None,
+        enable_kv_events: bool = True,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.block_size = block_size
+        self.on_evict = on_evict
+        self.metrics = metrics
+        self.enable_kv_events = enable_kv_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self._events: list[KVEvent] = []
+
+    # -- prefix cache -------------------------------------------------------------------
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        token_ids: Sequence[int] | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        """Register blocks[num_cached_blocks:num_full_blocks] under their chained hashes.
+
+        A hash already mapped to another block (two requests computed the same prefix at the
+        same time) leaves the newcomer unhashed: it is freed to the queue's head later.
+        """
+        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
+            return
+        cached = self.cached_block_hash_to_block
+        stored: list[bytes] = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.block_hash is not None:
+                continue  # a prefix hit: already cached
+            h = block_hashes[i]
+            if h in cached:
+                continue
+            block.block_hash = h
+            cached[h] = block
+            stored.append(h)
+        if stored and self.enable_kv_events:
+            bs = self.block_size
+            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+            toks = (
+                list(token_ids[num_cached_blocks * bs : num_full_blocks * bs])
+                if token_ids is not None
+                else []
+            )
+            self._events.append(BlockStored(stored, parent, toks, bs, lora_id, "GPU"))
+
+    # -- allocation ---------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop blocks for writing; a popped block still carrying a hash is evicted now."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} free blocks, only "
+                f"{self.free_block_queue.num_free_blocks} are free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        metrics = self.metrics
+        now = time.monotonic() if metrics is not None else 0.0
+        removed: list[bytes] | None = None
+        for block in blocks:
+            if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)  # the tiers copy the data before it is overwritten
+                if metrics is not None:
+                    metrics.observe_eviction(now - block.alloc_time, now - block.free_time)
+                del self.cached_block_hash_to_block[block.block_hash]
+                if removed is None:
+                    removed = []
+                removed.append(block.block_hash)
+                block.block_hash = None
+            block.ref_cnt = 1
+            block.alloc_time = now
+        if removed and self.enable_kv_events:
+            self._events.append(BlockRemoved(removed, "GPU"))
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix hits; a free one leaves the free queue (not evicted)."""
+        queue = self.free_block_queue
+        metrics = self.metrics
+        now = time.monotonic() if metrics is not None else 0.0
+        for block in blocks:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+                if metrics is not None:
+                    metrics.observe_reuse(now - block.free_time)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching zero go back to the free queue.
+
+        Hashed blocks join the tail (LRU: evicted last, in the order given); unhashed blocks
+        hold nothing reusable and go to the head, to be reused first.
+        """
+        now = time.monotonic() if self.metrics is not None else 0.0
+        hashed: list[KVCacheBlock] = []
+        unhashed: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"{block} freed more often than it was referenced")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                block.free_time = now
+                (hashed if block.block_hash is not None else unhashed).append(block)
+        if hashed:
+            self.free_block_queue.append_n(hashed)
+        if unhashed:
+            self.free_block_queue.prepend_n(unhashed)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cache entry. Refused (False) while any block is in use."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        if self.enable_kv_events:
+            self._events.append(AllBlocksCleared("GPU"))
+        return True
+
+    # -- accounting -----------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
