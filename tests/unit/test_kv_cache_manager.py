@@ -1,0 +1,221 @@
+"""Scenario tests of the KV cache manager."""
+
+import pytest
+
+from kvnode.kv_cache_manager import KVCacheManager
+from kvnode.request import Request
+
+BS = 16
+
+
+def admit(mgr, req):
+    hits, n = mgr.get_computed_blocks(req)
+    new = mgr.allocate_slots(req, req.num_tokens - n, n, hits)
+    assert new is not None
+    req.num_computed_tokens = req.num_tokens
+    return n
+
+
+def decode(mgr, req, token):
+    req.append_output_token_ids(token)
+    assert mgr.allocate_slots(req, 1) is not None
+    req.num_computed_tokens += 1
+
+
+def test_hit_after_free():
+    mgr = KVCacheManager(16, BS, watermark=0)
+    a = Request("a", list(range(40)))
+    assert admit(mgr, a) == 0
+    mgr.free(a)
+    b = Request("b", list(range(40)))
+    hits, n = mgr.get_computed_blocks(b)
+    assert n == 32 and len(hits) == 2
+    assert admit(mgr, b) == 32
+    assert mgr.metrics.prefix_hits_tokens == 32
+    assert mgr.metrics.prefix_queries_tokens == 80
+
+
+def test_hit_never_covers_last_token():
+    mgr = KVCacheManager(16, BS, watermark=0)
+    a = Request("a", list(range(32)))
+    admit(mgr, a)
+    mgr.free(a)
+    b = Request("b", list(range(32)))
+    _, n = mgr.get_computed_blocks(b)
+    assert n == 16  # 32 tokens cached, but the last one must be computed
+    c = Request("c", list(range(33)))
+    _, n = mgr.get_computed_blocks(c)
+    assert n == 32
+
+
+def test_get_computed_blocks_changes_nothing():
+    mgr = KVCacheManager(8, BS, watermark=0)
+    a = Request("a", list(range(48)))
+    admit(mgr, a)
+    mgr.free(a)
+    before = [(b.ref_cnt, b.block_hash) for b in mgr.block_pool.blocks]
+    free_before = [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
+    mgr.get_computed_blocks(Request("b", list(range(48))))
+    assert before == [(b.ref_cnt, b.block_hash) for b in mgr.block_pool.blocks]
+    assert free_before == [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def test_exact_free_and_eviction_order():
+    mgr = KVCacheManager(6, BS, watermark=0)
+    a = Request("a", list(range(48)))  # 3 full blocks; blocks 0,1,2
+    admit(mgr, a)
+    a_ids = mgr.get_block_ids("a")
+    mgr.free(a)
+    order = [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
+    # Untouched blocks first, then a's blocks tail-first, so a's head is evicted last.
+    assert order == [3, 4, 5] + list(reversed(a_ids))
+    b = Request("b", [1000 + i for i in range(80)])  # needs 5 blocks: evicts a's last two
+    admit(mgr, b)
+    a2 = Request("a2", list(range(48)))
+    _, n = mgr.get_computed_blocks(a2)
+    assert n == 16  # only a's first block survived
+
+
+def test_failed_allocation_leaves_state_unchanged():
+    mgr = KVCacheManager(4, BS, watermark=0)
+    a = Request("a", list(range(32)))
+    admit(mgr, a)
+    mgr.free(a)
+    snapshot = [(b.block_id, b.ref_cnt, b.block_hash) for b in mgr.block_pool.blocks]
+    big = Request("big", list(range(16)) + list(range(5000, 5000 + 64)))  # 1 hit + 4 new
+    hits, n = mgr.get_computed_blocks(big)
+    assert n == 16
+    assert mgr.allocate_slots(big, big.num_tokens - n, n, hits) is None
+    assert snapshot == [(b.block_id, b.ref_cnt, b.block_hash) for b in mgr.block_pool.blocks]
+    assert "big" not in mgr.req_to_blocks
+    assert mgr.get_num_free_blocks() == 4
+    assert mgr.metrics.prefix_requests == 1  # the failed admission is not counted
+
+
+def test_reset_refused_while_in_use():
+    mgr = KVCacheManager(4, BS, watermark=0)
+    a = Request("a", list(range(20)))
+    admit(mgr, a)
+    assert mgr.reset_prefix_cache() is False
+    mgr.free(a)
+    assert mgr.reset_prefix_cache() is True
+    _, n = mgr.get_computed_blocks(Request("b", list(range(20))))
+    assert n == 0
+
+
+def test_cache_salt_isolation():
+    mgr = KVCacheManager(8, BS, watermark=0)
+    admit(mgr, Request("a", list(range(40)), cache_salt="tenant-a"))
+    mgr.free("a")
+    assert mgr.get_computed_blocks(Request("b", list(range(40)), cache_salt="tenant-b"))[1] == 0
+    assert mgr.get_computed_blocks(Request("c", list(range(40))))[1] == 0
+    assert mgr.get_computed_blocks(Request("d", list(range(40)), cache_salt="tenant-a"))[1] == 32
+
+
+def test_lora_isolation():
+    mgr = KVCacheManager(8, BS, watermark=0)
+    admit(mgr, Request("a", list(range(40)), lora_id="sql"))
+    mgr.free("a")
+    assert mgr.get_computed_blocks(Request("b", list(range(40)), lora_id="chat"))[1] == 0
+    assert mgr.get_computed_blocks(Request("c", list(range(40))))[1] == 0
+    assert mgr.get_computed_blocks(Request("d", list(range(40)), lora_id="sql"))[1] == 32
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+def test_one_token_change_in_block_k_leaves_k_hits(k):
+    mgr = KVCacheManager(32, BS, watermark=0)
+    base = list(range(6 * BS + 1))
+    admit(mgr, Request("a", base))
+    mgr.free("a")
+    changed = list(base)
+    changed[k * BS + 7] = 99999
+    assert mgr.get_computed_blocks(Request("b", changed))[1] == k * BS
+
+
+def test_decode_caches_block_when_full():
+    mgr = KVCacheManager(8, BS, watermark=0)
+    a = Request("a", list(range(14)))
+    admit(mgr, a)
+    events = mgr.take_events()
+    assert events == []  # no full block yet
+    decode(mgr, a, 500)
+    decode(mgr, a, 501)  # token 16 allocated: block 0 (tokens 0..15) is now full and cached
+    stored = mgr.take_events()
+    assert len(stored) == 1 and stored[0].token_ids == list(range(14)) + [500, 501]
+    assert stored[0].block_hashes == a.block_hashes[:1]
+
+
+def test_fork_then_write_copies_partial_block():
+    mgr = KVCacheManager(16, BS, watermark=0)
+    parent = Request("p", list(range(20)))  # block 0 full, block 1 partial (4 tokens)
+    admit(mgr, parent)
+    child = Request("c", list(range(20)))
+    mgr.fork(parent, child)
+    blocks = mgr.get_blocks("p")
+    assert [b.ref_cnt for b in blocks] == [2, 2]
+    decode(mgr, child, 7)  # child writes into the shared partial block: copy first
+    copies = mgr.take_block_copies()
+    assert copies == [(blocks[1].block_id, mgr.get_block_ids("c")[1])]
+    assert mgr.get_block_ids("c")[0] == blocks[0].block_id  # the full block stays shared
+    assert blocks[0].ref_cnt == 2 and blocks[1].ref_cnt == 1
+    decode(mgr, parent, 8)  # parent now owns its partial block alone: no copy
+    assert mgr.take_block_copies() == []
+    mgr.free(parent)
+    mgr.free(child)
+    assert mgr.get_num_free_blocks() == 16
+
+
+def test_fork_on_block_boundary_copies_nothing():
+    mgr = KVCacheManager(16, BS, watermark=0)
+    parent = Request("p", list(range(32)))
+    admit(mgr, parent)
+    child = Request("c", list(range(32)))
+    mgr.fork(parent, child)
+    decode(mgr, child, 1)
+    decode(mgr, parent, 2)
+    assert mgr.take_block_copies() == []
+
+
+def test_bad_use_raises_clear_errors():
+    mgr = KVCacheManager(4, BS)
+    with pytest.raises(KeyError, match="double free"):
+        mgr.free("nope")
+    a = Request("a", [1, 2, 3])
+    admit(mgr, a)
+    mgr.free(a)
+    with pytest.raises(KeyError, match="double free"):
+        mgr.free(a)
+    with pytest.raises(ValueError, match="non-negative ints"):
+        Request("x", [1, -2])
+    with pytest.raises(ValueError, match="non-negative ints"):
+        Request("x", [1, 2.5])
+    with pytest.raises(ValueError, match="non-negative ints"):
+        Request("x", [True])
+    with pytest.raises(ValueError, match="at least one token"):
+        Request("x", [])
+    with pytest.raises(ValueError, match="block_size"):
+        KVCacheManager(4, 24)
+    with pytest.raises(KeyError):
+        mgr.get_block_ids("unknown")
+    with pytest.raises(ValueError, match="positive"):
+        mgr.allocate_slots(Request("y", [1]), 0)
+
+
+def test_watermark_applies_to_admission_only():
+    mgr = KVCacheManager(10, BS, watermark=0.2)  # 2 blocks reserved
+    a = Request("a", list(range(8 * BS)))
+    hits, n = mgr.get_computed_blocks(a)
+    assert mgr.allocate_slots(a, a.num_tokens, 0, hits) is not None  # 8 of 10, 2 left
+    a.num_computed_tokens = a.num_tokens
+    b = Request("b", [7])
+    assert mgr.allocate_slots(b, 1) is None  # would dip into the reserve
+    decode(mgr, a, 1)  # a running request may use the reserve
+    assert mgr.get_num_free_blocks() == 1
+
+
+def test_disabled_caching_never_hits():
+    mgr = KVCacheManager(8, BS, enable_caching=False, watermark=0)
+    admit(mgr, Request("a", list(range(40))))
+    mgr.free("a")
+    assert mgr.get_computed_blocks(Request("b", list(range(40)))) == ([], 0)
+    assert mgr.take_events() == []
