@@ -1,0 +1,1 @@
+"""PageKV wire contract and its generated Python code."""

@@ -1,0 +1,1 @@
+"""The pagekv proto package."""
