@@ -1,0 +1,280 @@
+"""The pod's engine: scheduler ▸ KV cache manager ▸ model runner, one step at a time.
+
+`step()` schedules, applies queued copy-on-write block copies, runs one forward pass over the
+mixed batch, samples, and returns what each request produced in that step (deltas). Requests
+with n > 1 prefill their prompt once; the children are forked from it right after, sharing
+every block, each with its own sampling generator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence as Seq
+
+from kvnode.config import EngineArgs
+from kvnode.kv_cache_manager import KVCacheManager
+from kvnode.metrics import KVCacheMetrics
+from kvnode.model_runner import ModelRunner, SeqBatchItem
+from kvnode.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvnode.request import Request
+from kvnode.sampler import make_generator, sample
+from kvnode.sampling_params import SamplingParams
+from kvnode.scheduler import Scheduler, Sequence, SequenceGroup
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served as asked (maps to INVALID_ARGUMENT)."""
+
+
+class Engine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
+        args = args or EngineArgs(**kwargs)
+        self.args = args
+        self.runner = ModelRunner(
+            args.model,
+            block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            num_gpu_blocks=args.num_gpu_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            device=args.device,
+            attention_backend=args.attention_backend,
+        )
+        self.tokenizer = self.runner.tokenizer
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={args.max_num_batched_tokens} is below "
+                f"max_model_len={self.max_model_len}: enable chunked prefill or raise it"
+            )
+        self.metrics = KVCacheMetrics(args.block_metrics_sample_rate)
+        self.tiers = None
+        self.kv_manager = KVCacheManager(
+            self.runner.num_blocks,
+            args.block_size,
+            enable_caching=args.enable_prefix_caching,
+            hash_algo=args.hash_algo,
+            hash_seed=args.hash_seed,
+            watermark=args.watermark,
+            metrics=self.metrics,
+        )
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
+        self.groups: dict[str, SequenceGroup] = {}
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        self.num_steps = 0
+        self.event_sinks: list = []  # callables receiving each step's KV events
+
+    # -- requests -------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Reject, naming the limit, what can never be served."""
+        n_prompt = len(prompt_token_ids)
+        if n_prompt == 0:
+            raise RequestRejected("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        for t in prompt_token_ids:
+            if type(t) is not int or not 0 <= t < vocab:
+                raise RequestRejected(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        if n_prompt >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {n_prompt} tokens; max_model_len={self.max_model_len} leaves no "
+                f"room for one output token"
+            )
+        room = self.max_model_len - n_prompt
+        if params.max_tokens > room:
+            raise RequestRejected(
+                f"max_tokens={params.max_tokens} exceeds the remaining context: prompt "
+                f"{n_prompt} + max_tokens must be <= max_model_len={self.max_model_len} "
+                f"(at most {room})"
+            )
+        if params.n > self.args.max_n:
+            raise RequestRejected(f"n={params.n} exceeds the configured maximum max_n={self.args.max_n}")
+        bs = self.args.block_size
+        need = -(-(n_prompt + params.max_tokens) // bs)
+        if need > self.runner.num_blocks:
+            raise RequestRejected(
+                f"request needs {need} KV blocks (prompt {n_prompt} + max_tokens "
+                f"{params.max_tokens}) but the pool has {self.runner.num_blocks}: it can never fit"
+            )
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        lora_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.groups:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        self.validate(prompt, params)
+        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        group = SequenceGroup(request_id, prompt, params, metrics, cache_salt, lora_id)
+        req = Request(request_id, prompt, cache_salt=cache_salt, lora_id=lora_id)
+        seq = Sequence(req, group, 0, make_generator(params.seed))
+        group.seqs.append(seq)
+        self.groups[request_id] = group
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and give its blocks back; returns its final (aborted) delta."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq in group.seqs:
+            self.scheduler.remove(seq)
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        group.forked = True
+        return self._delta(group, time.monotonic())
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.num_steps += 1
+        if not sched.scheduled:
+            self._publish_events()
+            return []
+        copies = self.kv_manager.take_block_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
+        mgr = self.kv_manager
+        batch = []
+        for seq, n in sched.scheduled:
+            req = seq.req
+            start = req.num_computed_tokens
+            batch.append(
+                SeqBatchItem(
+                    req.all_token_ids[start : start + n], start, mgr.get_block_ids(req.request_id)
+                )
+            )
+        logits = self.runner.execute(batch)
+        now = time.monotonic()
+
+        rows: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        for row, (seq, n) in enumerate(sched.scheduled):
+            req = seq.req
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: its logits are not a next-token prediction
+            group = seq.group
+            if not group.forked and group.params.n > 1:
+                self._fork_children(seq)
+                for child in group.seqs:
+                    rows.append(row)
+                    sampling_seqs.append(child)
+            else:
+                rows.append(row)
+                sampling_seqs.append(seq)
+
+        touched: dict[str, SequenceGroup] = {}
+        if sampling_seqs:
+            tokens = sample(
+                logits[rows],
+                [s.group.params for s in sampling_seqs],
+                [s.generator for s in sampling_seqs],
+            )
+            for seq, tok in zip(sampling_seqs, tokens, strict=True):
+                self._append_token(seq, tok, now)
+                touched[seq.group.request_id] = seq.group
+        self._publish_events()
+        return [self._delta(g, now) for g in touched.values()]
+
+    def _fork_children(self, parent: Sequence) -> None:
+        group = parent.group
+        base_seed = group.params.seed
+        for i in range(1, group.params.n):
+            child_req = Request(
+                f"{group.request_id}#{i}", group.prompt_token_ids,
+                cache_salt=group.cache_salt, lora_id=group.lora_id,
+            )
+            gen = make_generator(None if base_seed is None else base_seed + i)
+            child = Sequence(child_req, group, i, gen)
+            self.kv_manager.fork(parent.req, child_req)
+            group.seqs.append(child)
+            self.scheduler.running.append(child)
+        group.forked = True
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        req = seq.req
+        req.append_output_token_ids(token)
+        group = seq.group
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        if seq.index == 0:
+            m.token_times.append(now)
+        p = group.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            seq.finish_reason = "stop"
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.remove(seq)
+
+    def _delta(self, group: SequenceGroup, now: float) -> RequestOutput:
+        completions = []
+        for seq in group.seqs:
+            out = seq.req.output_token_ids
+            new_tokens = out[seq.sent_tokens :]
+            seq.sent_tokens = len(out)
+            text = self.tokenizer.decode(out)
+            # Hold back a trailing partial UTF-8 character until it completes.
+            if seq.finish_reason is None and text.endswith("\ufffd"):
+                text = text.rstrip("\ufffd")
+            new_text = ""
+            if text.startswith(seq.sent_text):
+                new_text = text[len(seq.sent_text) :]
+                seq.sent_text = text
+            completions.append(CompletionOutput(seq.index, new_tokens, new_text, seq.finish_reason))
+        finished = group.finished
+        if finished:
+            group.metrics.finished_time = now
+            self.groups.pop(group.request_id, None)
+        return RequestOutput(
+            group.request_id,
+            group.prompt_token_ids,
+            completions,
+            finished=finished,
+            num_cached_tokens=group.num_cached_tokens,
+            cached_tokens_by_tier=dict(group.cached_tokens_by_tier),
+            metrics=group.metrics,
+        )
+
+    def _publish_events(self) -> None:
+        events = self.kv_manager.take_events()
+        if events:
+            for sink in self.event_sinks:
+                sink(events)
+
+    # -- stats ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        mgr = self.kv_manager
+        return {
+            "num_blocks": mgr.num_blocks,
+            "num_free_blocks": mgr.get_num_free_blocks(),
+            "usage": mgr.usage,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_hit_rate": self.metrics.hit_rate,
+        }

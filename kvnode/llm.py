@@ -1,0 +1,69 @@
+"""Offline API: `LLM(...).generate(prompts, SamplingParams)`, vLLM's shape, on the engine."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvnode.config import EngineArgs
+from kvnode.engine import Engine
+from kvnode.outputs import CompletionOutput, RequestOutput
+from kvnode.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Every `EngineArgs` field is a keyword: `LLM(model="pagekv-tiny", block_size=16, ...)`."""
+
+    def __init__(self, model: str = "pagekv-tiny", **kwargs) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"unknown LLM option(s): {sorted(unknown)}")
+        self.engine = Engine(EngineArgs(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, together as one continuous batch."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt, or a single one for all")
+        ids = []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self._counter += 1
+            ids.append(self.engine.add_request(str(self._counter), tokens, p, cache_salt=cache_salt))
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                results[delta.request_id] = merge(results.get(delta.request_id), delta)
+        return [results[i] for i in ids]
+
+
+def merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold one step's delta into the accumulated output of a request."""
+    if acc is None:
+        acc = RequestOutput(delta.request_id, delta.prompt_token_ids, [])
+    by_index = {c.index: c for c in acc.outputs}
+    for c in delta.outputs:
+        cur = by_index.get(c.index)
+        if cur is None:
+            cur = by_index[c.index] = CompletionOutput(c.index, [], "")
+        cur.token_ids.extend(c.token_ids)
+        cur.text += c.text
+        cur.finish_reason = c.finish_reason
+    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    acc.finished = delta.finished
+    acc.num_cached_tokens = delta.num_cached_tokens
+    acc.cached_tokens_by_tier = delta.cached_tokens_by_tier
+    acc.metrics = delta.metrics
+    return acc

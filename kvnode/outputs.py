@@ -1,0 +1,54 @@
+"""What a generation returns: vLLM's RequestOutput / CompletionOutput shape, plus timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Either the whole result (offline API) or one step's delta (engine.step, streaming)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(
+        default_factory=lambda: {"GPU": 0, "CPU": 0, "DISK": 0}
+    )
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,177 @@
+"""Continuous batching under a token budget, chunked prefill, preemption by recompute.
+
+Each step: running sequences first (decodes and unfinished prefill chunks, oldest first),
+then waiting ones (FCFS) while the token budget and `max_num_seqs` allow. When the pool
+cannot hold a running sequence's next tokens, the newest running sequence gives its blocks
+back and re-enters the waiting queue at the front; its full blocks stay hashed in the pool, so
+its recompute is mostly prefix hits. No admission happens in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvnode.kv_cache_manager import KVCacheManager
+from kvnode.outputs import RequestMetrics
+from kvnode.request import Request
+from kvnode.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """One client request: its parameters, and n sequences once the prompt is prefilled."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    cache_salt: str | None = None
+    lora_id: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(
+        default_factory=lambda: {"GPU": 0, "CPU": 0, "DISK": 0}
+    )
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs) and (
+            self.forked or self.params.n == 1
+        )
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    req: Request
+    group: SequenceGroup
+    index: int
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    # Streaming state: how much of the output was already handed out.
+    sent_tokens: int = 0
+    sent_text: str = ""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute)
+    preempted: list[Sequence]
+    num_batched_tokens: int
+
+
+# Hook for the tier chain: given a waiting request and its pool hits, load what the lower
+# tiers hold into fresh pool blocks and return the extended (blocks, tokens, by_tier).
+PrefixLoader = Callable[[Request, list, int], tuple[list, int, dict[str, int]]]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        prefix_loader: PrefixLoader | None = None,
+    ) -> None:
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.prefix_loader = prefix_loader
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and give its blocks back (abort, finish)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.req.request_id in self.manager.req_to_blocks:
+            self.manager.free(seq.req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.manager.free(seq.req)
+        seq.req.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        logger.debug("preempted %s (recompute)", seq.req.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunked = self.enable_chunked_prefill
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+        mgr = self.manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            req = seq.req
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget:
+                if not chunked:
+                    i += 1
+                    continue
+                num_new = budget
+            while mgr.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()  # the newest running sequence
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if preempted and preempted[-1] is seq:
+                break
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+
+        now = time.monotonic()
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            req = seq.req
+            hits, num_hit = mgr.get_computed_blocks(req)
+            by_tier = {"GPU": num_hit}
+            if self.prefix_loader is not None:
+                hits, num_hit, by_tier = self.prefix_loader(req, hits, num_hit)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget:
+                if not chunked:
+                    break
+                num_new = budget
+            if mgr.allocate_slots(req, num_new, num_hit, hits) is None:
+                break
+            req.num_computed_tokens = num_hit
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            group = seq.group
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+                group.num_cached_tokens = num_hit
+                group.cached_tokens_by_tier = {**group.cached_tokens_by_tier, **by_tier}
+        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
