@@ -1,0 +1,166 @@
+"""AsyncEngine: the engine's step loop in its own thread, streamed to asyncio callers.
+
+The engine is single-threaded by design; every call into it (add, abort, step) happens on
+the loop thread. Callers talk to it through a command queue and receive deltas on their own
+asyncio queue, so a gRPC server streams without ever blocking its event loop on a forward
+pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from kvnode.engine import Engine
+from kvnode.outputs import RequestOutput
+from kvnode.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class QueueFull(RuntimeError):
+    """The engine's admission queue is full (maps to RESOURCE_EXHAUSTED)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queue: int = 1024) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.step_hooks: list[Callable[[], None]] = []  # run on the loop thread after each step
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._streams)
+
+    def call(self, fn: Callable[[], object], timeout: float = 30.0) -> object:
+        """Run fn on the loop thread and return its result (for stats, cache resets)."""
+        done = threading.Event()
+        box: list = []
+
+        def wrapper() -> None:
+            try:
+                box.append((True, fn()))
+            except Exception as e:  # handed back to the caller
+                box.append((False, e))
+            done.set()
+
+        self._commands.put(wrapper)
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError("engine loop did not answer")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's deltas as they are produced; closing the iterator aborts it."""
+        if len(self._streams) >= self.max_queue:
+            raise QueueFull(f"{len(self._streams)} requests in flight (max_queue={self.max_queue})")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        admitted = loop.create_future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(
+                    request_id, prompt_token_ids, params, cache_salt, lora_id, arrival
+                )
+                loop.call_soon_threadsafe(_set_result, admitted, None)
+            except Exception as e:
+                loop.call_soon_threadsafe(_set_exception, admitted, e)
+
+        self._commands.put(add)
+        self._wake.set()
+        finished = False
+        try:
+            await admitted
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(lambda: self.engine.abort(request_id))
+                self._wake.set()
+
+    # -- the loop thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                cmd()
+            if not eng.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                deltas = eng.step()
+            except Exception as e:  # a failed step must not hang every caller
+                logger.exception("engine step failed")
+                self.error = e
+                for rid, stream in list(self._streams.items()):
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+                    eng.abort(rid)
+                continue
+            for d in deltas:
+                stream = self._streams.get(d.request_id)
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, d)
+            for hook in self.step_hooks:
+                hook()
+
+
+def _set_result(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,59 @@
+"""AsyncEngine: streaming from the loop thread, cancellation frees blocks."""
+
+import asyncio
+
+import pytest
+
+from kvnode.async_engine import AsyncEngine
+from kvnode.engine import Engine, RequestRejected
+from kvnode.llm import LLM
+from kvnode.sampling_params import SamplingParams
+
+P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture()
+def aengine():
+    eng = AsyncEngine(Engine(model="pagekv-tiny", num_gpu_blocks=64, max_model_len=256))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+def test_stream_equals_offline(aengine):
+    offline = LLM("pagekv-tiny", num_gpu_blocks=64, max_model_len=256)
+    want = [offline.generate([p], P)[0].outputs[0].token_ids for p in ([1, 2, 3], [4, 5, 6, 7])]
+
+    async def one(rid, prompt):
+        toks = []
+        async for d in aengine.generate(rid, prompt, P):
+            toks.extend(d.outputs[0].token_ids)
+        return toks
+
+    async def main():
+        return await asyncio.gather(one("a", [1, 2, 3]), one("b", [4, 5, 6, 7]))
+
+    assert asyncio.run(main()) == want
+
+
+def test_cancel_aborts_and_frees(aengine):
+    async def main():
+        gen = aengine.generate("c", list(range(1, 40)),
+                               SamplingParams(max_tokens=200, ignore_eos=True))
+        async for _ in gen:
+            break
+        await gen.aclose()
+
+    asyncio.run(main())
+    free = aengine.call(lambda: aengine.engine.kv_manager.get_num_free_blocks())
+    assert free == 64
+    assert aengine.call(lambda: aengine.engine.has_unfinished()) is False
+
+
+def test_rejection_reaches_caller(aengine):
+    async def main():
+        async for _ in aengine.generate("bad", [], P):
+            pass
+
+    with pytest.raises(RequestRejected, match="empty"):
+        asyncio.run(main())
