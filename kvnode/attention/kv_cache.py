@@ -1,0 +1,165 @@
+"""KV cache tensors: dtypes, fp8 scales, allocation and whole-block byte packing.
+
+Each layer owns one K and one V tensor of shape
+``[num_blocks, block_size, num_kv_heads, head_size]`` (see ``kvnode.attention.paged`` for why
+this layout). Values are stored in the configured KV dtype and always dequantized to fp32
+for compute: ``stored = (x / scale).to(kv_dtype)``, ``x ≈ stored.float() * scale``.
+
+Scales: one ``k_scale`` and one ``v_scale`` per layer, default 1.0 — vLLM's default when a
+checkpoint ships no calibrated scales. 1.0 is safe for E4M3 (max 448) and E5M2 (max 57344)
+because K/V activations of Llama-family models stay far below those ranges; the per-layer
+slots are where calibrated (checkpoint-provided) scales would go.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+_NAMED_DTYPES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+
+FP8_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """Map a ``--kv-cache-dtype`` string to a torch dtype; ``auto`` = the model dtype
+    (fp32 on CPU, bf16/fp16 on CUDA)."""
+    key = kv_cache_dtype.lower()
+    if key == "auto":
+        return model_dtype
+    if key not in _NAMED_DTYPES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return _NAMED_DTYPES[key]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V, every layer and KV head, for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_size(self.dtype)
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """One block of one layer's K (or V)."""
+        return self.block_size * self.num_kv_heads * self.head_size * element_size(self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block across all layers, K and V."""
+        return self.bytes_per_token * self.block_size
+
+
+@dataclass(slots=True)
+class KVCache:
+    """The allocated pool: per-layer K/V tensors and their scales."""
+
+    spec: KVCacheSpec
+    num_blocks: int
+    key_caches: list[torch.Tensor]
+    value_caches: list[torch.Tensor]
+    k_scales: list[float] = field(default_factory=list)
+    v_scales: list[float] = field(default_factory=list)
+
+    @classmethod
+    def allocate(cls, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> KVCache:
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        # Zeroed, not empty: padded tails of a block are read (then masked) by attention,
+        # and uninitialised memory could hold NaN bit patterns that survive a 0 weight.
+        keys = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        values = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        return cls(spec, num_blocks, keys, values, [1.0] * spec.num_layers, [1.0] * spec.num_layers)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.spec.block_bytes
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block ``src`` to ``dst`` in every layer (copy-on-write). All pairs read
+        before any write, so chains such as (a→b, b→c) behave as simultaneous copies."""
+        if not pairs:
+            return
+        device = self.key_caches[0].device
+        idx = torch.tensor(pairs, dtype=torch.long, device=device)
+        self._check_ids(idx)
+        src, dst = idx[:, 0], idx[:, 1]
+        for cache in (*self.key_caches, *self.value_caches):
+            cache[dst] = cache[src]
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """All layers' K and V of one block packed into a flat uint8 CPU tensor (a copy).
+        Order: layer 0 K, layer 0 V, layer 1 K, ..."""
+        self._check_ids(torch.tensor([block_id]))
+        n = self.spec.layer_block_bytes
+        out = torch.empty(self.spec.block_bytes, dtype=torch.uint8)
+        off = 0
+        for k, v in zip(self.key_caches, self.value_caches, strict=True):
+            out[off : off + n].copy_(_as_bytes(k[block_id]))
+            out[off + n : off + 2 * n].copy_(_as_bytes(v[block_id]))
+            off += 2 * n
+        return out
+
+    def write_block(self, block_id: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
+        """Inverse of ``read_block``."""
+        self._check_ids(torch.tensor([block_id]))
+        if not isinstance(data, torch.Tensor):
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        flat = data.reshape(-1)
+        if flat.dtype != torch.uint8:
+            flat = flat.view(torch.uint8)
+        if flat.numel() != self.spec.block_bytes:
+            raise ValueError(
+                f"write_block({block_id}): got {flat.numel()} bytes, a block is "
+                f"{self.spec.block_bytes} bytes"
+            )
+        n = self.spec.layer_block_bytes
+        flat = flat.to(self.key_caches[0].device)
+        off = 0
+        for k, v in zip(self.key_caches, self.value_caches, strict=True):
+            _as_bytes(k[block_id]).copy_(flat[off : off + n])
+            _as_bytes(v[block_id]).copy_(flat[off + n : off + 2 * n])
+            off += 2 * n
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(f"block id out of range [0, {self.num_blocks}): {ids.tolist()}")
+
+
+def _as_bytes(block: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of one contiguous block (no copy)."""
+    return block.reshape(-1).view(torch.uint8)
