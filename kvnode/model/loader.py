@@ -1,0 +1,162 @@
+"""Load a model: a built-in preset name or a local Hugging Face directory
+(``config.json``, ``*.safetensors`` single or sharded, ``tokenizer.json``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvnode.model.config import ModelConfig, ModelLoadError, config_from_hf_dict
+from kvnode.model.llama import LlamaForCausalLM
+from kvnode.model.presets import PRESETS, init_dummy_weights, preset_config
+from kvnode.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint entries that carry no weights we need (older Llama exports ship inv_freq).
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Build the model on ``device`` in ``dtype`` and fill its weights."""
+    if name_or_path in PRESETS:
+        cfg = preset_config(name_or_path)
+        model = LlamaForCausalLM(cfg, dtype, device)
+        init_dummy_weights(model, PRESETS[name_or_path][1])
+        return LoadedModel(model.eval(), cfg, ByteTokenizer())
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"{name_or_path!r} is neither a built-in preset ({', '.join(PRESETS)}) nor a "
+            f"local model directory"
+        )
+    cfg = load_config(path)
+    tokenizer = _load_tokenizer(path, cfg)
+    model = LlamaForCausalLM(cfg, dtype, device)
+    load_safetensors(model, path)
+    return LoadedModel(model.eval(), cfg, tokenizer)
+
+
+def _require(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise ModelLoadError(f"missing file {path.name} ({what}) in {path.parent}")
+    return path
+
+
+def load_config(path: Path) -> ModelConfig:
+    raw = json.loads(_require(path / "config.json", "model configuration").read_text())
+    cfg = config_from_hf_dict(raw, name=path.name)
+    # generation_config.json may list extra stop ids (Llama 3 instruct: <|eot_id|>).
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        extra = json.loads(gen.read_text()).get("eos_token_id")
+        ids = [extra] if isinstance(extra, int) else list(extra or [])
+        cfg.eos_token_ids += [int(i) for i in ids if int(i) not in cfg.eos_token_ids]
+    return cfg
+
+
+def _load_tokenizer(path: Path, cfg: ModelConfig) -> HFTokenizer:
+    tok_file = _require(path / "tokenizer.json", "Hugging Face fast tokenizer")
+    return HFTokenizer(tok_file, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / _INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            _require(f, f"shard listed in {_INDEX_FILE}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = f" (found {', '.join(other)}; only safetensors is supported)" if other else ""
+        raise ModelLoadError(f"missing file model.safetensors (weights) in {path}{hint}")
+    return files
+
+
+def weight_targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Checkpoint tensor name -> the (view of the) parameter it fills. Fused projections
+    are filled slice by slice: q|k|v rows of qkv_proj, gate|up rows of gate_up_proj."""
+    cfg = model.config
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    targets: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": model.embed_tokens.data,
+        "model.norm.weight": model.norm.weight.data,
+    }
+    if not cfg.tie_word_embeddings:
+        targets["lm_head.weight"] = model.lm_head.data
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        targets[pre + "input_layernorm.weight"] = layer.input_layernorm.weight.data
+        targets[pre + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
+        for kind in ("weight", "bias"):
+            fused = getattr(attn.qkv_proj, kind)
+            if fused is not None:
+                targets[pre + f"self_attn.q_proj.{kind}"] = fused.data[:q]
+                targets[pre + f"self_attn.k_proj.{kind}"] = fused.data[q : q + kv]
+                targets[pre + f"self_attn.v_proj.{kind}"] = fused.data[q + kv :]
+            if getattr(attn.o_proj, kind) is not None:
+                targets[pre + f"self_attn.o_proj.{kind}"] = getattr(attn.o_proj, kind).data
+            gate_up = getattr(mlp.gate_up_proj, kind)
+            if gate_up is not None:
+                targets[pre + f"mlp.gate_proj.{kind}"] = gate_up.data[:inter]
+                targets[pre + f"mlp.up_proj.{kind}"] = gate_up.data[inter:]
+            if getattr(mlp.down_proj, kind) is not None:
+                targets[pre + f"mlp.down_proj.{kind}"] = getattr(mlp.down_proj, kind).data
+    return targets
+
+
+def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
+    from safetensors import safe_open
+
+    targets = weight_targets(model)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in _checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                name = raw_name if raw_name in targets else _normalise(raw_name)
+                target = targets.get(name)
+                if target is None:
+                    if not (_IGNORED.search(raw_name) or name == "lm_head.weight"):
+                        unexpected.append(raw_name)
+                    continue
+                tensor = f.get_tensor(raw_name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ModelLoadError(
+                        f"tensor {raw_name!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(target.shape)} from config.json"
+                    )
+                with torch.no_grad():
+                    target.copy_(tensor.to(target.dtype))
+                loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint in {path} is missing tensors: {shown}")
+    if unexpected:
+        logger.warning("ignored %d unexpected checkpoint tensors, e.g. %s",
+                       len(unexpected), unexpected[:3])
+
+
+def _normalise(name: str) -> str:
+    """Accept bare ``LlamaModel`` exports (no ``model.`` prefix)."""
+    if not name.startswith("model.") and name != "lm_head.weight":
+        return "model." + name
+    return name

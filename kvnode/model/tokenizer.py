@@ -1,0 +1,79 @@
+"""Tokenizers: a byte tokenizer for the built-in presets and a wrapper around a Hugging Face
+``tokenizer.json`` (via the ``tokenizers`` library). Both expose the same small interface."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """Tokens 0..255 are the UTF-8 bytes of the text; 256 = BOS, 257 = EOS."""
+
+    BOS = 256
+    EOS = 257
+
+    def __init__(self) -> None:
+        self.vocab_size = 258
+        self.bos_token_id: int | None = self.BOS
+        self.eos_token_id: int | None = self.EOS
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS, *ids] if add_bos else ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # Random token streams are often not valid UTF-8 (a lone continuation byte, a cut
+        # multi-byte character): replace those bytes with U+FFFD instead of raising.
+        out: list[str] = []
+        run = bytearray()
+        for t in token_ids:
+            if 0 <= t < 256:
+                run.append(t)
+                continue
+            if run:
+                out.append(run.decode("utf-8", errors="replace"))
+                run.clear()
+            if not skip_special_tokens:
+                out.append({self.BOS: "<s>", self.EOS: "</s>"}.get(t, f"<unk:{t}>"))
+        if run:
+            out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` loaded with the ``tokenizers`` library."""
+
+    def __init__(self, path: str | Path, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None) -> None:
+        from tokenizers import Tokenizer as _RustTokenizer
+
+        self._tok = _RustTokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        # The tokenizer's own post-processor (if any) decides what "special tokens" are; when
+        # it adds none but the model has a BOS, prepend it ourselves.
+        ids = self._tok.encode(text, add_special_tokens=add_bos).ids
+        if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

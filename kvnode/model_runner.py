@@ -1,0 +1,237 @@
+"""ModelRunner: the model, its paged KV pool, and one forward step over a mixed batch.
+
+The scheduler hands ``execute`` a list of ``SeqBatchItem`` (new tokens, how many tokens of the
+sequence are already in the cache, the whole block table) and gets back the logits of each
+sequence's last new token. Prefill chunks (on top of a cached prefix or not) and decodes mix
+freely in one batch; all per-token bookkeeping (positions, slot mapping, block tables) is
+built with tensor ops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvnode.attention import AttentionBackend, get_attention_backend
+from kvnode.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_dtype
+from kvnode.memory_planning import GiB, MemoryPlan, plan_kv_cache
+from kvnode.model.config import ModelConfig
+from kvnode.model.layers import AttentionMetadata
+from kvnode.model.loader import load_model
+from kvnode.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SeqBatchItem:
+    token_ids: list[int]  # the new tokens to run this step
+    num_computed_tokens: int  # position of the first new token (= tokens already cached)
+    block_ids: list[int]  # the sequence's whole block table
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_dtype_for(device: torch.device) -> torch.dtype:
+    """fp32 on CPU; bf16 on CUDA where supported, else fp16."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config_or_path: str,
+        block_size: int = 16,
+        kv_cache_dtype: str = "auto",
+        num_gpu_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        max_model_len: int | None = None,
+        device: str | None = None,
+        attention_backend: str | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.device = torch.device(device or default_device())
+        self.dtype = model_dtype_for(self.device)
+        self.block_size = block_size
+
+        start = time.perf_counter()
+        loaded = load_model(model_config_or_path, self.dtype, self.device)
+        self.model = loaded.model
+        self.model_config: ModelConfig = loaded.config
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.weights_bytes = self.model.weight_bytes()
+        self.load_seconds = time.perf_counter() - start
+        logger.info(
+            "Model loading took %.4f GiB and %.3f seconds",
+            self.weights_bytes / GiB, self.load_seconds,
+        )
+
+        self.max_model_len = self._resolve_max_model_len(max_model_len)
+        cfg = self.model_config
+        self.kv_cache_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        self.kv_spec = KVCacheSpec(
+            cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
+            self.kv_cache_dtype,
+        )
+        self.memory_plan: MemoryPlan = plan_kv_cache(
+            block_size=block_size,
+            block_bytes=self.kv_spec.block_bytes,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            num_gpu_blocks=num_gpu_blocks,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        self.kv_cache = KVCache.allocate(self.kv_spec, self.memory_plan.num_blocks, self.device)
+        self.attention: AttentionBackend = get_attention_backend(
+            attention_backend, str(self.device)
+        )
+        logger.debug("attention backend: %s", self.attention.name)
+
+    # ---- sizes -----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V (what read_block returns)."""
+        return self.kv_spec.block_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_spec.bytes_per_token
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def _resolve_max_model_len(self, requested: int | None) -> int:
+        cfg = self.model_config
+        limit, why = cfg.max_position_embeddings, "max_position_embeddings"
+        if cfg.sliding_window is not None and cfg.sliding_window < limit:
+            # Sliding-window attention is not implemented; within the window full attention
+            # is exact, so the context is capped there rather than silently wrong beyond it.
+            limit, why = cfg.sliding_window, "sliding_window (not implemented beyond it)"
+        if requested is None:
+            return limit
+        if not 0 < requested <= limit:
+            raise ValueError(
+                f"max_model_len={requested} is out of range for {cfg.name or cfg.architecture}: "
+                f"must be in [1, {limit}] ({why})"
+            )
+        return requested
+
+    # ---- the forward step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: Sequence[SeqBatchItem]) -> torch.Tensor:
+        """Run one step; returns the logits [num_seqs, vocab] (float32) of each sequence's
+        last new token, in batch order."""
+        vocab = self.model_config.vocab_size
+        if not batch:
+            return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        input_ids, positions, meta, last = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attention)
+        return self.model.compute_logits(hidden[last])
+
+    def _prepare(
+        self, batch: Sequence[SeqBatchItem]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        n = len(batch)
+        bs = self.block_size
+        q_lens = torch.tensor([len(it.token_ids) for it in batch], dtype=torch.long)
+        computed = torch.tensor([it.num_computed_tokens for it in batch], dtype=torch.long)
+        b_lens = torch.tensor([len(it.block_ids) for it in batch], dtype=torch.long)
+        tokens = torch.tensor(
+            list(itertools.chain.from_iterable(it.token_ids for it in batch)), dtype=torch.long
+        )
+        flat_blocks = torch.tensor(
+            list(itertools.chain.from_iterable(it.block_ids for it in batch)), dtype=torch.long
+        )
+        seq_lens = computed + q_lens
+        self._validate(q_lens, computed, seq_lens, b_lens, tokens, flat_blocks)
+
+        qsl = torch.zeros(n + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        seq_of_tok = torch.repeat_interleave(torch.arange(n), q_lens)
+        positions = torch.arange(tokens.numel()) - qsl[seq_of_tok] + computed[seq_of_tok]
+
+        # Padded block table (pad = block 0: never read past seq_len, but always a valid id).
+        max_blocks = int(b_lens.max())
+        tables = torch.zeros(n, max_blocks, dtype=torch.long)
+        b_starts = torch.cumsum(b_lens, 0) - b_lens
+        seq_of_blk = torch.repeat_interleave(torch.arange(n), b_lens)
+        tables[seq_of_blk, torch.arange(flat_blocks.numel()) - b_starts[seq_of_blk]] = flat_blocks
+        slots = tables[seq_of_tok, positions // bs] * bs + positions % bs
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            block_tables=tables.to(torch.int32).to(dev),
+            seq_lens=seq_lens.to(torch.int32).to(dev),
+            query_start_loc=qsl.to(torch.int32).to(dev),
+        )
+        return tokens.to(dev), positions.to(dev), meta, (qsl[1:] - 1).to(dev)
+
+    def _validate(
+        self,
+        q_lens: torch.Tensor,
+        computed: torch.Tensor,
+        seq_lens: torch.Tensor,
+        b_lens: torch.Tensor,
+        tokens: torch.Tensor,
+        flat_blocks: torch.Tensor,
+    ) -> None:
+        def first(mask: torch.Tensor) -> int:
+            return int(mask.nonzero()[0, 0])
+
+        if bool((q_lens == 0).any()):
+            raise ValueError(f"batch item {first(q_lens == 0)} has no new tokens")
+        if bool((computed < 0).any()):
+            raise ValueError(f"batch item {first(computed < 0)} has num_computed_tokens < 0")
+        short = seq_lens > b_lens * self.block_size
+        if bool(short.any()):
+            i = first(short)
+            raise ValueError(
+                f"batch item {i}: {int(seq_lens[i])} tokens need "
+                f"{-(-int(seq_lens[i]) // self.block_size)} blocks of {self.block_size}, "
+                f"block table has {int(b_lens[i])}"
+            )
+        too_long = seq_lens > self.max_model_len
+        if bool(too_long.any()):
+            i = first(too_long)
+            raise ValueError(
+                f"batch item {i}: {int(seq_lens[i])} tokens exceed max_model_len={self.max_model_len}"
+            )
+        vocab = self.model_config.vocab_size
+        if bool(((tokens < 0) | (tokens >= vocab)).any()):
+            raise ValueError(f"token id out of range [0, {vocab})")
+        if flat_blocks.numel() and bool(
+            ((flat_blocks < 0) | (flat_blocks >= self.num_blocks)).any()
+        ):
+            raise ValueError(f"block id out of range [0, {self.num_blocks})")
+
+    # ---- whole-block operations (copy-on-write, offload tiers) -----------------------------
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src → dst in every layer, K and V. Call before ``execute``."""
+        self.kv_cache.copy_blocks(pairs)
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block, all layers' K and V, as a flat uint8 CPU tensor of ``block_bytes``
+        (a copy). Order: layer 0 K, layer 0 V, layer 1 K, ..."""
+        return self.kv_cache.read_block(block_id)
+
+    def write_block(self, block_id: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
+        """Inverse of ``read_block``."""
+        self.kv_cache.write_block(block_id, data)
