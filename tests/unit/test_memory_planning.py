@@ -1,0 +1,85 @@
+"""KV pool sizing: which setting decides, the start-up log lines, the too-small error."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+import kvnode.memory_planning as mp
+from kvnode.memory_planning import cpu_available_bytes, plan_kv_cache
+from kvnode.model_runner import ModelRunner
+
+TINY = "pagekv-tiny"
+
+
+def test_startup_logs_three_lines_in_order(caplog):
+    caplog.set_level(logging.INFO)
+    r = ModelRunner(TINY, num_gpu_blocks=100, max_model_len=256, device="cpu",
+                    attention_backend="torch")
+    lines = [rec.getMessage() for rec in caplog.records]
+    patterns = [
+        r"^Model loading took \d+\.\d+ GiB and \d+\.\d+ seconds$",
+        r"^KV cache size: (\d+) tokens$",
+        r"^Maximum concurrency for (\d+) tokens per request: (\d+\.\d\d)x$",
+    ]
+    found = []
+    for pat in patterns:
+        idx = [i for i, line in enumerate(lines) if re.match(pat, line)]
+        assert len(idx) == 1, (pat, lines)
+        found.append(idx[0])
+    assert found == sorted(found)
+    assert f"KV cache size: {100 * 16} tokens" in lines
+    assert "Maximum concurrency for 256 tokens per request: 6.25x" in lines
+    assert r.num_blocks == 100
+
+
+def test_kv_cache_memory_decides_in_bytes():
+    r = ModelRunner(TINY, kv_cache_memory=1_000_000, max_model_len=256, device="cpu",
+                    attention_backend="torch")
+    assert r.num_blocks == 1_000_000 // r.block_bytes
+    assert r.kv_cache.nbytes <= 1_000_000
+    assert r.memory_plan.num_tokens == r.num_blocks * 16
+
+
+def test_fp8_doubles_blocks_for_same_budget():
+    kw = dict(kv_cache_memory=2_000_000, device="cpu", max_model_len=256,
+              attention_backend="torch")
+    f16 = ModelRunner(TINY, kv_cache_dtype="fp16", **kw)
+    f8 = ModelRunner(TINY, kv_cache_dtype="fp8", **kw)
+    assert f8.block_bytes * 2 == f16.block_bytes
+    assert f8.num_blocks == 2 * f16.num_blocks
+
+
+def test_too_small_pool_is_a_clear_startup_error():
+    with pytest.raises(ValueError) as err:
+        ModelRunner(TINY, num_gpu_blocks=3, max_model_len=100, device="cpu")
+    msg = str(err.value)
+    assert "3 blocks" in msg and "max_model_len=100" in msg and "7 blocks" in msg
+    assert "num_gpu_blocks" in msg and "lower max_model_len" in msg
+
+
+def test_cpu_utilization_and_default_use_meminfo(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:  100 kB\nMemAvailable:   8000000 kB\n")
+    assert cpu_available_bytes(meminfo) == 8_000_000 * 1024
+    monkeypatch.setattr(mp, "cpu_available_bytes", lambda: 8_000_000 * 1024)
+    plan = plan_kv_cache(block_size=16, block_bytes=4096, max_model_len=64, device="cpu",
+                         gpu_memory_utilization=0.5)
+    assert plan.num_blocks == 4_000_000 * 1024 // 4096
+    monkeypatch.setattr(mp, "cpu_available_bytes", lambda: 20 * mp.GiB)
+    default = plan_kv_cache(block_size=16, block_bytes=4096, max_model_len=64, device="cpu")
+    assert default.kv_cache_bytes == mp.DEFAULT_CPU_KV_CAP_BYTES  # 0.1 x 20 GiB > 1 GiB cap
+    monkeypatch.setattr(mp, "cpu_available_bytes", lambda: 100 * 4096 * 10)
+    small = plan_kv_cache(block_size=16, block_bytes=4096, max_model_len=64, device="cpu")
+    assert small.num_blocks == 100
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        plan_kv_cache(block_size=16, block_bytes=4096, max_model_len=64, device="cpu",
+                      gpu_memory_utilization=1.5)
+
+
+def test_num_gpu_blocks_wins_over_memory():
+    plan = plan_kv_cache(block_size=8, block_bytes=100, max_model_len=16, device="cpu",
+                         num_gpu_blocks=10, kv_cache_memory=10**9)
+    assert plan.num_blocks == 10 and plan.max_concurrency == 5.0
