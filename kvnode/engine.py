@@ -74,6 +74,9 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.num_steps = 0
         self.event_sinks: list = []  # callables receiving each step's KV events
+        # Measured prefill cost (EMA of step seconds per batched token on prefill-heavy
+        # steps): published to the router so it can weigh recompute against a reload.
+        self.prefill_s_per_token: float | None = None
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -166,8 +169,13 @@ class Engine:
                     req.all_token_ids[start : start + n], start, mgr.get_block_ids(req.request_id)
                 )
             )
+        t0 = time.perf_counter()
         logits = self.runner.execute(batch)
         now = time.monotonic()
+        if sched.num_batched_tokens >= 64:
+            per_token = (time.perf_counter() - t0) / sched.num_batched_tokens
+            prev = self.prefill_s_per_token
+            self.prefill_s_per_token = per_token if prev is None else 0.8 * prev + 0.2 * per_token
 
         rows: list[int] = []
         sampling_seqs: list[Sequence] = []
@@ -265,6 +273,24 @@ class Engine:
         if events:
             for sink in self.event_sinks:
                 sink(events)
+
+    # -- cache state ----------------------------------------------------------------------
+    def full_state(self) -> dict[bytes, str]:
+        """Every block hash this pod can serve, with its tier (the index republishes this)."""
+        state = {h: "GPU" for h in self.kv_manager.block_pool.cached_block_hash_to_block}
+        if self.tiers is not None:
+            state.update(self.tiers.full_state())
+        return state
+
+    def reset_prefix_cache(self, include_tiers: bool = False) -> tuple[bool, int]:
+        """Forget cached prefixes; refused while requests run. Returns (ok, blocks cleared)."""
+        n = len(self.kv_manager.block_pool.cached_block_hash_to_block)
+        if not self.kv_manager.reset_prefix_cache():
+            return False, 0
+        if include_tiers and self.tiers is not None:
+            n += self.tiers.clear()
+        self._publish_events()
+        return True, n
 
     # -- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:

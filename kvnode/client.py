@@ -1,0 +1,78 @@
+"""`pagekv generate` — one Generate call to a router or a pod (they serve the same API)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from proto.pagekv.v1 import pagekv_pb2 as pb
+from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    sp = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, n=args.n,
+                           ignore_eos=args.ignore_eos)
+    if args.seed is not None:
+        sp.seed = args.seed
+    req = pb.GenerateRequest(sampling=sp, cache_salt=args.cache_salt or "")
+    if args.token_ids:
+        req.token_ids.ids.extend(int(t) for t in args.prompt.split(","))
+    else:
+        req.text = args.prompt
+    return req
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text (or comma-separated ids with --token-ids)")
+    p.add_argument("--router", default="127.0.0.1:50050", help="router or pod address")
+    p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("-n", type=int, default=1)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--cache-salt", default=None)
+    p.add_argument("--token-ids", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    p.add_argument("--timeout", type=float, default=120.0)
+
+
+def main(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    req = build_request(args)
+    with grpc.insecure_channel(args.router) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            if args.stream:
+                last = None
+                for chunk in stub.GenerateStream(req, timeout=args.timeout):
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    last = chunk
+                print()
+                if last is not None:
+                    u = last.usage
+                    print(f"[served_by={last.served_by} prompt={u.prompt_tokens} "
+                          f"cached={u.cached_tokens} (gpu={u.cached_tokens_gpu} "
+                          f"cpu={u.cached_tokens_cpu} disk={u.cached_tokens_disk})]",
+                          file=sys.stderr)
+                return 0
+            resp = stub.Generate(req, timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(MessageToDict(resp), indent=2))
+    else:
+        for c in resp.completions:
+            print(c.text)
+        u = resp.usage
+        print(f"[served_by={resp.served_by} prompt={u.prompt_tokens} cached={u.cached_tokens} "
+              f"(gpu={u.cached_tokens_gpu} cpu={u.cached_tokens_cpu} disk={u.cached_tokens_disk})"
+              f"{' routed: ' + resp.routing.reason if resp.routing.chosen_pod else ''}]",
+              file=sys.stderr)
+    return 0

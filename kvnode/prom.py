@@ -1,0 +1,168 @@
+"""Prometheus export of a pod: the engine's plain-Python statistics, read at scrape time.
+
+The engine thread owns the statistics; a scrape reads ints and floats (atomic under the GIL)
+and copies small dicts, so it never takes a lock on the step loop. Request-level latencies
+(TTFT, inter-token, queue time) are real `prometheus_client` histograms observed by the
+server when a request finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from kvnode.metrics import Histogram as PlainHistogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def _histogram_family(name: str, doc: str, h: PlainHistogram) -> HistogramMetricFamily:
+    cumulative = []
+    running = 0
+    for bound, count in zip(h.buckets, h.counts, strict=False):
+        running += count
+        cumulative.append((repr(float(bound)), running))
+    cumulative.append(("+Inf", running + h.counts[-1]))
+    return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=h.total)
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine, labels: dict[str, str], extra: Callable[[], dict] | None = None):
+        self.engine = engine
+        self.label_names = list(labels)
+        self.label_values = list(labels.values())
+        self.extra = extra  # e.g. the index publisher's stats
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=self.label_names)
+        g.add_metric(self.label_values, value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=self.label_names)
+        c.add_metric(self.label_values, value)
+        return c
+
+    def collect(self) -> Iterable:
+        eng = self.engine
+        m = eng.metrics
+        mgr = eng.kv_manager
+        yield self._counter("pagekv_prefix_cache_queries_tokens",
+                            "Prompt tokens looked up in the prefix cache, at admission",
+                            m.prefix_queries_tokens)
+        hits = CounterMetricFamily(
+            "pagekv_prefix_cache_hits_tokens",
+            "Prompt tokens served from cache instead of prefill, by tier (GPU=pool, CPU=DRAM, DISK=SSD)",
+            labels=[*self.label_names, "tier"],
+        )
+        for tier, v in dict(m.prefix_hits_tokens_by_tier).items():
+            hits.add_metric([*self.label_values, tier], v)
+        yield hits
+        yield self._counter("pagekv_prefix_cache_requests", "Requests admitted", m.prefix_requests)
+        yield self._gauge("pagekv_kv_cache_usage_ratio", "Fraction of pool blocks in use", mgr.usage)
+        yield self._gauge("pagekv_kv_cache_blocks", "Blocks in the pool", mgr.num_blocks)
+        yield self._gauge("pagekv_kv_cache_free_blocks", "Free blocks (incl. cached ones)",
+                          mgr.get_num_free_blocks())
+        yield self._gauge("pagekv_num_requests_waiting", "Sequences waiting",
+                          len(eng.scheduler.waiting))
+        yield self._gauge("pagekv_num_requests_running", "Sequences running",
+                          len(eng.scheduler.running))
+        yield self._counter("pagekv_num_preemptions", "Sequences preempted (recompute)",
+                            eng.scheduler.num_preemptions)
+        pool_small = m.pool_too_small()
+        yield self._gauge("pagekv_kv_pool_too_small",
+                          "1 when P90 reuse gap > P50 idle-before-evict (reuses arrive too late)",
+                          float(pool_small) if pool_small is not None else 0.0)
+        for name, doc, h in (
+            ("pagekv_kv_block_lifetime_seconds", "Block allocation to eviction (sampled)",
+             m.block_lifetime_seconds),
+            ("pagekv_kv_block_idle_before_evict_seconds", "Block last free to eviction (sampled)",
+             m.block_idle_before_evict_seconds),
+            ("pagekv_kv_block_reuse_gap_seconds", "Block last free to prefix hit (sampled)",
+             m.block_reuse_gap_seconds),
+        ):
+            yield _histogram_family(name, doc, h)
+        tiers = getattr(eng, "tiers", None)
+        if tiers is not None:
+            yield from self._tier_metrics(tiers.stats())
+        if self.extra is not None:
+            for key, value in self.extra().items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield self._gauge(f"pagekv_index_{key}", f"Index publisher: {key}", value)
+
+    def _tier_metrics(self, stats: dict) -> Iterable:
+        labels = [*self.label_names, "tier"]
+        for key, doc in (("used_bytes", "Bytes held by the tier"),
+                         ("capacity_bytes", "Byte budget of the tier"),
+                         ("entries", "Blocks held by the tier")):
+            g = GaugeMetricFamily(f"pagekv_tier_{key}", doc, labels=labels)
+            for tier, per in stats.get("tiers", {}).items():
+                g.add_metric([*self.label_values, tier], per.get(key, 0))
+            yield g
+        for key, doc in (("hits_tokens", "Prefix tokens found in the tier"),
+                         ("queries_tokens", "Prefix tokens looked up in the tier")):
+            c = CounterMetricFamily(f"pagekv_tier_{key}", doc, labels=labels)
+            for tier, per in stats.get("tiers", {}).items():
+                c.add_metric([*self.label_values, tier], per.get(key, 0))
+            yield c
+        dir_labels = [*self.label_names, "direction"]
+        moved_b = CounterMetricFamily("pagekv_tier_moved_bytes", "Bytes moved between tiers",
+                                      labels=dir_labels)
+        moved_s = CounterMetricFamily("pagekv_tier_moved_seconds",
+                                      "Seconds spent moving blocks between tiers", labels=dir_labels)
+        for direction, per in stats.get("moves", {}).items():
+            moved_b.add_metric([*self.label_values, direction], per.get("bytes", 0))
+            moved_s.add_metric([*self.label_values, direction], per.get("seconds", 0.0))
+        yield moved_b
+        yield moved_s
+        yield self._counter("pagekv_tier_orphans_dropped", "Unreachable descendants dropped",
+                            stats.get("orphans_dropped", 0))
+        yield self._counter("pagekv_tier_checksum_failures", "SSD entries failing their checksum",
+                            stats.get("checksum_failures", 0))
+
+
+class RequestMetricsExporter:
+    """Per-request histograms, observed when a request finishes."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        names = list(labels)
+        self.labels = labels
+        self.ttft = Histogram("pagekv_time_to_first_token_seconds", "Arrival to first token",
+                              names, registry=registry, buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("pagekv_inter_token_latency_seconds", "Between output tokens",
+                             names, registry=registry, buckets=ITL_BUCKETS)
+        self.queue = Histogram("pagekv_request_queue_time_seconds", "Arrival to first schedule",
+                               names, registry=registry, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("pagekv_request_latency_seconds", "Arrival to finish",
+                             names, registry=registry, buckets=LATENCY_BUCKETS)
+        self.requests = Counter("pagekv_requests", "Finished requests by finish reason",
+                                [*names, "finish_reason"], registry=registry)
+        self.cached = Counter("pagekv_request_cached_tokens",
+                              "Prompt tokens served from cache, by tier", [*names, "tier"],
+                              registry=registry)
+
+    def observe(self, output) -> None:
+        lv = self.labels
+        m = output.metrics
+        if m is not None:
+            if m.time_to_first_token is not None:
+                self.ttft.labels(**lv).observe(m.time_to_first_token)
+            if m.queue_time is not None:
+                self.queue.labels(**lv).observe(m.queue_time)
+            for gap in m.inter_token_latencies:
+                self.itl.labels(**lv).observe(gap)
+            if m.finished_time is not None:
+                self.e2e.labels(**lv).observe(m.finished_time - m.arrival_time)
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        self.requests.labels(**lv, finish_reason=reason or "unknown").inc()
+        for tier, n in output.cached_tokens_by_tier.items():
+            if n:
+                self.cached.labels(**lv, tier=tier).inc(n)

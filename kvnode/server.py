@@ -1,0 +1,340 @@
+"""One pod on the network: `pagekv node` — the engine behind gRPC, metrics, and the index.
+
+- `pagekv.v1.Generation` (unary and streaming) over the AsyncEngine; a cancelled stream
+  aborts its request and frees its blocks.
+- `pagekv.v1.KVNode` (Stats, ResetPrefixCache), grpc.health.v1, server reflection.
+- Prometheus on --metrics-port; KV events published to the Redis index (when --redis-url).
+- SIGTERM / SIGINT: health goes NOT_SERVING, in-flight requests drain (--drain-timeout-s),
+  the pod's index entries are removed, then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from kvnode.async_engine import AsyncEngine, QueueFull
+from kvnode.config import EngineArgs
+from kvnode.engine import Engine, RequestRejected
+from kvnode.index_publisher import IndexPublisher
+from kvnode.index_schema import IndexSchema
+from kvnode.prom import EngineCollector, RequestMetricsExporter
+from kvnode.sampling_params import SamplingParams
+from proto.pagekv.v1 import pagekv_pb2 as pb
+from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def to_sampling_params(sp: pb.SamplingParams, room: int) -> SamplingParams:
+    """Proto → engine parameters; unset fields take the server defaults."""
+    try:
+        return SamplingParams(
+            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else max(1, room),
+            temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+            top_k=sp.top_k if sp.HasField("top_k") and sp.top_k > 0 else 0,
+            seed=sp.seed if sp.HasField("seed") else None,
+            n=sp.n or 1,
+            stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+        )
+    except ValueError as e:
+        raise BadRequest(str(e)) from e
+
+
+class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
+    def __init__(self, pod: PodServer) -> None:
+        self.pod = pod
+
+    def _parse(self, request: pb.GenerateRequest):
+        eng = self.pod.engine
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise BadRequest("prompt text is empty")
+            tokens = eng.tokenizer.encode(request.text)
+        elif which == "token_ids":
+            tokens = list(request.token_ids.ids)
+            if not tokens:
+                raise BadRequest("prompt token_ids is empty")
+        else:
+            raise BadRequest("prompt is required: set exactly one of text or token_ids")
+        params = to_sampling_params(request.sampling, eng.max_model_len - len(tokens))
+        lora = str(request.lora_id) if request.HasField("lora_id") else None
+        rid = request.request_id or uuid.uuid4().hex
+        return rid, tokens, params, request.cache_salt or None, lora
+
+    async def _stream(self, request, context):
+        try:
+            rid, tokens, params, salt, lora = self._parse(request)
+            async for delta in self.pod.aengine.generate(rid, tokens, params, salt, lora):
+                yield rid, tokens, delta
+        except (BadRequest, RequestRejected, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
+    def _usage(self, tokens: list[int], delta, completion_tokens: int) -> pb.Usage:
+        by = delta.cached_tokens_by_tier
+        return pb.Usage(
+            prompt_tokens=len(tokens),
+            completion_tokens=completion_tokens,
+            cached_tokens=delta.num_cached_tokens,
+            cached_tokens_gpu=by.get("GPU", 0),
+            cached_tokens_cpu=by.get("CPU", 0),
+            cached_tokens_disk=by.get("DISK", 0),
+        )
+
+    async def Generate(self, request, context):
+        completions: dict[int, pb.Completion] = {}
+        rid, tokens, last = request.request_id, [], None
+        async for rid, tokens, delta in self._stream(request, context):
+            for c in delta.outputs:
+                comp = completions.setdefault(c.index, pb.Completion(index=c.index))
+                comp.token_ids.extend(c.token_ids)
+                comp.text += c.text
+                comp.finish_reason = FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+            last = delta
+        if last is None:
+            await context.abort(grpc.StatusCode.INTERNAL, "request produced no output")
+        self.pod.request_metrics.observe(last)
+        n_out = sum(len(c.token_ids) for c in completions.values())
+        return pb.GenerateResponse(
+            request_id=rid,
+            completions=[completions[i] for i in sorted(completions)],
+            usage=self._usage(tokens, last, n_out),
+            served_by=self.pod.pod_id,
+        )
+
+    async def GenerateStream(self, request, context):
+        n_out = 0
+        async for rid, tokens, delta in self._stream(request, context):
+            chunks = []
+            for c in delta.outputs:
+                if c.token_ids or c.text or c.finish_reason:
+                    n_out += len(c.token_ids)
+                    chunks.append(pb.GenerateChunk(
+                        request_id=rid, index=c.index, token_ids=c.token_ids, text=c.text,
+                        finish_reason=FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                    ))
+            if delta.finished:
+                self.pod.request_metrics.observe(delta)
+                if not chunks:
+                    chunks.append(pb.GenerateChunk(request_id=rid))
+                chunks[-1].usage.CopyFrom(self._usage(tokens, delta, n_out))
+                chunks[-1].served_by = self.pod.pod_id
+            for chunk in chunks:
+                yield chunk
+
+    async def Stats(self, request, context):
+        return await asyncio.to_thread(self.pod.stats_response)
+
+    async def ResetPrefixCache(self, request, context):
+        eng = self.pod.engine
+        ok, n = await asyncio.to_thread(
+            self.pod.aengine.call, lambda: eng.reset_prefix_cache(request.include_tiers)
+        )
+        msg = f"cleared {n} blocks" if ok else "refused: requests are running"
+        logger.info("reset prefix cache (include_tiers=%s): %s", request.include_tiers, msg)
+        return pb.ResetPrefixCacheResponse(success=ok, message=msg, blocks_cleared=n)
+
+
+class PodServer:
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        pod_id: str,
+        host: str = "127.0.0.1",
+        port: int = 50051,
+        metrics_port: int | None = None,
+        redis_url: str | None = None,
+        advertise_address: str | None = None,
+        max_queue: int = 1024,
+        lease_ttl_s: float = 3.0,
+    ) -> None:
+        self.args = engine_args
+        self.pod_id = pod_id
+        self.host = host
+        self.port = port
+        self.metrics_port = metrics_port
+        self.redis_url = redis_url
+        self.address = advertise_address or f"{host}:{port}"
+        self.max_queue = max_queue
+        self.lease_ttl_s = lease_ttl_s
+        self.engine: Engine | None = None
+        self.aengine: AsyncEngine | None = None
+        self.publisher: IndexPublisher | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = None  # made in start(): the aio servicer needs the running loop
+        self.registry = CollectorRegistry()
+        self.request_metrics = RequestMetricsExporter(self.registry, {"pod": pod_id})
+        self.schema: IndexSchema | None = None
+
+    def hash_config(self) -> dict[str, str]:
+        a = self.args
+        return {"model": a.model, "block_size": str(a.block_size), "hash_algo": a.hash_algo,
+                "hash_seed": a.hash_seed}
+
+    def load(self) -> dict[str, float]:
+        eng = self.engine
+        return {"waiting": len(eng.scheduler.waiting), "running": len(eng.scheduler.running),
+                "free_blocks": eng.kv_manager.get_num_free_blocks(),
+                "num_blocks": eng.kv_manager.num_blocks}
+
+    def tier_costs(self) -> dict[str, float]:
+        eng = self.engine
+        costs = {}
+        if eng.prefill_s_per_token is not None:
+            costs["prefill"] = eng.prefill_s_per_token
+        if eng.tiers is not None:
+            costs.update(eng.tiers.reload_s_per_token(eng.runner.kv_bytes_per_token))
+        return costs
+
+    def stats_response(self) -> pb.StatsResponse:
+        eng = self.engine
+        st = eng.stats()
+        a = self.args
+        tiers = [pb.TierStats(tier="GPU", used_bytes=int(st["usage"] * st["num_blocks"])
+                              * eng.runner.block_bytes,
+                              capacity_bytes=st["num_blocks"] * eng.runner.block_bytes,
+                              entries=len(eng.kv_manager.block_pool.cached_block_hash_to_block))]
+        if eng.tiers is not None:
+            for tier, per in eng.tiers.stats().get("tiers", {}).items():
+                tiers.append(pb.TierStats(tier=tier, used_bytes=per.get("used_bytes", 0),
+                                          capacity_bytes=per.get("capacity_bytes", 0),
+                                          entries=per.get("entries", 0)))
+        return pb.StatsResponse(
+            pod_id=self.pod_id, model=a.model, block_size=a.block_size,
+            num_blocks=st["num_blocks"], num_free_blocks=st["num_free_blocks"], usage=st["usage"],
+            tiers=tiers, num_waiting=st["waiting"], num_running=st["running"],
+            hash_config=pb.HashConfig(
+                algo=a.hash_algo, seed_fingerprint=eng.kv_manager.hash_config.fingerprint(),
+                block_size=a.block_size,
+                namespace=self.schema.namespace if self.schema else "",
+            ),
+            epoch=(self.publisher.epoch or "") if self.publisher else "",
+        )
+
+    async def start(self) -> None:
+        # Building the engine loads weights: keep the event loop free meanwhile.
+        self.engine = await asyncio.to_thread(Engine, self.args)
+        self.aengine = AsyncEngine(self.engine, self.max_queue)
+        if self.redis_url:
+            self.schema = IndexSchema(self.args.model, self.args.block_size,
+                                      self.args.hash_algo, self.args.hash_seed)
+            self.publisher = IndexPublisher(
+                self.redis_url, self.schema, self.pod_id, self.address, self.hash_config(),
+                self.load, lambda: self.aengine.call(self.engine.full_state), self.tier_costs,
+                lease_ttl_s=self.lease_ttl_s,
+            )
+            self.engine.event_sinks.append(self.publisher.submit)
+        self.aengine.start()
+        if self.publisher is not None and not self.publisher.start():
+            logger.warning("Redis index at %s unreachable; serving anyway, will retry",
+                           self.redis_url)
+        if self.metrics_port is not None:
+            self.registry.register(EngineCollector(
+                self.engine, {"pod": self.pod_id},
+                self.publisher.stats if self.publisher else None,
+            ))
+            start_http_server(self.metrics_port, addr=self.host, registry=self.registry)
+            logger.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)
+
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        servicer = PodServicer(self)
+        pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
+        pb_grpc.add_KVNodeServicer_to_server(servicer, self.server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        self.health = health_servicer
+        names = (
+            pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+            pb.DESCRIPTOR.services_by_name["KVNode"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self.server)
+        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise RuntimeError(f"cannot bind {self.host}:{self.port}")
+        self.port = bound
+        await self.server.start()
+        for name in ("", *names[:2]):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("pod %s serving gRPC on %s:%d", self.pod_id, self.host, self.port)
+
+    async def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish, then leave the index."""
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        deadline = time.monotonic() + drain_timeout_s
+        while self.aengine is not None and self.aengine.num_pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.server is not None:
+            await self.server.stop(grace=max(0.0, deadline - time.monotonic()))
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.stop, True)
+        if self.aengine is not None:
+            self.aengine.shutdown()
+        logger.info("pod %s stopped", self.pod_id)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvnode.cli import add_engine_arguments
+
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    p.add_argument("--redis-url", default=None, help="Redis index, e.g. redis://127.0.0.1:6380/0")
+    p.add_argument("--pod-id", default=None, help="default: node-<random>")
+    p.add_argument("--advertise-address", default=None,
+                   help="host:port the router dials (default: host:port)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="requests in flight before RESOURCE_EXHAUSTED")
+    p.add_argument("--lease-ttl-s", type=float, default=3.0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    add_engine_arguments(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvnode.cli import engine_args_from
+
+    pod = PodServer(
+        engine_args_from(args), args.pod_id or f"node-{uuid.uuid4().hex[:6]}", args.host,
+        args.port, args.metrics_port, args.redis_url, args.advertise_address, args.max_queue,
+        args.lease_ttl_s,
+    )
+
+    async def run() -> None:
+        await pod.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logger.info("shutting down: draining in-flight requests")
+        await pod.stop(args.drain_timeout_s)
+
+    asyncio.run(run())
+    return 0
