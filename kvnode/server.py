@@ -109,13 +109,13 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
     async def Generate(self, request, context):
         completions: dict[int, pb.Completion] = {}
         rid, tokens, last = request.request_id, [], None
-        async for rid, tokens, delta in self._stream(request, context):
+        async for out_rid, out_tokens, delta in self._stream(request, context):
             for c in delta.outputs:
                 comp = completions.setdefault(c.index, pb.Completion(index=c.index))
                 comp.token_ids.extend(c.token_ids)
                 comp.text += c.text
                 comp.finish_reason = FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
-            last = delta
+            rid, tokens, last = out_rid, out_tokens, delta
         if last is None:
             await context.abort(grpc.StatusCode.INTERNAL, "request produced no output")
         self.pod.request_metrics.observe(last)
