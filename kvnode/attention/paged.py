@@ -189,7 +189,6 @@ def _decode_batch(
     padding. Sorted by length and chunked so padding and temporary memory stay small."""
     _, bs, kvh, hd = key_cache.shape
     num_heads = q.shape[1]
-    group = num_heads // kvh
     dev = q.device
     seq_ids = sorted(seq_ids, key=lambda i: lens[i])
     pos = 0
@@ -210,11 +209,12 @@ def _decode_batch(
         k = _load(key_cache[table].flatten(1, 2), k_scale)  # [n, T, kvh, hd]
         v = _load(value_cache[table].flatten(1, 2), v_scale)
         tok = torch.tensor([starts[i] for i in chunk], device=dev, dtype=torch.long)
-        qs = q[tok].view(len(chunk), kvh, group, hd)
-        scores = torch.einsum("nkgd,ntkd->nkgt", qs, k) * scale
         ctx = torch.tensor([lens[i] for i in chunk], device=dev)
-        pad = torch.arange(nblk * bs, device=dev)[None, :] >= ctx[:, None]  # [n, T]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("nkgt,ntkd->nkgd", probs, v)
-        out[tok] = o.reshape(len(chunk), num_heads, hd)
+        valid = torch.arange(nblk * bs, device=dev)[None, :] < ctx[:, None]  # [n, T]
+        # SDPA (fused kernel) over [n, heads, 1, T] with the padding masked out: about twice
+        # as fast on CPU as explicit matmul + softmax + matmul.
+        o = F.scaled_dot_product_attention(
+            q[tok].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=kvh != num_heads,
+        )
+        out[tok] = o.squeeze(2)
