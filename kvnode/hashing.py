@@ -101,21 +101,6 @@ def _int_cbor(value: int) -> bytes:
     return enc
 
 
-def _cbor_token_body(tokens: Sequence[int]) -> bytes | None:
-    """Concatenated CBOR of the tokens (no array head), or None if not all are exact ints."""
-    # One C-level pass proves every item is an exact int (not bool, float, numpy, ...),
-    # which is what makes the cache lookups below exact.
-    if [*map(type, tokens)].count(int) != len(tokens):
-        return None
-    if len(tokens) > 1:
-        try:
-            # itemgetter fetches every entry in one C call: the fast path.
-            return _join(itemgetter(*tokens)(_INT_CBOR))
-        except KeyError:  # an id seen for the first time (or beyond the cache)
-            pass
-    return _join([_int_cbor(t) for t in tokens])
-
-
 def _cbor_extra(extra: object) -> bytes | None:
     """Canonical CBOR of extra keys, or None when they are outside the fast shape."""
     if extra is None:
@@ -144,21 +129,32 @@ def _cbor_extra(extra: object) -> bytes | None:
 
 
 def _cbor_block(parent: object, tokens: Sequence[int], extra: object) -> bytes:
-    """Canonical CBOR of (parent, tuple(tokens), extra); `tokens` must be a list or tuple."""
-    if type(parent) is bytes:
-        body = _cbor_token_body(tokens)
-        if body is not None:
-            extra_enc = _cbor_extra(extra)
-            if extra_enc is not None:
-                plen = len(parent)
-                n = len(tokens)
-                return _join((
-                    _BLOCK_PREFIX[plen] if plen < 256 else b"\x83" + _cbor_head(2, plen),
-                    parent,
-                    _ARRAY_HEADS[n] if n < 256 else _cbor_head(4, n),
-                    body,
-                    extra_enc,
-                ))
+    """Canonical CBOR of (parent, tuple(tokens), extra); `tokens` must be a list or tuple.
+
+    Inlined into one function on purpose: this runs once per block on every pod and router.
+    """
+    n = len(tokens)
+    # One C-level pass proves every token is an exact int (not bool, float, numpy, ...),
+    # which is what makes the cache lookups below exact.
+    if type(parent) is bytes and [*map(type, tokens)].count(int) == n:
+        extra_enc = _CBOR_NONE if extra is None else _cbor_extra(extra)
+        if extra_enc is not None:
+            if n > 1:
+                try:
+                    # itemgetter fetches every entry in one C call: the fast path.
+                    body = _join(itemgetter(*tokens)(_INT_CBOR))
+                except KeyError:  # an id seen for the first time (or beyond the cache)
+                    body = _join([_int_cbor(t) for t in tokens])
+            else:
+                body = _join([_int_cbor(t) for t in tokens])
+            plen = len(parent)
+            return _join((
+                _BLOCK_PREFIX[plen] if plen < 256 else b"\x83" + _cbor_head(2, plen),
+                parent,
+                _ARRAY_HEADS[n] if n < 256 else _cbor_head(4, n),
+                body,
+                extra_enc,
+            ))
     return _cbor2_dumps((parent, tuple(tokens), extra), canonical=True)
 
 
@@ -241,17 +237,6 @@ _BLOCK_FNS: dict[HashFn, BlockFn] = {
     hash_xxhash: _block_xxhash,
     hash_xxhash_cbor: _block_xxhash_cbor,
 }
-
-
-def _block_fn_for(hash_fn: HashFn) -> BlockFn:
-    fast = _BLOCK_FNS.get(hash_fn)
-    if fast is not None:
-        return fast
-
-    def generic(parent: bytes, tokens: Sequence[int], extra: ExtraKeys | None) -> bytes:
-        return hash_fn((parent, tuple(tokens), extra))
-
-    return generic
 
 
 # --- the chain -----------------------------------------------------------------------------
@@ -404,7 +389,7 @@ class RequestBlockHasher:
         self._mm = _check_inputs(block_size, cache_salt, lora, mm_inputs)
         self.config = config
         self.block_size = block_size
-        self._block_fn = _block_fn_for(config.hash_fn)
+        self._block_fn = _BLOCK_FNS[config.hash_fn]  # HashConfig only knows these
         self._root = config.root
         self._salt = cache_salt
         self._lora_key = ("lora", lora[0], lora[1]) if lora is not None else None
