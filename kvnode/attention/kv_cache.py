@@ -124,7 +124,7 @@ class KVCache:
     def read_block(self, block_id: int) -> torch.Tensor:
         """All layers' K and V of one block packed into a flat uint8 CPU tensor (a copy).
         Order: layer 0 K, layer 0 V, layer 1 K, ..."""
-        self._check_ids(torch.tensor([block_id]))
+        self._check_id(block_id)
         n = self.spec.layer_block_bytes
         out = torch.empty(self.spec.block_bytes, dtype=torch.uint8)
         off = 0
@@ -136,7 +136,7 @@ class KVCache:
 
     def write_block(self, block_id: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
         """Inverse of ``read_block``."""
-        self._check_ids(torch.tensor([block_id]))
+        self._check_id(block_id)
         if not isinstance(data, torch.Tensor):
             data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         flat = data.reshape(-1)
@@ -154,6 +154,10 @@ class KVCache:
             _as_bytes(k[block_id]).copy_(flat[off : off + n])
             _as_bytes(v[block_id]).copy_(flat[off + n : off + 2 * n])
             off += 2 * n
+
+    def _check_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):

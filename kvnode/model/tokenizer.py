@@ -68,12 +68,9 @@ class HFTokenizer:
         self.eos_token_id = eos_token_id
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        # The tokenizer's own post-processor (if any) decides what "special tokens" are; when
-        # it adds none but the model has a BOS, prepend it ourselves.
-        ids = self._tok.encode(text, add_special_tokens=add_bos).ids
-        if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
-        return ids
+        # The tokenizer's own post-processor decides whether a BOS goes in front (Llama and
+        # Mistral add one; Qwen2 has a bos_token_id in config.json but never uses it).
+        return self._tok.encode(text, add_special_tokens=add_bos).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -119,6 +119,11 @@ def test_copy_blocks_and_block_bytes_roundtrip():
     assert torch.equal(r.read_block(12), r.read_block(2))
     with pytest.raises(ValueError, match="bytes"):
         r.write_block(3, torch.zeros(r.block_bytes - 1, dtype=torch.uint8))
+    for bad in (-1, 16):
+        with pytest.raises(ValueError, match="out of range"):
+            r.read_block(bad)
+    with pytest.raises(ValueError, match="out of range"):
+        r.copy_blocks([(1, 16)])
 
 
 def test_kv_dtypes_run_and_fp8_halves_bytes_per_token():
