@@ -1,0 +1,64 @@
+"""The router's configuration: one dataclass that the CLI and the tests both fill.
+
+Default costs (seconds), used for a pod until it publishes its own measured figures:
+
+* prefill 1e-3 s/token: `bench/prefix_ttft.py --quick --model pagekv-small` on the 2-core
+  AMD EPYC development machine measured a cold 2,080-token prefill at 2.4-4.1 s (torch and
+  C++ attention), i.e. 1.2-2.0 ms/token under load from other processes; 1 ms rounds down
+  to an idle machine. pagekv-tiny measured 0.19-0.47 ms/token on the same machine.
+* CPU (DRAM reload) 6e-6 s/token: copying pagekv-small's fp32 KV (6 KiB/token) block by
+  block measured 6 µs/token (about 1 GB/s) on that machine.
+* DISK (SSD reload) 3e-5 s/token: five times the DRAM figure for the read, checksum and
+  decode of an SSD entry; an estimate, not a measurement (pods publish the real one).
+* queue 0.05 s/request: see `bench/routing.py`; about the prefill of a 48-token suffix
+  on pagekv-small, the work a typical queued request adds before a new one gets its turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvnode.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
+from router.scoring import CostModel
+
+POLICIES = ("prefix", "round_robin", "random")
+
+DEFAULT_COSTS = CostModel(
+    prefill_per_token=1e-3,
+    cpu_per_token=6e-6,
+    disk_per_token=3e-5,
+    queue_per_request=0.05,
+)
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    model: str = "pagekv-tiny"
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    hash_seed: str = DEFAULT_HASH_SEED
+    index_prefix: str = "pagekv"
+    policy: str = "prefix"
+    costs: CostModel = field(default_factory=lambda: DEFAULT_COSTS)
+    burst_ttl_s: float = 2.0
+    refresh_interval_s: float = 0.5
+    namespace_check_interval_s: float = 2.0
+    redis_timeout_s: float = 0.25     # per Redis command; a slow index must not stall routing
+    max_attempts: int = 3             # pods tried per request when earlier ones are UNAVAILABLE
+    unavailable_cooldown_s: float = 2.0  # a pod that was UNAVAILABLE is tried last this long
+    random_seed: int | None = None    # for --policy random (reproducible benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {', '.join(HASH_ALGOS)}, "
+                             f"got {self.hash_algo!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.burst_ttl_s < 0 or self.refresh_interval_s <= 0 or self.redis_timeout_s <= 0:
+            raise ValueError("burst_ttl_s must be >= 0; refresh_interval_s and "
+                             "redis_timeout_s must be positive")

@@ -1,0 +1,221 @@
+"""Scoring pods by estimated time to first token (pure functions, no I/O).
+
+For one request of `prompt_len` tokens and one pod:
+
+    cost = uncached tokens × prefill s/token          (prefill still to do on that pod)
+         + tokens found in DRAM × CPU s/token          (reload from the DRAM tier)
+         + tokens found on SSD × DISK s/token          (reload from the SSD tier)
+         + queue × queue s/request                     (work ahead of it on that pod)
+
+The per-token figures come from what the pod publishes (`cost.prefill`, `cost.CPU`,
+`cost.DISK`), else from the router's configuration. `queue` is the larger of the pod's
+published `waiting + running` (everyone's requests, up to a second old) and this router's own
+requests in flight to it (exact, but only ours).
+
+The cheapest pod wins. Pods whose costs are within the tie tolerance of the best one are
+tied; ties go to the smaller queue, then the larger free pool, then rotate so that cold
+requests spread instead of piling onto the first pod id.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvnode.index_schema import TIERS
+
+# Reasons reported in RoutingInfo.reason and as a metric label (a small fixed set).
+REASON_PREFIX = "prefix_hit"          # the chosen pod holds a prefix and is cheapest
+REASON_BURST = "burst_prediction"     # as above, but the hit is predicted from a recent route
+REASON_COST = "least_cost"            # no pod holds a prefix; cost (speed, queue) decided
+REASON_TIE_LOAD = "tie_least_loaded"  # costs tied; the lighter queue / freer pool won
+REASON_TIE_ROTATE = "tie_rotation"    # costs and load tied; rotated among them
+REASON_FALLBACK = "index_down_least_loaded"  # Redis unreachable: load-only routing
+REASON_ROUND_ROBIN = "round_robin"    # --policy round_robin
+REASON_RANDOM = "random"              # --policy random
+REASON_COOLDOWN = "best_pod_cooling_down"  # the best pod was just UNAVAILABLE: next best
+REASON_RETRY = "retry_after_unavailable"   # the pod tried before this one was UNAVAILABLE
+REASONS = (REASON_PREFIX, REASON_BURST, REASON_COST, REASON_TIE_LOAD, REASON_TIE_ROTATE,
+           REASON_FALLBACK, REASON_ROUND_ROBIN, REASON_RANDOM, REASON_COOLDOWN, REASON_RETRY)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Configured per-token and per-request costs (seconds), used when a pod publishes none.
+
+    `tie_rel` / `tie_abs_s`: costs within max(tie_abs_s, tie_rel × best) of the best count as
+    tied, so that measurement noise between identical pods does not decide a cold request.
+    """
+
+    prefill_per_token: float
+    cpu_per_token: float
+    disk_per_token: float
+    queue_per_request: float
+    tie_rel: float = 0.05
+    tie_abs_s: float = 0.0005
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_per_token", "cpu_per_token", "disk_per_token",
+                     "queue_per_request", "tie_rel", "tie_abs_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One live pod as the scorer sees it for one request."""
+
+    pod_id: str
+    address: str
+    tiers: Sequence[str] = ()  # tier of each predicted-cached block, from block 0
+    waiting: int = 0
+    running: int = 0
+    inflight: int = 0           # this router's requests in flight to the pod
+    free_blocks: int = 0
+    published_costs: Mapping[str, float] = field(default_factory=dict)
+    burst_blocks: int = 0       # how many of `tiers` come only from the burst prediction
+    eligible: bool = True
+    excluded_reason: str = ""
+
+    @property
+    def queue(self) -> int:
+        return max(self.waiting + self.running, self.inflight)
+
+
+@dataclass(slots=True)
+class Score:
+    pod_id: str
+    address: str
+    cached_gpu: int = 0    # tokens
+    cached_cpu: int = 0
+    cached_disk: int = 0
+    waiting: int = 0
+    running: int = 0
+    queue: int = 0
+    free_blocks: int = 0
+    cost_s: float = math.inf
+    from_burst: bool = False  # the burst prediction extended this pod's hit
+    eligible: bool = True
+    excluded_reason: str = ""
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_gpu + self.cached_cpu + self.cached_disk
+
+
+def max_hit_blocks(prompt_len: int, block_size: int) -> int:
+    """Blocks a pod can serve from cache: the last prompt token is never a hit."""
+    return max(0, (prompt_len - 1) // block_size)
+
+
+def merge_prediction(index_tiers: Sequence[str], burst_depth: int, limit: int
+                     ) -> tuple[list[str], int]:
+    """Combine the index's tiers with a burst prediction of `burst_depth` blocks.
+
+    A recently routed request will have prefilled (or promoted) its blocks into the pod's
+    pool, so predicted blocks count as GPU. Returns (tiers, blocks added by the prediction),
+    both capped at `limit` blocks.
+    """
+    depth = min(max(len(index_tiers), burst_depth), limit)
+    if burst_depth <= 0:
+        return list(index_tiers[:depth]), 0
+    covered = min(burst_depth, depth)
+    tiers = ["GPU"] * covered + list(index_tiers[covered:depth])
+    return tiers, max(0, covered - min(len(index_tiers), depth))
+
+
+def _pod_cost(published: Mapping[str, float], key: str, default: float) -> float:
+    value = published.get(key)
+    if value is None or not math.isfinite(value) or value < 0:
+        return default
+    return float(value)
+
+
+def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostModel) -> Score:
+    s = Score(c.pod_id, c.address, waiting=c.waiting, running=c.running, queue=c.queue,
+              free_blocks=c.free_blocks, eligible=c.eligible,
+              excluded_reason=c.excluded_reason)
+    if not c.eligible:
+        return s
+    limit = max_hit_blocks(prompt_len, block_size)
+    counts = dict.fromkeys(TIERS, 0)
+    for tier in c.tiers[:limit]:
+        counts[tier] += 1
+    s.cached_gpu = counts["GPU"] * block_size
+    s.cached_cpu = counts["CPU"] * block_size
+    s.cached_disk = counts["DISK"] * block_size
+    s.from_burst = c.burst_blocks > 0
+    pub = c.published_costs
+    uncached = prompt_len - s.cached_tokens
+    s.cost_s = (uncached * _pod_cost(pub, "prefill", costs.prefill_per_token)
+                + s.cached_cpu * _pod_cost(pub, "CPU", costs.cpu_per_token)
+                + s.cached_disk * _pod_cost(pub, "DISK", costs.disk_per_token)
+                + c.queue * costs.queue_per_request)
+    return s
+
+
+def _load_key(s: Score) -> tuple[int, int]:
+    return (s.queue, -s.free_blocks)
+
+
+def rank(scores: Sequence[Score], costs: CostModel, rotation: int = 0
+         ) -> tuple[list[Score], str]:
+    """Eligible scores best first, and the reason the first one won.
+
+    `rotation` (a per-router counter) picks among pods tied on cost and load.
+    """
+    eligible = sorted((s for s in scores if s.eligible),
+                      key=lambda s: (s.cost_s, _load_key(s), s.pod_id))
+    if not eligible:
+        return [], ""
+    best = eligible[0].cost_s
+    tolerance = max(costs.tie_abs_s, costs.tie_rel * best)
+    tied = [s for s in eligible if s.cost_s <= best + tolerance]
+    rest = eligible[len(tied):]
+    reason = REASON_COST
+    if len(tied) > 1:
+        tied.sort(key=lambda s: (_load_key(s), s.pod_id))
+        lightest = _load_key(tied[0])
+        equal = [s for s in tied if _load_key(s) == lightest]
+        reason = REASON_TIE_LOAD
+        if len(equal) > 1:
+            k = rotation % len(equal)
+            equal = equal[k:] + equal[:k]
+            reason = REASON_TIE_ROTATE
+        tied = equal + tied[len(equal):]
+    chosen = tied[0]
+    if chosen.cached_tokens > min(s.cached_tokens for s in eligible):
+        # Its cached prefix is what set the chosen pod apart.
+        reason = REASON_BURST if chosen.from_burst else REASON_PREFIX
+    return tied + rest, reason
+
+
+def order_least_loaded(scores: Sequence[Score], rotation: int = 0) -> list[Score]:
+    """Eligible pods by load only (smaller queue, then freer pool), rotating among equals.
+
+    Used when the index cannot be read: no prefix knowledge, so spread the load.
+    """
+    eligible = sorted((s for s in scores if s.eligible), key=lambda s: (_load_key(s), s.pod_id))
+    if not eligible:
+        return []
+    lightest = _load_key(eligible[0])
+    equal = [s for s in eligible if _load_key(s) == lightest]
+    k = rotation % len(equal)
+    return equal[k:] + equal[:k] + eligible[len(equal):]
+
+
+def order_round_robin(scores: Sequence[Score], counter: int) -> list[Score]:
+    eligible = sorted((s for s in scores if s.eligible), key=lambda s: s.pod_id)
+    if not eligible:
+        return []
+    k = counter % len(eligible)
+    return eligible[k:] + eligible[:k]
+
+
+def order_random(scores: Sequence[Score], rng: random.Random) -> list[Score]:
+    eligible = [s for s in scores if s.eligible]
+    rng.shuffle(eligible)
+    return eligible

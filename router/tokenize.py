@@ -1,0 +1,79 @@
+"""The router's tokenizer: the same token ids the pods would produce, without torch.
+
+`kvnode.model` imports torch in its package `__init__`, so the router cannot reuse
+`kvnode.model.tokenizer`. The rules are the pods' rules, restated here:
+
+* a built-in preset (`pagekv-*`) uses the byte tokenizer: ids 0..255 are the UTF-8 bytes of
+  the text, 256 is BOS (prepended), 257 is EOS;
+* a model directory uses its `tokenizer.json` (the `tokenizers` library); when the
+  tokenizer's own post-processor adds no BOS but `config.json` names one, it is prepended.
+
+A mismatch here would only cost hit rate (the pod receives the router's token ids and
+hashes exactly those), never correctness.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "pagekv-"
+BYTE_BOS = 256
+BYTE_EOS = 257
+
+
+class PromptTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteEncoder:
+    """The built-in presets' byte tokenizer (encode only: the router never decodes)."""
+
+    __slots__ = ()
+
+    def encode(self, text: str) -> list[int]:
+        return [BYTE_BOS, *text.encode("utf-8")]
+
+
+class HFEncoder:
+    """A model directory's `tokenizer.json`, with the pods' BOS rule."""
+
+    __slots__ = ("_tok", "bos_token_id")
+
+    def __init__(self, tokenizer_file: Path, bos_token_id: int | None) -> None:
+        from tokenizers import Tokenizer  # Rust library, no torch
+
+        self._tok = Tokenizer.from_file(str(tokenizer_file))
+        self.bos_token_id = bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=True).ids
+        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+
+def load_tokenizer(model: str) -> PromptTokenizer:
+    """The tokenizer pods serving `model` use; ValueError if it cannot be found."""
+    path = Path(model)
+    if path.is_dir():
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"model directory {model!r} has no tokenizer.json")
+        bos: int | None = None
+        cfg_file = path / "config.json"
+        if cfg_file.is_file():
+            raw = json.loads(cfg_file.read_text())
+            bos = raw.get("bos_token_id")
+        logger.info("tokenizer: %s (bos %s)", tok_file, bos)
+        return HFEncoder(tok_file, int(bos) if bos is not None else None)
+    if model.startswith(BUILTIN_PREFIX):
+        return ByteEncoder()
+    raise ValueError(
+        f"model {model!r} is neither a built-in preset ({BUILTIN_PREFIX}*) nor a local "
+        "model directory with a tokenizer.json"
+    )
