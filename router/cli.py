@@ -1,0 +1,100 @@
+"""`pagekv router`: run the prefix-aware gRPC router (registered by kvnode.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from kvnode.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
+from router.config import DEFAULT_COSTS, POLICIES, RouterConfig
+from router.scoring import CostModel
+from router.server import RouterServer
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = RouterConfig()
+    c = DEFAULT_COSTS
+    parser.add_argument("--host", default="0.0.0.0", help="gRPC bind address")
+    parser.add_argument("--port", type=int, default=50050, help="gRPC port (0: any free port)")
+    parser.add_argument("--metrics-port", type=int, default=9100,
+                        help="Prometheus /metrics port (0: not served)")
+    parser.add_argument("--redis-url", default=d.redis_url)
+    parser.add_argument("--index-prefix", default=d.index_prefix,
+                        help="key prefix of the Redis index (the pods' prefix)")
+    group = parser.add_argument_group("hashing (must equal the pods')")
+    group.add_argument("--model", default=d.model,
+                       help="model name or directory, exactly as the pods were given it")
+    group.add_argument("--block-size", type=int, default=d.block_size)
+    group.add_argument("--hash-algo", default=d.hash_algo, choices=HASH_ALGOS)
+    group.add_argument("--hash-seed", default=DEFAULT_HASH_SEED)
+    group = parser.add_argument_group("routing")
+    group.add_argument("--policy", default=d.policy, choices=POLICIES,
+                       help="prefix: by estimated TTFT; round_robin / random: baselines")
+    group.add_argument("--cost-prefill-per-token", type=float, default=c.prefill_per_token,
+                       help="seconds of prefill per token, until a pod publishes its own")
+    group.add_argument("--cost-cpu-per-token", type=float, default=c.cpu_per_token,
+                       help="seconds per token to reload KV from DRAM (pods may override)")
+    group.add_argument("--cost-disk-per-token", type=float, default=c.disk_per_token,
+                       help="seconds per token to reload KV from SSD (pods may override)")
+    group.add_argument("--cost-queue-per-request", type=float, default=c.queue_per_request,
+                       help="seconds each waiting or running request adds to the TTFT")
+    group.add_argument("--tie-tolerance", type=float, default=c.tie_rel,
+                       help="costs within this fraction of the best are tied (load decides)")
+    group.add_argument("--burst-ttl-s", type=float, default=d.burst_ttl_s,
+                       help="how long a routed request counts as a predicted hit")
+    group.add_argument("--refresh-interval-s", type=float, default=d.refresh_interval_s,
+                       help="how often the live pod list is re-read")
+    group.add_argument("--max-attempts", type=int, default=d.max_attempts,
+                       help="pods tried per request when earlier ones are UNAVAILABLE")
+    group.add_argument("--redis-timeout-s", type=float, default=d.redis_timeout_s)
+    group.add_argument("--random-seed", type=int, default=None,
+                       help="seed of --policy random")
+
+
+def config_from(args: argparse.Namespace) -> RouterConfig:
+    costs = CostModel(
+        prefill_per_token=args.cost_prefill_per_token,
+        cpu_per_token=args.cost_cpu_per_token,
+        disk_per_token=args.cost_disk_per_token,
+        queue_per_request=args.cost_queue_per_request,
+        tie_rel=args.tie_tolerance,
+    )
+    return RouterConfig(
+        redis_url=args.redis_url, model=args.model, block_size=args.block_size,
+        hash_algo=args.hash_algo, hash_seed=args.hash_seed, index_prefix=args.index_prefix,
+        policy=args.policy, costs=costs, burst_ttl_s=args.burst_ttl_s,
+        refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
+        redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,
+    )
+
+
+async def _serve(args: argparse.Namespace, config: RouterConfig) -> None:
+    server = RouterServer(config, host=args.host, port=args.port,
+                          metrics_port=args.metrics_port,
+                          metrics_host="127.0.0.1" if args.host == "127.0.0.1" else "0.0.0.0")
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("router stopping")
+    await server.stop(grace=2.0)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from(args)
+    except ValueError as exc:
+        logger.error("bad router configuration: %s", exc)
+        return 2
+    try:
+        asyncio.run(_serve(args, config))
+    except ValueError as exc:  # e.g. a model whose tokenizer cannot be found
+        logger.error("router cannot start: %s", exc)
+        return 2
+    return 0

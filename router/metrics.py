@@ -1,0 +1,84 @@
+"""The router's Prometheus metrics, in a registry of their own (`pagekv_router_*`)."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025,
+                    0.05, 0.1, 0.25, 1.0)
+_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Signed: predicted minus actual cached tokens (positive = the router was too optimistic).
+_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pagekv_router_requests_total", "Requests forwarded, by pod and routing reason",
+            ["pod", "reason"], registry=r)
+        self.failures = Counter(
+            "pagekv_router_request_failures_total",
+            "Requests that ended in an error returned to the client, by gRPC code",
+            ["code"], registry=r)
+        self.retries = Counter(
+            "pagekv_router_retries_total",
+            "Calls moved to the next-best pod after the first one was UNAVAILABLE",
+            ["pod"], registry=r)
+        self.predicted_tokens = Histogram(
+            "pagekv_router_predicted_cached_tokens", "Predicted cached prompt tokens per request",
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.actual_tokens = Histogram(
+            "pagekv_router_actual_cached_tokens",
+            "Cached prompt tokens per request, as reported by the pod's usage",
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.prediction_error = Histogram(
+            "pagekv_router_cached_tokens_prediction_error_tokens",
+            "Predicted minus actual cached tokens per request", buckets=_ERROR_BUCKETS,
+            registry=r)
+        # The histograms' _sum series are the totals (hit rate = actual _sum / prompt).
+        self.prompt_tokens_total = Counter(
+            "pagekv_router_prompt_tokens_total", "Prompt tokens of the requests routed",
+            registry=r)
+        self.lookup_seconds = Histogram(
+            "pagekv_router_lookup_seconds", "Redis prefix lookup latency (one round trip)",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.overhead_seconds = Histogram(
+            "pagekv_router_overhead_seconds",
+            "Time spent inside the router per request, excluding the pod call",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.index_errors = Counter(
+            "pagekv_router_index_errors_total", "Failed Redis operations, by operation",
+            ["op"], registry=r)
+        self.fallbacks = Counter(
+            "pagekv_router_fallback_routes_total",
+            "Requests routed without prefix knowledge, by cause", ["cause"], registry=r)
+        self.index_up = Gauge(
+            "pagekv_router_index_up", "1 while the Redis index answers, else 0", registry=r)
+        self.live_pods = Gauge(
+            "pagekv_router_live_pods", "Live pods in this namespace that the router may use",
+            registry=r)
+        self.excluded_pods = Gauge(
+            "pagekv_router_excluded_pods",
+            "Live pods the router refuses: hash configuration mismatch (any namespace)",
+            registry=r)
+        self.inflight = Gauge(
+            "pagekv_router_inflight_requests", "Requests being forwarded right now",
+            registry=r)
+
+    def observe_cached(self, predicted: int, actual: int, prompt_tokens: int) -> None:
+        self.predicted_tokens.observe(predicted)
+        self.actual_tokens.observe(actual)
+        self.prediction_error.observe(predicted - actual)
+        self.prompt_tokens_total.inc(prompt_tokens)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Expose /metrics on `port` (0 = not served)."""
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)
+            logger.info("router metrics on http://%s:%d/metrics", host, port)

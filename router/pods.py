@@ -1,0 +1,266 @@
+"""Pod discovery from the index, the configuration handshake, and one channel per pod.
+
+Every `refresh_interval_s` the registry reads the live pods of the router's namespace (one
+script, one round trip) and keeps a grpc.aio channel per pod address. A pod whose published
+hash configuration differs from the router's is kept but marked ineligible, with one warning
+line per pod. Pods registered under another namespace (another seed, algorithm, block size
+or model) cannot appear in ours at all; every few seconds the registry also lists the
+namespaces and warns once per such pod, so an operator sees why it is never chosen.
+
+When Redis cannot be read the registry keeps the last known pods, flags the index as down
+(the router then routes by load only) and keeps probing; the first successful read flips it
+back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import redis.exceptions
+
+from kvnode.index_schema import (
+    NAMESPACES_SUFFIX,
+    IndexSchema,
+    PodInfo,
+    config_mismatch,
+    list_live_pods_async,
+)
+from proto.pagekv.v1 import pagekv_pb2_grpc
+from router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError,
+                                                 asyncio.TimeoutError)
+_CHANNEL_IDLE_CLOSE_S = 30.0  # close a departed pod's channel once unused this long
+_CHANNEL_OPTIONS = [
+    ("grpc.enable_retries", 0),  # the router decides retries itself (next-best pod)
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(slots=True)
+class PodEntry:
+    info: PodInfo
+    stub: pagekv_pb2_grpc.GenerationStub
+    excluded_reason: str = ""  # non-empty: never routed to (hash configuration mismatch)
+    inflight: int = 0
+    unavailable_until: float = 0.0  # monotonic time; tried last until then
+
+    @property
+    def pod_id(self) -> str:
+        return self.info.pod_id
+
+    @property
+    def eligible(self) -> bool:
+        return not self.excluded_reason
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignPod:
+    """A live pod registered under another namespace: listed, never routed to."""
+
+    pod_id: str
+    address: str
+    namespace: str
+    reason: str
+
+
+@dataclass(slots=True)
+class _Channel:
+    channel: grpc.aio.Channel
+    stub: pagekv_pb2_grpc.GenerationStub
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class PodRegistry:
+    def __init__(self, redis_client: Any, schema: IndexSchema, metrics: RouterMetrics,
+                 refresh_interval_s: float = 0.5, namespace_check_interval_s: float = 2.0
+                 ) -> None:
+        self.redis = redis_client
+        self.schema = schema
+        self.metrics = metrics
+        self.refresh_interval_s = refresh_interval_s
+        self.namespace_check_interval_s = namespace_check_interval_s
+        self.pods: dict[str, PodEntry] = {}
+        self.foreign: list[ForeignPod] = []
+        self.index_up = False
+        self.ready = asyncio.Event()  # set after the first successful read of the index
+        self._channels: dict[str, _Channel] = {}
+        self._warned: set[tuple[str, str]] = set()
+        self._down_since = 0.0
+        self._next_ns_check = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="pod-registry")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for ch in self._channels.values():
+            await ch.channel.close()
+        self._channels.clear()
+
+    async def _run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.refresh_interval_s)
+
+    # -- index state -----------------------------------------------------------------------
+    def index_failed(self, op: str, exc: BaseException) -> None:
+        """Record a failed Redis operation (here or in a lookup); warn once per outage."""
+        self.metrics.index_errors.labels(op=op).inc()
+        if self.index_up or not self._down_since:
+            self._down_since = time.monotonic()
+            logger.warning("redis index unreachable (%s: %s): routing by load only among the "
+                           "%d last known pods until it answers again", type(exc).__name__,
+                           exc, sum(1 for p in self.pods.values() if p.eligible))
+        self.index_up = False
+        self.metrics.index_up.set(0)
+
+    def _index_ok(self) -> None:
+        if not self.index_up and self._down_since:
+            logger.warning("redis index reachable again after %.1fs: prefix routing resumed",
+                           time.monotonic() - self._down_since)
+        self._down_since = 0.0
+        self.index_up = True
+        self.metrics.index_up.set(1)
+
+    async def refresh(self) -> bool:
+        """Read the live pods once; False (and state kept) when Redis fails."""
+        try:
+            infos = await list_live_pods_async(self.redis, self.schema)
+            now = time.monotonic()
+            if now >= self._next_ns_check:
+                self._next_ns_check = now + self.namespace_check_interval_s
+                await self._check_namespaces()
+        except REDIS_ERRORS as exc:
+            self.index_failed("list_pods", exc)
+            return False
+        self._index_ok()
+        self._apply(infos)
+        self.ready.set()
+        return True
+
+    def drop(self, pod_ids: set[str]) -> None:
+        """Forget pods the lookup found without a lease (dead since the last refresh)."""
+        for pod_id in pod_ids:
+            entry = self.pods.pop(pod_id, None)
+            if entry is not None:
+                logger.info("pod %s at %s: lease gone; no longer routed to", pod_id,
+                            entry.info.address)
+        self._update_gauges()
+
+    def _apply(self, infos: list[PodInfo]) -> None:
+        now = time.monotonic()
+        mine = self.schema.hash_config()
+        fresh: dict[str, PodEntry] = {}
+        for info in infos:
+            old = self.pods.get(info.pod_id)
+            reason = self._mismatch(info, mine)
+            ch = self._channel(info.address, now)
+            if old is not None and old.info.address == info.address:
+                old.info, old.stub, old.excluded_reason = info, ch.stub, reason
+                fresh[info.pod_id] = old
+            else:
+                fresh[info.pod_id] = PodEntry(info, ch.stub, reason)
+                if not reason:
+                    logger.info("pod %s at %s (epoch %s) joined", info.pod_id, info.address,
+                                info.epoch)
+        for pod_id, entry in self.pods.items():
+            if pod_id not in fresh:
+                logger.info("pod %s at %s: lease expired; no longer routed to", pod_id,
+                            entry.info.address)
+        self.pods = fresh
+        self._close_idle_channels(now)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        eligible = sum(1 for p in self.pods.values() if p.eligible)
+        self.metrics.live_pods.set(eligible)
+        self.metrics.excluded_pods.set(len(self.pods) - eligible + len(self.foreign))
+
+    def _mismatch(self, info: PodInfo, mine: dict[str, str]) -> str:
+        diff = config_mismatch(mine, info.hash_config)
+        if not diff:
+            return ""
+        reason = f"hash config mismatch: {diff} (router vs pod)"
+        if (info.pod_id, reason) not in self._warned:
+            self._warned.add((info.pod_id, reason))
+            logger.warning("pod %s at %s refused: %s; its block hashes cannot match this "
+                           "router's", info.pod_id, info.address, reason)
+        return reason
+
+    async def _check_namespaces(self) -> None:
+        """Find live pods under other namespaces and warn once per pod about why."""
+        s = self.schema
+        ids = sorted(_text(n) for n in await self.redis.smembers(s.prefix + NAMESPACES_SUFFIX))
+        others = [ns for ns in ids if ns != s.namespace]
+        foreign: list[ForeignPod] = []
+        if others:
+            pipe = self.redis.pipeline(transaction=False)
+            for ns in others:
+                pipe.hgetall(f"{s.prefix}:{{{ns}}}:config")
+            configs = await pipe.execute()
+            for ns, flat in zip(others, configs, strict=True):
+                config = {_text(k): _text(v) for k, v in flat.items()}
+                try:
+                    other = IndexSchema.from_config(config, prefix=s.prefix)
+                except ValueError:
+                    continue  # an incomplete config key: nothing we can look up
+                diff = config_mismatch(s, other) or "namespace differs"
+                for info in await list_live_pods_async(self.redis, other):
+                    foreign.append(ForeignPod(info.pod_id, info.address, ns, diff))
+        for pod in foreign:
+            key = (pod.pod_id, f"{pod.namespace}:{pod.reason}")
+            if key not in self._warned:
+                self._warned.add(key)
+                logger.warning(
+                    "pod %s at %s is registered under index namespace %s, not this router's "
+                    "%s: %s (router vs pod); it is never routed to", pod.pod_id, pod.address,
+                    pod.namespace, s.namespace, pod.reason)
+        self.foreign = foreign
+
+    # -- channels --------------------------------------------------------------------------
+    def _channel(self, address: str, now: float) -> _Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            ch = _Channel(channel, pagekv_pb2_grpc.GenerationStub(channel), now)
+            self._channels[address] = ch
+        ch.last_seen = now
+        return ch
+
+    def _close_idle_channels(self, now: float) -> None:
+        # Closed late, so calls still running on a departed pod's channel can finish.
+        for address, ch in list(self._channels.items()):
+            if now - ch.last_seen > _CHANNEL_IDLE_CLOSE_S:
+                del self._channels[address]
+                asyncio.get_running_loop().create_task(ch.channel.close())
+
+    # -- per-request helpers ---------------------------------------------------------------
+    def eligible(self) -> list[PodEntry]:
+        return [p for p in self.pods.values() if p.eligible]
+
+    def mark_unavailable(self, pod_id: str, cooldown_s: float) -> None:
+        entry = self.pods.get(pod_id)
+        if entry is not None:
+            entry.unavailable_until = time.monotonic() + cooldown_s

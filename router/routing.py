@@ -1,0 +1,224 @@
+"""The routing decision for one request: tokens, hash chain, one index lookup, scores.
+
+Transport-free (no gRPC server here), so the decision can be tested and benchmarked alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvnode.hashing import HashConfig, RequestBlockHasher
+from kvnode.index_schema import IndexSchema, PodMatch, lookup_prefix_async
+from proto.pagekv.v1 import pagekv_pb2
+from router.burst import BurstTracker
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.pods import REDIS_ERRORS, PodEntry, PodRegistry
+from router.scoring import (
+    REASON_COOLDOWN,
+    REASON_FALLBACK,
+    REASON_RANDOM,
+    REASON_ROUND_ROBIN,
+    Candidate,
+    Score,
+    max_hit_blocks,
+    merge_prediction,
+    order_least_loaded,
+    order_random,
+    order_round_robin,
+    rank,
+    score_candidate,
+)
+from router.tokenize import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class BadRequest(ValueError):
+    """The request cannot be routed as sent (INVALID_ARGUMENT)."""
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request made ready to forward: token ids in place of text, its block hashes."""
+
+    forward: pagekv_pb2.GenerateRequest
+    token_ids: Sequence[int]
+    block_hashes: list[bytes]  # every full block of the prompt (what the pod will cache)
+    lookup_blocks: int         # the blocks that can hit: (len - 1) // block_size
+
+
+@dataclass(slots=True)
+class Decision:
+    order: list[Score]          # pods to try, best first
+    reason: str
+    scores: list[Score]         # every pod considered, for RoutingInfo.candidates
+    prompt_blocks: int
+    lookup_ms: float
+    predicted: dict[str, int] = field(default_factory=dict)  # pod -> predicted cached tokens
+
+    def routing_info(self, chosen: Score, reason: str | None = None) -> pagekv_pb2.RoutingInfo:
+        info = pagekv_pb2.RoutingInfo(
+            chosen_pod=chosen.pod_id, chosen_address=chosen.address,
+            reason=reason or self.reason, predicted_cached_tokens=chosen.cached_tokens,
+            prompt_blocks=self.prompt_blocks, lookup_ms=self.lookup_ms)
+        for s in self.scores:
+            info.candidates.add(
+                pod_id=s.pod_id, address=s.address, cached_tokens=s.cached_tokens,
+                cached_tokens_gpu=s.cached_gpu, cached_tokens_cpu=s.cached_cpu,
+                cached_tokens_disk=s.cached_disk, queue_waiting=s.waiting,
+                queue_running=s.running,
+                estimated_cost_s=s.cost_s if s.eligible and s.cost_s != float("inf") else 0.0,
+                eligible=s.eligible, excluded_reason=s.excluded_reason)
+        return info
+
+
+class Router:
+    def __init__(self, config: RouterConfig, redis_client: Any, tokenizer: PromptTokenizer,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.redis = redis_client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.schema = IndexSchema(config.model, config.block_size, config.hash_algo,
+                                  config.hash_seed, prefix=config.index_prefix)
+        self.hash_config = HashConfig(config.hash_algo, config.hash_seed)
+        self.registry = PodRegistry(redis_client, self.schema, metrics,
+                                    config.refresh_interval_s, config.namespace_check_interval_s)
+        self.burst = BurstTracker(config.burst_ttl_s)
+        self._counter = 0
+        self._rng = random.Random(config.random_seed)
+
+    # -- request preparation ---------------------------------------------------------------
+    def prepare(self, request: pagekv_pb2.GenerateRequest) -> Prepared:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            if not request.text:
+                raise BadRequest("prompt text is empty")
+            token_ids: Sequence[int] = self.tokenizer.encode(request.text)
+        elif kind == "token_ids":
+            token_ids = request.token_ids.ids
+        else:
+            raise BadRequest("request has no prompt: set text or token_ids")
+        if len(token_ids) == 0:
+            raise BadRequest("prompt must contain at least one token")
+        forward = pagekv_pb2.GenerateRequest()
+        forward.CopyFrom(request)
+        if kind == "text":
+            forward.token_ids.ids.extend(token_ids)  # setting the oneof clears `text`
+        # The pods' rules (kvnode.kv_cache_manager / request): an empty salt is no salt, and
+        # a LoRA adapter enters every block's hash as (str(id), path) with an empty path.
+        salt = request.cache_salt or None
+        lora = (str(request.lora_id), "") if request.HasField("lora_id") else None
+        ids = list(token_ids)
+        hashes: list[bytes] = []
+        RequestBlockHasher(self.hash_config, self.config.block_size, salt, lora).extend(
+            ids, hashes)
+        lookup = min(len(hashes), max_hit_blocks(len(ids), self.config.block_size))
+        return Prepared(forward, ids, hashes, lookup)
+
+    # -- the decision ----------------------------------------------------------------------
+    def _next_counter(self) -> int:
+        self._counter += 1
+        return self._counter
+
+    def _base_scores(self, pods: list[PodEntry]) -> list[Score]:
+        return [Score(p.pod_id, p.info.address, waiting=p.info.waiting,
+                      running=p.info.running, queue=max(p.info.waiting + p.info.running,
+                                                        p.inflight),
+                      free_blocks=p.info.free_blocks, cost_s=0.0) for p in pods]
+
+    def _excluded_scores(self) -> list[Score]:
+        reg = self.registry
+        out = [Score(p.pod_id, p.info.address, waiting=p.info.waiting, running=p.info.running,
+                     eligible=False, excluded_reason=p.excluded_reason)
+               for p in reg.pods.values() if not p.eligible]
+        out += [Score(f.pod_id, f.address, eligible=False,
+                      excluded_reason=f"registered under index namespace {f.namespace}: "
+                                      f"{f.reason} (router vs pod)")
+                for f in reg.foreign]
+        return out
+
+    async def _lookup(self, prepared: Prepared) -> tuple[dict[str, PodMatch] | None, float]:
+        if prepared.lookup_blocks == 0:
+            return {}, 0.0
+        start = time.perf_counter()
+        try:
+            matches = await lookup_prefix_async(
+                self.redis, self.schema, prepared.block_hashes[:prepared.lookup_blocks])
+        except REDIS_ERRORS as exc:
+            self.registry.index_failed("lookup", exc)
+            return None, (time.perf_counter() - start) * 1e3
+        elapsed = time.perf_counter() - start
+        self.metrics.lookup_seconds.observe(elapsed)
+        return matches, elapsed * 1e3
+
+    async def decide(self, prepared: Prepared) -> Decision:
+        reg = self.registry
+        policy = self.config.policy
+        counter = self._next_counter()
+        prompt_len = len(prepared.token_ids)
+        if policy != "prefix":
+            base = self._base_scores(reg.eligible())
+            if policy == "round_robin":
+                order, reason = order_round_robin(base, counter), REASON_ROUND_ROBIN
+            else:
+                order, reason = order_random(base, self._rng), REASON_RANDOM
+            return self._finish(order, reason, base, prepared, 0.0)
+
+        matches: dict[str, PodMatch] | None = None
+        lookup_ms = 0.0
+        if reg.index_up:
+            matches, lookup_ms = await self._lookup(prepared)
+        if matches is None:  # index down: load only, among the last known pods
+            base = self._base_scores(reg.eligible())
+            self.metrics.fallbacks.labels(cause="index_down").inc()
+            return self._finish(order_least_loaded(base, counter), REASON_FALLBACK, base,
+                                prepared, lookup_ms)
+
+        if prepared.lookup_blocks:
+            gone = {p.pod_id for p in reg.pods.values() if p.pod_id not in matches}
+            if gone:
+                reg.drop(gone)  # leases expired since the last refresh
+        limit = prepared.lookup_blocks
+        bursts = self.burst.depths(prepared.block_hashes[:limit]) if limit else {}
+        scores: list[Score] = []
+        for p in reg.eligible():
+            match = matches.get(p.pod_id)
+            tiers, from_burst = merge_prediction(match.tiers if match else (),
+                                                 bursts.get(p.pod_id, 0), limit)
+            cand = Candidate(p.pod_id, p.info.address, tiers, p.info.waiting, p.info.running,
+                             p.inflight, p.info.free_blocks, p.info.tier_costs, from_burst)
+            scores.append(score_candidate(cand, prompt_len, self.config.block_size,
+                                          self.config.costs))
+        order, reason = rank(scores, self.config.costs, counter)
+        return self._finish(order, reason, scores, prepared, lookup_ms)
+
+    def _finish(self, order: list[Score], reason: str, scores: list[Score], prepared: Prepared,
+                lookup_ms: float) -> Decision:
+        now = time.monotonic()
+        # A pod that just failed with UNAVAILABLE is tried last until its cooldown ends.
+        pods = self.registry.pods
+
+        def cooling(s: Score) -> bool:
+            entry = pods.get(s.pod_id)
+            return entry is not None and entry.unavailable_until > now
+
+        if any(cooling(s) for s in order):
+            first = order[0]
+            order = [s for s in order if not cooling(s)] + [s for s in order if cooling(s)]
+            if order[0] is not first:
+                reason = REASON_COOLDOWN
+        return Decision(order, reason, [*scores, *self._excluded_scores()],
+                        prepared.lookup_blocks, lookup_ms,
+                        {s.pod_id: s.cached_tokens for s in scores})
+
+    def dispatched(self, pod_id: str, prepared: Prepared) -> None:
+        """The request goes to `pod_id`: predict its blocks there for the burst TTL."""
+        if self.config.policy == "prefix":
+            self.burst.record(pod_id, prepared.block_hashes)

@@ -1,0 +1,291 @@
+"""The router's gRPC server: the pods' own `Generation` service, forwarded by prefix.
+
+A client cannot tell a router from a pod: same service, same messages. The router adds
+`routing` (why this pod, the candidates and their scores) to the response or to the stream's
+last chunk, and the trailing metadata `pagekv-router-overhead-us` (time spent in the router,
+the pod call excluded).
+
+Faults: a pod that fails with UNAVAILABLE before anything reached the client is replaced by
+the next-best pod (up to `max_attempts` pods); any other status from a pod, including the
+client's own errors (INVALID_ARGUMENT, RESOURCE_EXHAUSTED), is passed through unchanged. A
+client that cancels cancels the upstream call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvnode.index_schema import LIVE_PODS_LUA, LOOKUP_LUA
+from proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.pods import REDIS_ERRORS, PodEntry
+from router.routing import BadRequest, Decision, Prepared, Router
+from router.scoring import REASON_RETRY, Score
+from router.tokenize import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+OVERHEAD_METADATA_KEY = "pagekv-router-overhead-us"
+SERVICE_NAME = "pagekv.v1.Generation"
+
+
+class _Attempt:
+    """One pod call's bookkeeping: in-flight counters and the routing metrics."""
+
+    __slots__ = ("entry", "metrics")
+
+    def __init__(self, entry: PodEntry, metrics: RouterMetrics) -> None:
+        self.entry = entry
+        self.metrics = metrics
+
+    def __enter__(self) -> _Attempt:
+        self.entry.inflight += 1
+        self.metrics.inflight.inc()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.entry.inflight -= 1
+        self.metrics.inflight.dec()
+
+
+class RouterService(pagekv_pb2_grpc.GenerationServicer):
+    def __init__(self, router: Router, metrics: RouterMetrics) -> None:
+        self.router = router
+        self.metrics = metrics
+
+    # -- shared steps ----------------------------------------------------------------------
+    async def _route(self, request: pagekv_pb2.GenerateRequest,
+                     context: grpc.aio.ServicerContext) -> tuple[Prepared, Decision]:
+        try:
+            prepared = self.router.prepare(request)
+        except BadRequest as exc:
+            self.metrics.failures.labels(code="INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ValueError as exc:  # hashing rejected a field (e.g. a salt it cannot encode)
+            self.metrics.failures.labels(code="INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}")
+        decision = await self.router.decide(prepared)
+        if not decision.order:
+            self.metrics.failures.labels(code="UNAVAILABLE").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
+        return prepared, decision
+
+    def _no_pods_message(self, decision: Decision) -> str:
+        s = self.router.schema
+        msg = (f"no live pods for model {s.model!r} (block size {s.block_size}, "
+               f"{s.hash_algo}, index namespace {s.namespace})")
+        refused = [sc for sc in decision.scores if not sc.eligible]
+        if refused:
+            msg += "; refused: " + "; ".join(
+                f"{sc.pod_id}: {sc.excluded_reason}" for sc in refused[:5])
+        if not self.router.registry.index_up:
+            msg += "; the Redis index is unreachable"
+        return msg
+
+    def _entry(self, score: Score) -> PodEntry | None:
+        return self.router.registry.pods.get(score.pod_id)
+
+    def _dispatch(self, score: Score, attempt: int, decision: Decision,
+                  prepared: Prepared) -> tuple[PodEntry | None, str]:
+        entry = self._entry(score)
+        reason = decision.reason if attempt == 0 else REASON_RETRY
+        if entry is not None:
+            self.metrics.requests.labels(pod=score.pod_id, reason=reason).inc()
+            self.router.dispatched(score.pod_id, prepared)
+        return entry, reason
+
+    def _on_unavailable(self, score: Score, exc: grpc.aio.AioRpcError) -> None:
+        logger.warning("pod %s at %s UNAVAILABLE (%s); trying the next-best pod",
+                       score.pod_id, score.address, exc.details())
+        self.metrics.retries.labels(pod=score.pod_id).inc()
+        self.router.registry.mark_unavailable(score.pod_id,
+                                              self.router.config.unavailable_cooldown_s)
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpcError) -> None:
+        code = exc.code()
+        self.metrics.failures.labels(code=code.name).inc()
+        # The pod's trailing metadata too: rich error details travel there.
+        trailing = tuple((k, v) for k, v in (exc.trailing_metadata() or ()))
+        await context.abort(code, exc.details() or "", trailing)
+
+    def _finish(self, context: grpc.aio.ServicerContext, prepared: Prepared,
+                decision: Decision, score: Score, usage: pagekv_pb2.Usage,
+                overhead_s: float) -> None:
+        predicted = decision.predicted.get(score.pod_id, 0)
+        self.metrics.observe_cached(predicted, usage.cached_tokens, len(prepared.token_ids))
+        self.metrics.overhead_seconds.observe(overhead_s)
+        context.set_trailing_metadata(((OVERHEAD_METADATA_KEY, str(int(overhead_s * 1e6))),))
+
+    # -- unary -----------------------------------------------------------------------------
+    async def Generate(self, request: pagekv_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> pagekv_pb2.GenerateResponse:
+        t0 = time.perf_counter()
+        prepared, decision = await self._route(request, context)
+        attempts = decision.order[:self.router.config.max_attempts]
+        for i, score in enumerate(attempts):
+            entry, reason = self._dispatch(score, i, decision, prepared)
+            if entry is None:
+                continue  # dropped from the registry since the decision
+            t_call = time.perf_counter()
+            with _Attempt(entry, self.metrics):
+                call = entry.stub.Generate(prepared.forward, timeout=context.time_remaining())
+                try:
+                    response = await call
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE and i + 1 < len(attempts):
+                        self._on_unavailable(score, exc)
+                        continue
+                    await self._fail(context, exc)
+                except asyncio.CancelledError:
+                    call.cancel()  # the client went away: stop the pod's work too
+                    raise
+            t_back = time.perf_counter()
+            response.routing.CopyFrom(decision.routing_info(score, reason))
+            if not response.served_by:
+                response.served_by = score.pod_id
+            overhead = (t_call - t0) + (time.perf_counter() - t_back)
+            self._finish(context, prepared, decision, score, response.usage, overhead)
+            return response
+        self.metrics.failures.labels(code="UNAVAILABLE").inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
+        raise AssertionError("unreachable")  # abort raises
+
+    # -- streaming -------------------------------------------------------------------------
+    async def GenerateStream(self, request: pagekv_pb2.GenerateRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[pagekv_pb2.GenerateChunk]:
+        t0 = time.perf_counter()
+        prepared, decision = await self._route(request, context)
+        attempts = decision.order[:self.router.config.max_attempts]
+        for i, score in enumerate(attempts):
+            entry, reason = self._dispatch(score, i, decision, prepared)
+            if entry is None:
+                continue
+            overhead = time.perf_counter() - t0
+            sent = False
+            with _Attempt(entry, self.metrics):
+                call = entry.stub.GenerateStream(prepared.forward,
+                                                 timeout=context.time_remaining())
+                try:
+                    async for chunk in call:
+                        if chunk.served_by or chunk.HasField("usage"):
+                            # The very last chunk: it carries usage, so routing goes here too.
+                            t_last = time.perf_counter()
+                            chunk.routing.CopyFrom(decision.routing_info(score, reason))
+                            if not chunk.served_by:
+                                chunk.served_by = score.pod_id
+                            overhead += time.perf_counter() - t_last
+                            self._finish(context, prepared, decision, score, chunk.usage,
+                                         overhead)
+                        sent = True
+                        yield chunk
+                except grpc.aio.AioRpcError as exc:
+                    if (exc.code() == grpc.StatusCode.UNAVAILABLE and not sent
+                            and i + 1 < len(attempts)):
+                        self._on_unavailable(score, exc)
+                        continue
+                    await self._fail(context, exc)
+                finally:
+                    # A no-op when the call finished; cancels it when the client went away
+                    # (the handler is cancelled or closed while waiting for the pod).
+                    call.cancel()
+            return
+        self.metrics.failures.labels(code="UNAVAILABLE").inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
+
+
+class RouterServer:
+    """The whole router process: Redis client, registry, gRPC server, health, metrics."""
+
+    def __init__(self, config: RouterConfig, host: str = "127.0.0.1", port: int = 0,
+                 metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.host = host
+        self.port = port
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.metrics = RouterMetrics()
+        self.redis: Any = None
+        self.router: Router | None = None
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._ready_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        """Bind and serve; returns the bound port. Health turns SERVING after the first
+        successful read of the index."""
+        cfg = self.config
+        tokenizer = load_tokenizer(cfg.model)
+        self.redis = aioredis.Redis.from_url(
+            cfg.redis_url, socket_timeout=cfg.redis_timeout_s,
+            socket_connect_timeout=cfg.redis_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # the registry's refresh loop is the retry
+            health_check_interval=0)
+        self.router = router = Router(cfg, self.redis, tokenizer, self.metrics)
+        try:  # load both scripts up front so that even the first lookup is one round trip
+            for source in (LOOKUP_LUA, LIVE_PODS_LUA):
+                await self.redis.script_load(source)
+        except REDIS_ERRORS as exc:
+            logger.warning("redis index %s not reachable at start-up (%s); retrying",
+                           cfg.redis_url, exc)
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ])
+        pagekv_pb2_grpc.add_GenerationServicer_to_server(RouterService(router, self.metrics),
+                                                         server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        if not self.port:
+            raise RuntimeError(f"could not bind {self.host}:{self.port}")
+        await server.start()
+        self._server = server
+        self.metrics.serve(self.metrics_port, self.metrics_host)
+        router.registry.start()
+        self._ready_task = asyncio.get_running_loop().create_task(self._mark_ready())
+        s = router.schema
+        logger.info("router on %s:%d: model %s, block size %d, %s seed %r -> index namespace "
+                    "%s; policy %s, burst TTL %.1fs", self.host, self.port, cfg.model,
+                    cfg.block_size, cfg.hash_algo, cfg.hash_seed, s.namespace, cfg.policy,
+                    cfg.burst_ttl_s)
+        return self.port
+
+    async def _mark_ready(self) -> None:
+        assert self.router is not None
+        await self.router.registry.ready.wait()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("router ready: %d live pods", len(self.router.registry.eligible()))
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        assert self.router is not None
+        await asyncio.wait_for(self.router.registry.ready.wait(), timeout)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self._ready_task is not None:
+            self._ready_task.cancel()
+        if self._server is not None:
+            await self.health.enter_graceful_shutdown()
+            await self._server.stop(grace)
+            self._server = None
+        if self.router is not None:
+            await self.router.registry.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
