@@ -5,8 +5,9 @@
 
 * a built-in preset (`pagekv-*`) uses the byte tokenizer: ids 0..255 are the UTF-8 bytes of
   the text, 256 is BOS (prepended), 257 is EOS;
-* a model directory uses its `tokenizer.json` (the `tokenizers` library); when the
-  tokenizer's own post-processor adds no BOS but `config.json` names one, it is prepended.
+* a model directory uses its `tokenizer.json` (the `tokenizers` library) with special
+  tokens on: its own post-processor decides whether a BOS goes in front (Llama and Mistral
+  add one; Qwen2 names a bos_token_id in config.json but never uses it).
 
 A mismatch here would only cost hit rate (the pod receives the router's token ids and
 hashes exactly those), never correctness.
@@ -14,7 +15,6 @@ hashes exactly those), never correctness.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Protocol
@@ -40,21 +40,17 @@ class ByteEncoder:
 
 
 class HFEncoder:
-    """A model directory's `tokenizer.json`, with the pods' BOS rule."""
+    """A model directory's `tokenizer.json`."""
 
-    __slots__ = ("_tok", "bos_token_id")
+    __slots__ = ("_tok",)
 
-    def __init__(self, tokenizer_file: Path, bos_token_id: int | None) -> None:
+    def __init__(self, tokenizer_file: Path) -> None:
         from tokenizers import Tokenizer  # Rust library, no torch
 
         self._tok = Tokenizer.from_file(str(tokenizer_file))
-        self.bos_token_id = bos_token_id
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=True).ids
-        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return self._tok.encode(text, add_special_tokens=True).ids
 
 
 def load_tokenizer(model: str) -> PromptTokenizer:
@@ -64,13 +60,8 @@ def load_tokenizer(model: str) -> PromptTokenizer:
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise ValueError(f"model directory {model!r} has no tokenizer.json")
-        bos: int | None = None
-        cfg_file = path / "config.json"
-        if cfg_file.is_file():
-            raw = json.loads(cfg_file.read_text())
-            bos = raw.get("bos_token_id")
-        logger.info("tokenizer: %s (bos %s)", tok_file, bos)
-        return HFEncoder(tok_file, int(bos) if bos is not None else None)
+        logger.info("tokenizer: %s", tok_file)
+        return HFEncoder(tok_file)
     if model.startswith(BUILTIN_PREFIX):
         return ByteEncoder()
     raise ValueError(

@@ -300,3 +300,23 @@ def test_prepare_rejects_empty_prompts() -> None:
                 pb.GenerateRequest(token_ids=pb.TokenIds(ids=[]))):
         with pytest.raises(BadRequest):
             router.prepare(req)
+
+
+@pytest.mark.parametrize("with_bos", [True, False])
+def test_hf_tokenizer_matches_the_pods(tmp_path: Path, with_bos: bool) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from kvnode.model.tokenizer import HFTokenizer
+
+    vocab = {"<s>": 0, "<unk>": 1, "hello": 2, "world": 3, "again": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if with_bos:  # a Llama-style post-processor that puts BOS in front
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text('{"bos_token_id": 0}')
+    text = "hello world again nope"
+    ours = load_tokenizer(str(tmp_path)).encode(text)
+    assert ours == HFTokenizer(tmp_path / "tokenizer.json", bos_token_id=0).encode(text)
+    assert ours[0] == 0 if with_bos else ours[0] == 2
