@@ -19,13 +19,15 @@ Why this layout:
   scatter (``slot_mapping``).
 
 vLLM's legacy GPU kernel stores K as ``[num_blocks, num_kv_heads, head_size/x, block_size, x]``
-with ``x = 16 bytes / element size`` (8 for fp16, 16 for fp8). That is the same data with the
-head dimension split into 16-byte vectors, and vector ``j`` of consecutive tokens stored
-side by side: neighbouring GPU threads, each working on a different token, load neighbouring
-16-byte vectors (one coalesced transaction, one vector load each) and run the Q·K dot
-product in registers. It buys vectorised GPU loads and costs a
-non-trivial block copy format; on CPU a plain contiguous ``head_size`` row already vectorises,
-so we keep the simpler layout (the C++ kernel is written against it too).
+with ``x = 16 bytes / element size`` (8 for fp16, 16 for fp8). It is the same data with the
+head dimension cut into 16-byte vectors, and vector ``j`` of consecutive tokens stored side by
+side: neighbouring GPU threads, each on a different token, load neighbouring 16-byte vectors
+(one coalesced transaction, one vector load per thread) and run the Q·K dot product in
+registers. A block is still one contiguous chunk there (block id outermost), so block copies
+cost the same; the price is that one token's key row is scattered into ``head_size/x``
+pieces (writing a token is a strided scatter) and K and V layouts differ. On CPU a
+contiguous ``head_size`` row already vectorises (AVX loads of one key row), so we keep the
+simpler layout, identical for K and V, which the C++ kernel also reads.
 
 Everything here is computed in fp32; stored values are dequantized with ``k_scale`` /
 ``v_scale`` (see ``kv_cache``).
