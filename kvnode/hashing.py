@@ -101,30 +101,45 @@ def _int_cbor(value: int) -> bytes:
     return enc
 
 
+# CBOR of each extra key tuple seen (the LoRA key repeats on every block of a request). Only
+# tuples of exact str/int are stored or looked up, so tuple equality is exact here too.
+_KEY_CBOR: dict[tuple[str | int, ...], bytes] = {}
+_KEY_CACHE_LIMIT = 4096  # mm keys vary per block: stop caching rather than grow without bound
+_KEY_ITEM_TYPES = frozenset((str, int))
+
+
+def _key_cbor(key: tuple[str | int, ...]) -> bytes | None:
+    """Canonical CBOR of one extra key whose items are exact str/int (None: lone surrogate)."""
+    parts = [_ARRAY_HEADS[len(key)]]
+    for item in key:
+        if type(item) is str:
+            try:
+                raw = item.encode()
+            except UnicodeEncodeError:  # let cbor2 raise its own error
+                return None
+            parts.append(_TEXT_HEADS[len(raw)] if len(raw) < 256 else _cbor_head(3, len(raw)))
+            parts.append(raw)
+        else:
+            parts.append(_int_cbor(item))  # type: ignore[arg-type]
+    enc = _join(parts)
+    if len(_KEY_CBOR) < _KEY_CACHE_LIMIT:
+        _KEY_CBOR[key] = enc
+    return enc
+
+
 def _cbor_extra(extra: object) -> bytes | None:
     """Canonical CBOR of extra keys, or None when they are outside the fast shape."""
-    if extra is None:
-        return _CBOR_NONE
     if type(extra) is not tuple or len(extra) > 255:
         return None
     parts = [_ARRAY_HEADS[len(extra)]]
     for key in extra:
-        if type(key) is not tuple or len(key) > 255:
+        if (type(key) is not tuple or len(key) > 255
+                or not _KEY_ITEM_TYPES.issuperset(map(type, key))):
             return None
-        parts.append(_ARRAY_HEADS[len(key)])
-        for item in key:
-            kind = type(item)
-            if kind is str:
-                try:
-                    raw = item.encode()
-                except UnicodeEncodeError:  # lone surrogate: let cbor2 raise its own error
-                    return None
-                parts.append(_TEXT_HEADS[len(raw)] if len(raw) < 256 else _cbor_head(3, len(raw)))
-                parts.append(raw)
-            elif kind is int:
-                parts.append(_int_cbor(item))
-            else:
-                return None
+        enc = _KEY_CBOR.get(key) or _key_cbor(key)
+        if enc is None:
+            return None
+        parts.append(enc)
     return _join(parts)
 
 

@@ -258,6 +258,17 @@ def test_cbor_tokens_that_alias_cached_ints(tokens: list) -> None:
         assert hash_block_tokens(fn, b"p", seq) == REFERENCE["sha256_cbor"]((b"p", tuple(seq), None))
 
 
+def test_cbor_extra_keys_that_alias_cached_keys() -> None:
+    cbor_dumps((b"p", [300, 5], (("mm", "img", 1), ("lora", "a", "b"))))  # warm the key cache
+    for extra in [(("mm", "img", True),), (("mm", "img", 1.0),), (("lora", "a", b"b"),),
+                  (("mm", "img", 1),) * 2, ((),), (("lora", "a", "b"), ("cache_salt", "s"))]:
+        obj = (b"p", [300, 5], extra)
+        assert cbor_dumps(obj) == _ref_cbor(obj)
+    for i in range(5000):  # past the key cache's bound: still exact
+        obj = (b"p", [300, 5], (("mm", "img", i - 2500),))
+        assert cbor_dumps(obj) == _ref_cbor(obj)
+
+
 def test_cbor_errors_are_cbor2_errors() -> None:
     numpy_tokens = np.array([300, 5], dtype=np.int64)
     for bad in [(b"p", list(numpy_tokens), None), (b"p", [300], (("salt", "\ud800"),))]:
