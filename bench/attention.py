@@ -1,0 +1,205 @@
+"""Paged decode attention on CPU: the C++ kernel vs contiguous SDPA vs gather-then-SDPA.
+
+For every (batch, context, block size) the same K/V is laid out twice: scattered over a paged
+cache through random, non-contiguous block tables, and as contiguous
+``[batch, kv_heads, ctx, head]`` tensors. Timed side by side, in interleaved rounds:
+
+* ``sdpa``    contiguous ``scaled_dot_product_attention(enable_gqa=True)`` — the lower bound
+              a paged layout is measured against (no gather, no block table);
+* ``gather``  the pure-torch paged path: gather the blocks into contiguous K/V, then SDPA;
+* ``ref``     ``kvnode.attention.paged.paged_attention`` (the fallback path), when present;
+* ``kernel``  ``kvnode.attention.cpu_kernel.paged_attention`` (reads blocks in place).
+
+Usage: ``python -m bench.attention [--quick] [--json PATH] [--threads N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvnode.attention import cpu_kernel
+
+logger = logging.getLogger(__name__)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 8, 2, 64
+
+
+def machine() -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def build_case(batch: int, ctx: int, block_size: int, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    nblk = -(-ctx // block_size)
+    num_blocks = batch * nblk + 8
+    k_contig = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_SIZE, generator=gen)
+    v_contig = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_SIZE, generator=gen)
+    # Random placement: the cache is fragmented the way a long-running pool is.
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * nblk].view(batch, nblk)
+    key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE)
+    value_cache = torch.zeros_like(key_cache)
+    pad = nblk * block_size - ctx
+    for src, dst in ((k_contig, key_cache), (v_contig, value_cache)):
+        rows = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad))  # [B, nblk*bs, kvh, D]
+        dst[tables.flatten()] = rows.reshape(batch * nblk, block_size, NUM_KV_HEADS, HEAD_SIZE)
+    query = torch.randn(batch, NUM_HEADS, HEAD_SIZE, generator=gen)
+    return {
+        "query": query,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "block_tables": tables.to(torch.int32),
+        "seq_lens": torch.full((batch,), ctx, dtype=torch.int32),
+        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32),
+        "scale": 1.0 / math.sqrt(HEAD_SIZE),
+        "k_contig": k_contig,
+        "v_contig": v_contig,
+    }
+
+
+def paged_args(case: dict) -> dict:
+    return {k: v for k, v in case.items() if k not in ("k_contig", "v_contig")}
+
+
+def sdpa_contiguous(case: dict) -> torch.Tensor:
+    q = case["query"].unsqueeze(2)  # [B, H, 1, D]
+    o = F.scaled_dot_product_attention(
+        q, case["k_contig"], case["v_contig"], scale=case["scale"], enable_gqa=True
+    )
+    return o.squeeze(2)
+
+
+def gather_then_sdpa(case: dict) -> torch.Tensor:
+    """What a paged pure-torch decode has to do: materialise each sequence's context."""
+    kc, vc, tables = case["key_cache"], case["value_cache"], case["block_tables"]
+    batch, nblk = tables.shape
+    ctx = int(case["seq_lens"][0])
+    idx = tables.long()
+    k = kc[idx].view(batch, nblk * kc.shape[1], NUM_KV_HEADS, HEAD_SIZE)[:, :ctx]
+    v = vc[idx].view(batch, nblk * kc.shape[1], NUM_KV_HEADS, HEAD_SIZE)[:, :ctx]
+    o = F.scaled_dot_product_attention(
+        case["query"].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+        scale=case["scale"], enable_gqa=True,
+    )
+    return o.squeeze(2)
+
+
+def time_side_by_side(fns: dict[str, Callable[[], object]], rounds: int,
+                      min_round_s: float) -> dict[str, float]:
+    """Median µs per call. Methods alternate within every round, so background load on the
+    shared machine hits all of them alike."""
+    iters: dict[str, int] = {}
+    for name, fn in fns.items():
+        fn()  # warm up (and size the round)
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        iters[name] = max(1, int(min_round_s / max(dt, 1e-7)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            n = iters[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n * 1e6)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer configs (< 60 s)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads (2)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+
+    if not cpu_kernel.available():
+        raise SystemExit("C++ paged attention could not be built; nothing to compare")
+    try:
+        ref_mod = importlib.import_module("kvnode.attention.paged")
+        ref_fn = getattr(ref_mod, "paged_attention", None)
+    except ImportError:
+        ref_fn = None
+
+    if args.quick:
+        batches, contexts, rounds, min_round = (1, 8, 32), (512, 4096), 5, 0.01
+    else:
+        batches, contexts, rounds, min_round = (1, 2, 4, 8, 16, 32), (512, 1024, 2048, 4096), 9, 0.02
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, "
+          f"torch {info['torch']} ({info['torch_threads']} threads), python {info['python']}")
+    print(f"decode, fp32, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, head {HEAD_SIZE}; "
+          "µs per call (median); ratio = kernel / sdpa")
+    cols = ["batch", "ctx", "bs", "sdpa", "gather", *(["ref"] if ref_fn else []), "kernel",
+            "ratio", "gather/kernel", "max_err"]
+    print(" ".join(f"{c:>13}" if i > 2 else f"{c:>5}" for i, c in enumerate(cols)))
+
+    rows = []
+    for block_size in (16, 128):
+        for ctx in contexts:
+            for batch in batches:
+                case = build_case(batch, ctx, block_size)
+                pargs = paged_args(case)
+                fns: dict[str, Callable[[], object]] = {
+                    "sdpa": lambda c=case: sdpa_contiguous(c),
+                    "gather": lambda c=case: gather_then_sdpa(c),
+                    "kernel": lambda a=pargs: cpu_kernel.paged_attention(**a),
+                }
+                if ref_fn is not None:
+                    fns["ref"] = lambda a=pargs: ref_fn(**a)
+                err = (cpu_kernel.paged_attention(**pargs) - sdpa_contiguous(case)).abs().max()
+                t = time_side_by_side(fns, rounds, min_round)
+                row = {"batch": batch, "ctx": ctx, "block_size": block_size,
+                       **{f"{k}_us": round(v, 1) for k, v in t.items()},
+                       "ratio": t["kernel"] / t["sdpa"],
+                       "gather_over_kernel": t["gather"] / t["kernel"],
+                       "max_abs_err": float(err)}
+                rows.append(row)
+                vals = [f"{batch:>5}", f"{ctx:>5}", f"{block_size:>5}",
+                        f"{t['sdpa']:>13.1f}", f"{t['gather']:>13.1f}",
+                        *([f"{t['ref']:>13.1f}"] if ref_fn else []),
+                        f"{t['kernel']:>13.1f}", f"{row['ratio']:>13.2f}",
+                        f"{row['gather_over_kernel']:>13.2f}", f"{float(err):>13.1e}"]
+                print(" ".join(vals), flush=True)
+
+    for bs in (16, 128):
+        ratios = [r["ratio"] for r in rows if r["block_size"] == bs]
+        print(f"block_size {bs}: kernel/sdpa ratio max {max(ratios):.2f}, "
+              f"geomean {math.exp(statistics.fmean(math.log(x) for x in ratios)):.2f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"machine": info, "heads": NUM_HEADS, "kv_heads": NUM_KV_HEADS,
+                       "head_size": HEAD_SIZE, "dtype": "float32", "rows": rows}, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
