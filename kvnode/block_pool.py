@@ -25,6 +25,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    parent_hash: bytes | None = None  # the previous block of its chain (for the tiers)
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     # Lifecycle timestamps (monotonic seconds) for the block-lifetime histograms.
@@ -189,6 +190,7 @@ class BlockPool:
             if h in cached:
                 continue
             block.block_hash = h
+            block.parent_hash = block_hashes[i - 1] if i > 0 else None
             cached[h] = block
             stored.append(h)
         if stored and self.enable_kv_events:

@@ -9,7 +9,7 @@ attention reads it, so a hit within the same step is safe).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvnode.block_pool import BlockPool, EvictHook, KVCacheBlock
 from kvnode.hashing import DEFAULT_HASH_SEED, HashConfig, RequestBlockHasher
@@ -96,6 +96,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        hits_by_tier: dict[str, int] | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of `request`.
 
@@ -151,7 +152,9 @@ class KVCacheManager:
             self.num_cached_blocks[rid] = 0
             if not request.prefix_stats_recorded:
                 request.prefix_stats_recorded = True
-                self.metrics.record_admission(request.num_tokens, {"GPU": num_new_computed_tokens})
+                self.metrics.record_admission(
+                    request.num_tokens, hits_by_tier or {"GPU": num_new_computed_tokens}
+                )
         if hits:
             pool.touch(hits)
             req_blocks.extend(hits)
@@ -176,6 +179,40 @@ class KVCacheManager:
                 )
                 self.num_cached_blocks[rid] = num_full
         return new_blocks
+
+    def load_cached_blocks(
+        self,
+        request: Request,
+        start: int,
+        loads: Sequence[tuple[bytes, object]],
+        write_fn: Callable[[int, object], None],
+    ) -> int:
+        """Materialize blocks reloaded from a lower tier as pool cache entries.
+
+        `loads` are (hash, data) for the request's blocks `start, start+1, ...`, which must
+        continue its current pool hits. They become ordinary free cached blocks, so the next
+        `get_computed_blocks` finds them as pool hits. Returns how many were loaded (fewer
+        when the pool has no room); the caller owns the rest.
+        """
+        pool = self.block_pool
+        pinned, _ = self.get_computed_blocks(request)
+        if len(pinned) != start or not loads:
+            return 0  # the pool-resident prefix changed meanwhile: the chain is broken
+        pool.touch(pinned)  # making room must not evict the prefix these blocks extend
+        try:
+            n = min(len(loads), pool.get_num_free_blocks() - self.watermark_blocks)
+            if n <= 0:
+                return 0
+            blocks = pool.get_new_blocks(n)
+            for block, (_, data) in zip(blocks, loads, strict=False):
+                write_fn(block.block_id, data)
+            hashes = request.block_hashes
+            pool.cache_full_blocks(pinned + blocks, hashes, start, start + n,
+                                   request.all_token_ids)
+            pool.free_blocks(blocks)
+            return n
+        finally:
+            pool.free_blocks(reversed(pinned))
 
     def free(self, request: Request | str) -> None:
         """Release a request's blocks, tail first, so its prompt's head is evicted last."""

@@ -70,8 +70,9 @@ class SchedulerOutput:
 
 
 # Hook for the tier chain: given a waiting request and its pool hits, load what the lower
-# tiers hold into fresh pool blocks and return the extended (blocks, tokens, by_tier).
-PrefixLoader = Callable[[Request, list, int], tuple[list, int, dict[str, int]]]
+# tiers hold into fresh pool blocks and return the extended (blocks, tokens, by_tier), or
+# None while a load from SSD is still running (the request waits; others are served).
+PrefixLoader = Callable[[Request, list, int], tuple[list, int, dict[str, int]] | None]
 
 
 class Scheduler:
@@ -145,27 +146,32 @@ class Scheduler:
             i += 1
 
         now = time.monotonic()
+        idx = 0  # waiting sequences whose tier loads are still running are skipped, not lost
         while (
             not preempted
-            and self.waiting
+            and idx < len(self.waiting)
             and budget > 0
             and len(self.running) < self.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[idx]
             req = seq.req
             hits, num_hit = mgr.get_computed_blocks(req)
             by_tier = {"GPU": num_hit}
             if self.prefix_loader is not None:
-                hits, num_hit, by_tier = self.prefix_loader(req, hits, num_hit)
+                loaded = self.prefix_loader(req, hits, num_hit)
+                if loaded is None:  # an SSD load is in flight: serve others meanwhile
+                    idx += 1
+                    continue
+                hits, num_hit, by_tier = loaded
             num_new = req.num_tokens - num_hit
             if num_new > budget:
                 if not chunked:
                     break
                 num_new = budget
-            if mgr.allocate_slots(req, num_new, num_hit, hits) is None:
+            if mgr.allocate_slots(req, num_new, num_hit, hits, by_tier) is None:
                 break
             req.num_computed_tokens = num_hit
-            self.waiting.popleft()
+            del self.waiting[idx]
             self.running.append(seq)
             scheduled.append((seq, num_new))
             budget -= num_new
