@@ -52,6 +52,7 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.close()
 
     @property
     def num_pending(self) -> int:
@@ -148,6 +149,9 @@ class AsyncEngine:
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
                     eng.abort(rid)
                 continue
+            if eng.last_step_idle:  # e.g. every waiting request awaits an SSD load
+                self._wake.wait(0.002)
+                self._wake.clear()
             for d in deltas:
                 stream = self._streams.get(d.request_id)
                 if stream is not None:

@@ -17,6 +17,7 @@ from kvnode.config import EngineArgs
 from kvnode.kv_cache_manager import KVCacheManager
 from kvnode.metrics import KVCacheMetrics
 from kvnode.model_runner import ModelRunner, SeqBatchItem
+from kvnode.offload import TierConnector, build_tier_chain
 from kvnode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvnode.request import Request
 from kvnode.sampler import make_generator, sample
@@ -54,7 +55,7 @@ class Engine:
                 f"max_model_len={self.max_model_len}: enable chunked prefill or raise it"
             )
         self.metrics = KVCacheMetrics(args.block_metrics_sample_rate)
-        self.tiers = None
+        self.tiers: TierConnector | None = None
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks,
             args.block_size,
@@ -70,6 +71,15 @@ class Engine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_chunked_prefill=args.enable_chunked_prefill,
         )
+        chain = build_tier_chain(self.runner, args.cpu_offload_bytes, args.disk_offload_bytes,
+                                 args.disk_offload_dir, args.block_size)
+        if chain is not None:
+            if not args.enable_prefix_caching:
+                raise ValueError("offload tiers need prefix caching (blocks are found by hash)")
+            self.tiers = TierConnector(chain, self.kv_manager, self.runner)
+            self.scheduler.prefix_loader = self.tiers.load_prefix
+            if chain.ssd is not None and chain.full_state():
+                logger.info("warm restart: %d blocks found on SSD", len(chain.full_state()))
         self.groups: dict[str, SequenceGroup] = {}
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.num_steps = 0
@@ -77,6 +87,7 @@ class Engine:
         # Measured prefill cost (EMA of step seconds per batched token on prefill-heavy
         # steps): published to the router so it can weigh recompute against a reload.
         self.prefill_s_per_token: float | None = None
+        self.last_step_idle = False
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -139,6 +150,8 @@ class Engine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        if self.tiers is not None:
+            self.tiers.forget(request_id)
         for seq in group.seqs:
             self.scheduler.remove(seq)
             if seq.finish_reason is None:
@@ -153,6 +166,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.num_steps += 1
+        self.last_step_idle = not sched.scheduled
         if not sched.scheduled:
             self._publish_events()
             return []
@@ -270,6 +284,8 @@ class Engine:
 
     def _publish_events(self) -> None:
         events = self.kv_manager.take_events()
+        if self.tiers is not None:
+            events.extend(self.tiers.take_events())
         if events:
             for sink in self.event_sinks:
                 sink(events)
@@ -304,3 +320,8 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_hit_rate": self.metrics.hit_rate,
         }
+
+    def close(self) -> None:
+        """Flush and close the tiers (the SSD tier's manifest must be consistent on exit)."""
+        if self.tiers is not None:
+            self.tiers.close()

@@ -1,0 +1,188 @@
+"""The pod's side of the offload tiers: evict into them, reload prefixes out of them.
+
+- Eviction: the block pool calls `on_evict(block)` when it pops a hashed block for reuse;
+  its K/V (every layer) is copied out and demoted to DRAM before the pool overwrites it.
+- Reload: at admission, a prefix that continues past the pool's hits is looked up in DRAM,
+  then SSD. DRAM hits are promoted at once; a run that touches SSD is promoted by a loader
+  thread while the request waits and the scheduler serves others. The loaded blocks become
+  ordinary cached pool blocks, so the normal prefix-hit path then picks them up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvnode.block_pool import KVCacheBlock
+from kvnode.kv_cache_manager import KVCacheManager
+from kvnode.kv_events import KVEvent
+from kvnode.request import Request
+from tiers.chain import TierChain
+from tiers.dram import DramTier
+from tiers.ssd import SsdTier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _PendingLoad:
+    start: int
+    hashes: list[bytes]
+    media: list[str]
+    future: Future
+
+
+def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
+                     disk_offload_dir: str | None, block_size: int) -> TierChain | None:
+    if cpu_offload_bytes <= 0 and disk_offload_bytes <= 0:
+        return None
+    dram = None
+    if cpu_offload_bytes > 0:
+        dram = DramTier(cpu_offload_bytes, runner.block_bytes,
+                        pin_memory=runner.device.type == "cuda")
+    ssd = None
+    if disk_offload_bytes > 0:
+        if not disk_offload_dir:
+            raise ValueError("--disk-offload-bytes needs --disk-offload-dir")
+        os.makedirs(disk_offload_dir, exist_ok=True)
+        spec = runner.kv_spec
+        layout = {"num_layers": spec.num_layers, "block_size": spec.block_size,
+                  "num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size,
+                  "dtype": str(spec.dtype).removeprefix("torch."), "model": runner.model_config.name or runner.model_config.architecture}
+        ssd = SsdTier(disk_offload_dir, disk_offload_bytes, runner.block_bytes, layout)
+    chain = TierChain(dram, ssd, block_size=block_size)
+    logger.info(
+        "offload tiers: DRAM %.1f MiB (%d blocks), SSD %.1f MiB in %s",
+        cpu_offload_bytes / 2**20, cpu_offload_bytes // runner.block_bytes,
+        disk_offload_bytes / 2**20, disk_offload_dir or "-",
+    )
+    return chain
+
+
+class TierConnector:
+    def __init__(self, chain: TierChain, manager: KVCacheManager, runner) -> None:
+        self.chain = chain
+        self.manager = manager
+        self.runner = runner
+        self.block_size = manager.block_size
+        self._loads: dict[str, _PendingLoad] = {}
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tier-load")
+        manager.block_pool.on_evict = self.on_evict
+
+    # -- eviction -------------------------------------------------------------------------
+    def on_evict(self, block: KVCacheBlock) -> None:
+        data = self.runner.read_block(block.block_id)
+        self.chain.demote(block.block_hash, block.parent_hash, (), data)
+
+    # -- reload ---------------------------------------------------------------------------
+    def load_prefix(self, req: Request, hits: list, num_hit: int):
+        """Scheduler hook: extend pool hits with blocks reloaded from DRAM/SSD.
+
+        Returns (hits, num_hit_tokens, tokens_by_tier), or None while an SSD load runs.
+        """
+        bs = self.block_size
+        pending = self._loads.get(req.request_id)
+        if pending is None:
+            max_blocks = (req.num_tokens - 1) // bs
+            start = len(hits)
+            if start >= max_blocks:
+                return hits, num_hit, {"GPU": num_hit}
+            media = self.chain.match_prefix(req.block_hashes[:max_blocks], start)
+            if not media:
+                return hits, num_hit, {"GPU": num_hit}
+            todo = list(req.block_hashes[start : start + len(media)])
+            if "DISK" in media:
+                future = self._loader.submit(self.chain.promote_many, todo)
+                self._loads[req.request_id] = _PendingLoad(start, todo, media, future)
+                return None
+            datas = self.chain.promote_many(todo)
+        else:
+            if not pending.future.done():
+                return None
+            del self._loads[req.request_id]
+            start, todo, media = pending.start, pending.hashes, pending.media
+            try:
+                datas = pending.future.result()
+            except Exception:
+                logger.exception("tier load failed; recomputing")
+                datas = [None] * len(todo)
+
+        # The leading run that came back (a checksum failure ends it: recompute from there).
+        run = 0
+        while run < len(datas) and datas[run] is not None:
+            run += 1
+        loads = list(zip(todo[:run], datas[:run], strict=True))
+        n = self.manager.load_cached_blocks(req, start, loads, self.runner.write_block)
+        for h, data in loads[n:]:  # no room in the pool: keep them below instead of losing them
+            self.chain.demote(h, todo[todo.index(h) - 1] if todo.index(h) else None, (), data)
+        hits, num_hit = self.manager.get_computed_blocks(req)
+        by_tier = {"GPU": 0, "CPU": 0, "DISK": 0}
+        loaded_tokens = {"CPU": 0, "DISK": 0}
+        for m in media[:n]:
+            loaded_tokens[m] += bs
+        by_tier["CPU"] = min(loaded_tokens["CPU"], num_hit)
+        by_tier["DISK"] = min(loaded_tokens["DISK"], num_hit - by_tier["CPU"])
+        by_tier["GPU"] = num_hit - by_tier["CPU"] - by_tier["DISK"]
+        return hits, num_hit, by_tier
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request's in-flight load: its blocks go back below when it finishes."""
+        pending = self._loads.pop(request_id, None)
+        if pending is not None:
+            pending.future.add_done_callback(lambda f, p=pending: self._put_back(p, f))
+
+    def _put_back(self, pending: _PendingLoad, future: Future) -> None:
+        try:
+            datas = future.result()
+        except Exception:
+            return
+        parent = None
+        for h, data in zip(pending.hashes, datas, strict=True):
+            if data is not None:
+                self.chain.demote(h, parent, (), data)
+            parent = h
+
+    # -- state ----------------------------------------------------------------------------
+    def take_events(self) -> list[KVEvent]:
+        return self.chain.take_events()
+
+    def full_state(self) -> dict[bytes, str]:
+        return self.chain.full_state()
+
+    def clear(self) -> int:
+        return self.chain.clear()
+
+    def stats(self) -> dict:
+        """Nested form for the exporters: per-tier usage, per-direction moves."""
+        s = self.chain.stats()
+        tiers = {
+            "CPU": {"used_bytes": s["dram_used_bytes"], "capacity_bytes": s["dram_capacity_bytes"],
+                    "entries": s["dram_entries"], "hits_tokens": s["dram_hits"] * self.block_size,
+                    "queries_tokens": s["dram_queries"] * self.block_size},
+            "DISK": {"used_bytes": s["ssd_used_bytes"], "capacity_bytes": s["ssd_capacity_bytes"],
+                     "entries": s["ssd_entries"], "hits_tokens": s["ssd_hits"] * self.block_size,
+                     "queries_tokens": s["ssd_queries"] * self.block_size},
+        }
+        moves = {}
+        for direction in ("pool_to_dram", "pool_to_ssd", "dram_to_ssd", "dram_to_pool",
+                          "ssd_to_pool"):
+            moves[direction] = {"bytes": s[f"{direction}_bytes"],
+                                "seconds": s[f"{direction}_seconds"]}
+        return {"tiers": tiers, "moves": moves, "orphans_dropped": s["orphans_dropped"],
+                "checksum_failures": s["checksum_failures"], "raw": s}
+
+    def reload_s_per_token(self, kv_bytes_per_token: int) -> dict[str, float]:
+        """Measured seconds per token to bring a block back from each tier (for the router)."""
+        s = self.chain.stats()
+        out = {}
+        for tier, key in (("CPU", "dram_to_pool"), ("DISK", "ssd_to_pool")):
+            nbytes, secs = s[f"{key}_bytes"], s[f"{key}_seconds"]
+            if nbytes > 0 and secs > 0:
+                out[tier] = secs / nbytes * kv_bytes_per_token
+        return out
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+        self.chain.close()

@@ -1,0 +1,117 @@
+"""Offload tiers wired into the engine: evicted blocks come back from DRAM and SSD."""
+
+from pathlib import Path
+
+import pytest
+
+from kvnode.kv_events import BlockRemoved, BlockStored
+from kvnode.llm import LLM
+from kvnode.sampling_params import SamplingParams
+
+P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PREFIX = [(i * 37) % 250 + 1 for i in range(200)]  # 12 full blocks of 16
+TARGET = PREFIX + [7, 9]
+FILLERS = [[(i * k) % 250 + 1 for i in range(180)] for k in (11, 13, 17)]
+
+
+@pytest.fixture(scope="module")
+def cold_tokens():
+    llm = LLM("pagekv-tiny", num_gpu_blocks=256, max_model_len=512, enable_prefix_caching=False)
+    return llm.generate([TARGET], P)[0].outputs[0].token_ids
+
+
+def run(llm, prompts):
+    return [llm.generate([p], P)[0] for p in prompts]
+
+
+def small_llm(**kw):
+    return LLM("pagekv-tiny", num_gpu_blocks=26, max_model_len=400, **kw)
+
+
+def test_pool_hit_same_tokens(cold_tokens):
+    llm = small_llm()
+    out = run(llm, [TARGET, TARGET])[-1]
+    assert out.cached_tokens_by_tier["GPU"] == 192
+    assert out.outputs[0].token_ids == cold_tokens
+
+
+@pytest.mark.parametrize("tier", ["CPU", "DISK"])
+def test_evicted_prefix_reloads_from_tier_with_same_tokens(tmp_path, cold_tokens, tier):
+    kw = ({"cpu_offload_bytes": 4 << 20} if tier == "CPU"
+          else {"disk_offload_bytes": 16 << 20, "disk_offload_dir": str(tmp_path)})
+    llm = small_llm(**kw)
+    outs = run(llm, [TARGET, *FILLERS, TARGET])
+    last = outs[-1]
+    assert last.outputs[0].token_ids == cold_tokens
+    assert last.cached_tokens_by_tier[tier] > 0
+    assert last.num_cached_tokens == sum(last.cached_tokens_by_tier.values())
+    assert llm.engine.metrics.prefix_hits_tokens_by_tier[tier] > 0
+    llm.engine.close()
+
+
+def test_eviction_events_carry_the_tier(tmp_path):
+    llm = small_llm(cpu_offload_bytes=4 << 20)
+    events = []
+    llm.engine.event_sinks.append(events.extend)
+    run(llm, [TARGET, *FILLERS])
+    cpu_stored = {h for e in events if isinstance(e, BlockStored) and e.medium == "CPU"
+                  for h in e.block_hashes}
+    gpu_removed = {h for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU"
+                   for h in e.block_hashes}
+    assert cpu_stored and cpu_stored <= gpu_removed
+    assert set(llm.engine.tiers.full_state()) == cpu_stored - {
+        h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"
+        for h in e.block_hashes}
+
+
+def test_overflow_lands_on_ssd_and_survives_restart(tmp_path, cold_tokens):
+    kw = {"cpu_offload_bytes": 3 * 8192, "disk_offload_bytes": 16 << 20,
+          "disk_offload_dir": str(tmp_path)}
+    llm = small_llm(**kw)
+    run(llm, [TARGET, *FILLERS])
+    state = llm.engine.tiers.full_state()
+    on_disk = {h for h, m in state.items() if m == "DISK"}
+    assert on_disk, state
+    target_hashes = set(llm.engine.kv_manager._hashes(
+        __import__("kvnode.request", fromlist=["Request"]).Request("x", TARGET)))
+    assert target_hashes & on_disk
+    llm.engine.close()  # flush the SSD writer, as a pod does on SIGTERM
+
+    restarted = small_llm(**kw)
+    assert {h for h, m in restarted.engine.tiers.full_state().items() if m == "DISK"} == on_disk
+    out = restarted.generate([TARGET], P)[0]
+    assert out.cached_tokens_by_tier["DISK"] > 0
+    assert out.outputs[0].token_ids == cold_tokens
+    restarted.engine.close()
+
+
+def test_corrupted_ssd_entry_is_a_miss_not_wrong_output(tmp_path, cold_tokens):
+    kw = {"disk_offload_bytes": 16 << 20, "disk_offload_dir": str(tmp_path)}
+    llm = small_llm(**kw)
+    run(llm, [TARGET, *FILLERS])
+    llm.engine.close()
+    segments = [p for p in Path(tmp_path).rglob("*") if p.is_file() and p.stat().st_size > 4096]
+    assert segments
+    for seg in segments:  # flip bytes well inside the payloads
+        data = bytearray(seg.read_bytes())
+        for off in range(1024, len(data), 997):
+            data[off] ^= 0xFF
+        seg.write_bytes(bytes(data))
+    restarted = small_llm(**kw)
+    out = restarted.generate([TARGET], P)[0]
+    assert out.outputs[0].token_ids == cold_tokens
+    stats = restarted.engine.tiers.stats()
+    assert stats["checksum_failures"] + stats["raw"].get("ssd_torn_entries", 0) > 0
+    restarted.engine.close()
+
+
+def test_abort_while_ssd_load_in_flight(tmp_path):
+    llm = small_llm(disk_offload_bytes=16 << 20, disk_offload_dir=str(tmp_path))
+    run(llm, [TARGET, *FILLERS])
+    eng = llm.engine
+    eng.add_request("t", TARGET, P)
+    eng.step()  # the SSD load starts; the request waits
+    eng.abort("t")
+    assert not eng.has_unfinished()
+    assert eng.kv_manager.get_num_free_blocks() == 26
+    eng.close()
