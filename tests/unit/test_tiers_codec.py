@@ -114,3 +114,14 @@ def test_dtype_names(name: str, canonical: str, size: int) -> None:
 def test_unknown_dtype_is_rejected_clearly() -> None:
     with pytest.raises(ValueError, match="unknown KV dtype"):
         codec.canonical_dtype("int4")
+
+
+def test_probe_decides_like_the_whole_block_on_large_blocks() -> None:
+    noise = os.urandom(1 << 20)
+    assert codec.encode(noise, 2)[0] == codec.CODEC_RAW  # decided by the sample alone
+    repetitive = torch.tensor([1.0, -2.0, 0.5, 0.0], dtype=torch.float16).repeat(1 << 18)
+    raw = repetitive.view(torch.uint8).numpy()
+    codec_id, payload = codec.encode(raw, 2)
+    assert codec_id == codec.CODEC_LZ4_SHUFFLE
+    assert codec.decode(codec_id, payload, raw.nbytes, 2) == raw.tobytes()
+    assert codec.encode(noise, 2, probe_bytes=0)[0] == codec.CODEC_RAW
