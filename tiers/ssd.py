@@ -5,21 +5,31 @@ Design (see also `tiers/ssd_format.py` for the bytes on disk):
 * Files. `<directory>/layout-<layout id>/seg-<seq>.pkv`, one sub-directory per KV layout so a
   pod restarted with another model never mixes blocks. Segments are written sequentially and
   never rewritten; a write batch packs many encoded entries (up to `batch_bytes`) into one
-  `writelines` call, then `fdatasync`s and drops the written pages from the page cache
-  (`POSIX_FADV_DONTNEED`): the DRAM tier is the cache, the page cache must not be a second one.
+  aligned staging buffer and writes it with one call.
+* Direct I/O. Segments are opened with O_DIRECT where the filesystem allows it (entries are
+  4 KiB-aligned, staging buffers are page-aligned and made once at start-up): the page cache
+  would be a second copy of what the DRAM tier already caches, and the copy into it costs as
+  much as the disk write. Without O_DIRECT (tmpfs, some network filesystems) the tier falls
+  back to buffered I/O and drops the pages it wrote or read (POSIX_FADV_DONTNEED).
 * Threads. An asyncio loop runs in one background thread; aiofiles runs the blocking file calls
   on a small executor. `put` copies the block into a pending buffer and wakes the writer: it
   never waits for the disk. Encoding (shuffle + lz4) of batch N+1 overlaps the write of batch N.
-  A pending block is readable from the pending buffer until its write lands.
+  A pending block is readable from the pending buffer until its write lands. Reads split into
+  runs of adjacent entries that are read concurrently (one staging buffer each), verified and
+  copied out on the executor.
+* Durability. The writer `fdatasync`s a segment when it seals it, one second after it runs out
+  of work, and on `flush()` / `close()` (so `flush()` returning means durable); never per
+  batch, which would cost a journal commit per write. A crash loses at most the unsynced tail,
+  which the start-up scan sees as torn (or never sees).
 * Manifest. There is none to keep consistent: the segments *are* the log. At start-up every
   segment's entry headers are scanned (headers only; each has its own checksum), which rebuilds
-  the index. A torn tail (length past end of file) ends a segment's scan; a header that fails
-  its checksum is skipped by re-synchronising on the next valid entry magic. Payload checksums
-  are verified on every read; a failure is counted, the entry dropped, and the read is a miss.
-  Removals are not logged, so an entry removed before a restart (promoted, evicted) can come
-  back after it; its bytes are still the KV of its hash, so that costs disk space, not
-  correctness, and LRU eviction takes care of the space.
-* Budget. `capacity_bytes` bounds the bytes of segment files on disk (headers and holes
+  the index. A torn tail (zeros, or a length past the end of the file) ends a segment's scan; a
+  header that fails its checksum is skipped by re-synchronising on the next valid entry magic.
+  Payload checksums are verified on every read; a failure is counted, the entry dropped, and
+  the read is a miss. Removals are not logged, so an entry removed before a restart (promoted,
+  evicted) can come back after it; its bytes are still the KV of its hash, so that costs disk
+  space, not correctness, and LRU eviction takes care of the space.
+* Budget. `capacity_bytes` bounds the bytes of segment files on disk (headers, padding and holes
   included). Before each batch is written, LRU entries are evicted until the batch fits; a
   segment whose entries are all gone is deleted (no compaction). In the exclusive chain an SSD
   read is a promotion that removes the entry, so LRU order is write order and eviction frees
@@ -35,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import mmap
 import os
 import re
 import stat
@@ -43,7 +54,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,12 +77,16 @@ from tiers.ssd_format import (
     ENTRY_FIXED_LEN,
     ENTRY_MAGIC,
     MAX_ENTRY_HEADER_LEN,
+    MAX_HASH_LEN,
     MAX_LAYOUT_LEN,
+    MAX_TOKENS,
     EntryHeader,
     FormatError,
+    align_up,
     canonical_layout,
     checksum,
     entry_header_len,
+    entry_header_size,
     layout_id_of,
     pack_entry_header,
     pack_segment_header,
@@ -84,6 +99,7 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 _SEG_RE = re.compile(r"^seg-(\d{10})\.pkv$")
 _T = TypeVar("_T")
+_CORRUPT = "corrupt"  # read result: the bytes arrived but failed verification
 
 
 @dataclass(slots=True)
@@ -91,24 +107,54 @@ class _Segment:
     seq: int
     path: str
     size: int = 0  # bytes in the file; what counts against the budget
-    header_len: int = 0
+    first_entry: int = 0  # offset of the first entry (after the padded segment header)
     live: int = 0  # indexed entries
     pins: int = 0  # reads in flight: the file must not be deleted under them
+    dirty: bool = False  # written since its last fdatasync
 
 
 @dataclass(slots=True)
 class _Loc:
     seg: _Segment
-    offset: int
-    length: int  # header + payload
+    offset: int  # aligned
+    length: int  # header + payload, unpadded
+
+
+@dataclass(slots=True, eq=False)
+class _Chunk:
+    """One slice of the pending ring: puts lay entries out here exactly as they go to disk."""
+
+    arr: np.ndarray  # uint8 view of the slice
+    view: memoryview  # the same bytes, page-aligned, for the write call
+    fill: int = 0  # bytes reserved (aligned)
+    entries: list[_Pending] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """A block accepted by put and not on disk yet: its raw payload sits in a chunk."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    chunk: _Chunk
+    offset: int  # of the entry (header first) in the chunk
+    header_len: int
+    nbytes: int
+
+    def payload(self) -> np.ndarray:
+        start = self.offset + self.header_len
+        return self.chunk.arr[start : start + self.nbytes]
 
 
 @dataclass(slots=True)
-class _Pending:
-    block_hash: bytes
-    data: np.ndarray  # the caller's block, copied
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
+class _Batch:
+    """What one write call sends: `view[:size]`, holding `items` (p, offset, length, codec)."""
+
+    chunk: _Chunk
+    view: memoryview
+    size: int = 0
+    items: list[tuple[_Pending, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -137,10 +183,13 @@ class SsdTier(Tier):
         compress: bool = True,
         min_ratio: float = DEFAULT_MIN_RATIO,
         io_threads: int = 4,
+        read_chunk_bytes: int = 8 * MiB,
         sync: bool = True,
-        drop_cache: bool = True,
-        max_read_bytes: int = 32 * MiB,
+        sync_delay_s: float = 1.0,
+        direct_io: bool | None = None,
     ) -> None:
+        """`sync`: fdatasync sealed segments, on `flush()`/`close()`, and `sync_delay_s` after the
+        writer runs out of work. `direct_io`: None tries O_DIRECT, falls back to buffered I/O."""
         if block_bytes <= 0 or capacity_bytes < 0:
             raise ValueError(f"need block_bytes > 0 and capacity_bytes >= 0, got {block_bytes}, {capacity_bytes}")
         self.block_bytes = block_bytes
@@ -157,21 +206,47 @@ class SsdTier(Tier):
         self.compress = compress
         self.min_ratio = min_ratio
         self.sync = sync
-        self.drop_cache = drop_cache and hasattr(os, "posix_fadvise")
+        self.sync_delay_s = sync_delay_s
+        self.direct_io = direct_io is not False and hasattr(os, "O_DIRECT")
         self.max_pending_bytes = max_pending_bytes
-        self.max_read_bytes = max(max_read_bytes, block_bytes + MAX_ENTRY_HEADER_LEN)
         self.directory = Path(directory) / f"layout-{self.layout_id:016x}"
-        self._seg_header = pack_segment_header(self.layout_bytes)
+        header = pack_segment_header(self.layout_bytes)
+        self._seg_header = mmap.mmap(-1, align_up(len(header)))  # padded, aligned for O_DIRECT
+        self._seg_header.write(header)
+        max_entry = align_up(block_bytes + MAX_ENTRY_HEADER_LEN)
         # A small budget gets small segments, so that deleting one frees a useful fraction.
-        min_seg = len(self._seg_header) + block_bytes + MAX_ENTRY_HEADER_LEN
-        self.segment_bytes = max(min(segment_bytes, capacity_bytes // 4), min_seg)
-        self.batch_bytes = max(block_bytes, min(batch_bytes, self.segment_bytes))
+        self.segment_bytes = max(min(segment_bytes, capacity_bytes // 4), len(self._seg_header) + max_entry)
+        self.batch_bytes = align_up(max(max_entry, min(batch_bytes, self.segment_bytes)))
+        self.read_chunk_bytes = align_up(max(max_entry, read_chunk_bytes))
+        # Buffers, made once (anonymous mmaps are page-aligned, as O_DIRECT wants):
+        # * the pending ring: `put` copies each block straight to its place in an entry laid
+        #   out as on disk, so a raw batch is written from where it was copied, with no second
+        #   copy; the ring's size is the write-behind backlog (`max_pending_bytes`);
+        # * two output buffers for batches that compress (encode N+1 while N is written);
+        # * one read buffer per I/O thread.
+        n_chunks = max(2, max_pending_bytes // self.batch_bytes)
+        self._ring = mmap.mmap(-1, n_chunks * self.batch_bytes)
+        ring = np.frombuffer(self._ring, dtype=np.uint8)
+        ring_view = memoryview(self._ring)
+        self._chunks = [
+            _Chunk(ring[i * self.batch_bytes : (i + 1) * self.batch_bytes],
+                   ring_view[i * self.batch_bytes : (i + 1) * self.batch_bytes])
+            for i in range(n_chunks)
+        ]  # fmt: skip
+        self._free_chunks: list[_Chunk] = list(reversed(self._chunks))
+        self._filling: _Chunk | None = None
+        self._sealed: deque[_Chunk] = deque()  # full chunks waiting for the writer
+        self._wbufs = [
+            _Chunk(np.frombuffer(buf, dtype=np.uint8), memoryview(buf))
+            for buf in (mmap.mmap(-1, self.batch_bytes) for _ in range(2))
+        ]
+        self.max_pending_bytes = n_chunks * self.batch_bytes
+        self._io_threads = max(1, io_threads)
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._index: OrderedDict[bytes, _Loc] = OrderedDict()  # LRU first
         self._pending: dict[bytes, _Pending] = {}
-        self._queue: deque[_Pending] = deque()  # pending entries not yet taken by the writer
         self._pending_bytes = 0
         self._segments: dict[int, _Segment] = {}
         self._disk_bytes = 0
@@ -189,7 +264,7 @@ class SsdTier(Tier):
         self._c: dict[str, float] = dict.fromkeys(
             (
                 "puts", "put_drops", "entries_written", "compressed_entries", "dead_entries_written",
-                "bytes_written", "raw_bytes_written", "encode_seconds", "write_seconds",
+                "bytes_written", "raw_bytes_written", "encode_seconds", "write_seconds", "syncs",
                 "reads", "read_hits", "bytes_read", "read_seconds", "evictions",
                 "checksum_failures", "torn_entries", "read_errors", "recovered_entries",
                 "discarded_segments", "deleted_segments",
@@ -198,7 +273,7 @@ class SsdTier(Tier):
         )  # fmt: skip
 
         self._loop = asyncio.new_event_loop()
-        self._executor = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="pagekv-ssd-io")
+        self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="pagekv-ssd-io")
         self._loop.set_default_executor(self._executor)
         self._thread = threading.Thread(target=self._loop.run_forever, name="pagekv-ssd", daemon=True)
         self._thread.start()
@@ -242,6 +317,7 @@ class SsdTier(Tier):
                 used_bytes=self._disk_bytes,
                 capacity_bytes=self._capacity,
                 segments=len(self._segments),
+                direct_io=int(self.direct_io),
                 disabled=int(self._disabled),
             )
             return out
@@ -267,28 +343,42 @@ class SsdTier(Tier):
         parent_hash: bytes | None = None,
         token_ids: Sequence[int] | None = None,
     ) -> bool:
-        """Queue a block for writing; returns at once. False if refused (disabled, backlog full)."""
+        """Copy a block into the write-behind ring; returns at once (no disk I/O).
+
+        False if refused: disabled, or the backlog is full because the disk is behind.
+        """
         if self._disabled or self._closing:
             return False
         src = as_uint8_tensor(data, self.block_bytes)
-        if block_hash in self._pending or block_hash in self._index:
-            with self._lock:
+        tokens = tuple(token_ids or ())
+        _check_entry_fields(block_hash, parent_hash, tokens)  # here, not in the writer thread
+        header_len = entry_header_size(len(block_hash), len(parent_hash or b""), len(tokens))
+        footprint = align_up(header_len + self.block_bytes)
+        with self._lock:
+            if self._disabled:
+                return False
+            if block_hash in self._pending or block_hash in self._index:
                 if block_hash in self._index:
                     self._index.move_to_end(block_hash)
-            return True  # same hash, same content
-        with self._lock:
-            if self._pending_bytes + self.block_bytes > self.max_pending_bytes:
-                self._c["put_drops"] += 1  # the disk is behind: refuse rather than grow memory
-                return False
-        # The copy: the caller may overwrite its block as soon as we return.
-        arr = src.numpy().copy() if src.device.type == "cpu" else src.cpu().numpy()
-        entry = _Pending(block_hash, arr, parent_hash, tuple(token_ids or ()))
-        with self._lock:
-            if self._disabled or block_hash in self._pending or block_hash in self._index:
-                return not self._disabled
-            self._pending[block_hash] = entry
-            self._queue.append(entry)
-            self._pending_bytes += arr.nbytes
+                return True  # same hash, same content
+            chunk = self._filling
+            if chunk is None or chunk.fill + footprint > self.batch_bytes:
+                if chunk is not None:
+                    self._sealed.append(chunk)
+                    self._filling = None
+                if not self._free_chunks:
+                    self._c["put_drops"] += 1  # the disk is behind: refuse rather than grow memory
+                    return False
+                chunk = self._filling = self._free_chunks.pop()
+            p = _Pending(block_hash, parent_hash, tokens, chunk, chunk.fill, header_len, self.block_bytes)
+            chunk.fill += footprint
+            chunk.entries.append(p)
+            # The copy, under the lock so no reader sees a half-copied block; the caller may
+            # overwrite its block as soon as we return. The writer fills in the header.
+            np.copyto(p.payload(), src.numpy() if src.device.type == "cpu" else src.cpu().numpy())
+            chunk.arr[p.offset + header_len + self.block_bytes : p.offset + footprint] = 0  # padding
+            self._pending[block_hash] = p
+            self._pending_bytes += self.block_bytes
             self._c["puts"] += 1
             wake = not self._wake_scheduled
             self._wake_scheduled = True
@@ -332,11 +422,14 @@ class SsdTier(Tier):
             return hashes
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every accepted put is on disk (or dropped). True unless it timed out."""
+        """Wait until every accepted put is written and synced (or dropped). False on timeout."""
         with self._cond:
-            return self._cond.wait_for(
+            done = self._cond.wait_for(
                 lambda: self._disabled or self._closed or (not self._pending and not self._busy), timeout
             )
+        if done and not (self._disabled or self._closed):
+            self._run(self._sync_now(), timeout)
+        return done
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Flush, stop the writer and the loop thread. Idempotent."""
@@ -365,8 +458,8 @@ class SsdTier(Tier):
     # --- bookkeeping (callers hold self._lock) ---------------------------------------------
     def _remove_locked(self, block_hash: bytes) -> bool:
         p = self._pending.pop(block_hash, None)
-        if p is not None:
-            self._pending_bytes -= p.data.nbytes
+        if p is not None:  # its bytes stay in the chunk; written, if at all, as a dead entry
+            self._pending_bytes -= p.nbytes
             self._cond.notify_all()
             return True
         loc = self._index.pop(block_hash, None)
@@ -393,7 +486,7 @@ class SsdTier(Tier):
         for seg in list(self._segments.values()):
             if seg.live or seg.pins:
                 continue
-            if seg is self._active and seg.size <= seg.header_len:
+            if seg is self._active and seg.size <= seg.first_entry:
                 continue  # fresh active segment: nothing to reclaim yet
             doomed.append(self._unlink_locked(seg))
         return doomed
@@ -411,16 +504,18 @@ class SsdTier(Tier):
             self._dropped.extend([*self._index, *self._pending])
             self._index.clear()
             self._pending.clear()
-            self._queue.clear()
+            self._sealed.clear()
+            self._filling = None
             self._pending_bytes = 0
+            # One line, no traceback: an operating condition, not a bug. Logged before anyone
+            # waiting in flush() can see the tier disabled.
+            logger.error(
+                "SSD tier at %s disabled, continuing without it (lookups miss, puts are dropped): %s: %s",
+                self.directory,
+                what,
+                exc,
+            )
             self._cond.notify_all()
-        # One line, no traceback: this is an operating condition, not a bug.
-        logger.error(
-            "SSD tier at %s disabled, continuing without it (lookups miss, puts are dropped): %s: %s",
-            self.directory,
-            what,
-            exc,
-        )
 
     # --- the loop thread ---------------------------------------------------------------------
     def _run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
@@ -431,7 +526,12 @@ class SsdTier(Tier):
 
     async def _start(self) -> None:
         self._work = asyncio.Event()
+        self._idle_sync: asyncio.TimerHandle | None = None
+        self._sealing: set[asyncio.Task[None]] = set()  # segments being synced and closed
         self._seg_lock = asyncio.Lock()  # serialises appends and segment deletion
+        self._rbufs: asyncio.Queue[mmap.mmap] = asyncio.Queue()
+        for _ in range(self._io_threads):
+            self._rbufs.put_nowait(mmap.mmap(-1, self.read_chunk_bytes))
         try:
             await aiofiles.os.makedirs(self.directory, exist_ok=True)
             await self._recover()
@@ -441,22 +541,24 @@ class SsdTier(Tier):
             self._disable("cannot use the directory", exc)
         self._writer_task = asyncio.get_running_loop().create_task(self._writer_main())
         logger.info(
-            "SSD tier at %s: %d blocks recovered, %.1f of %.1f MiB used, segments of %.1f MiB",
+            "SSD tier at %s: %d blocks recovered, %.1f of %.1f MiB used, segments of %.1f MiB, %s I/O",
             self.directory,
             len(self._index),
             self._disk_bytes / MiB,
             self._capacity / MiB,
             self.segment_bytes / MiB,
+            "direct" if self.direct_io else "buffered",
         )
 
     async def _shutdown(self) -> None:
         self._work.set()
         await self._writer_task
         async with self._seg_lock:
-            if self._active_file is not None:
-                await self._active_file.close()
-                self._active_file = None
-                self._active = None
+            self._close_active()
+        await asyncio.gather(*self._sealing)
+
+    def _opener(self, path: str, flags: int) -> int:
+        return os.open(path, flags | (os.O_DIRECT if self.direct_io else 0))
 
     # --- writing -----------------------------------------------------------------------------
     async def _writer_main(self) -> None:
@@ -469,120 +571,198 @@ class SsdTier(Tier):
             if self._closing:
                 return
 
-    def _take_batch(self) -> list[_Pending]:
+    def _take_chunk(self) -> _Chunk | None:
+        """The next chunk to write: a full one, else the one being filled (so nothing waits)."""
         with self._lock:
-            batch: list[_Pending] = []
-            size = 0
-            while self._queue and size < self.batch_bytes:
-                p = self._queue.popleft()
-                if self._pending.get(p.block_hash) is p:  # else removed before being written
-                    batch.append(p)
-                    size += p.data.nbytes
-            if batch:
+            if self._sealed:
+                chunk: _Chunk | None = self._sealed.popleft()
+            elif self._filling is not None and self._filling.entries:
+                chunk, self._filling = self._filling, None
+            else:
+                chunk = None
+            if chunk is not None:
                 self._busy = True
-            return batch
+            return chunk
+
+    def _recycle(self, chunk: _Chunk) -> None:
+        with self._lock:
+            for p in chunk.entries:  # not written (dropped or failed): gone
+                if self._pending.get(p.block_hash) is p:
+                    self._remove_locked(p.block_hash)
+                    self._dropped.append(p.block_hash)
+            chunk.entries.clear()
+            chunk.fill = 0
+            self._free_chunks.append(chunk)
 
     async def _drain(self) -> None:
-        """Encode batch N+1 on the executor while batch N is written."""
-        loop = asyncio.get_running_loop()
-        batch = self._take_batch()
-        fut = loop.run_in_executor(None, self._encode_batch, batch) if batch else None
+        """Prepare chunk N+1 (headers, compression) while chunk N is written; sync when idle."""
+        turn = 0
+
+        def start(chunk: _Chunk | None) -> asyncio.Task[_Batch] | None:
+            nonlocal turn
+            if chunk is None:
+                return None
+            turn += 1
+            return asyncio.ensure_future(self._prepare(chunk, self._wbufs[turn % 2]))
+
+        task = start(self._take_chunk())
         try:
-            while fut is not None:
-                encoded = await fut
-                nxt = self._take_batch()
-                fut = loop.run_in_executor(None, self._encode_batch, nxt) if nxt else None
-                await self._write_batch(encoded)
+            while task is not None:
+                batch = await task
+                task = start(self._take_chunk())
+                try:
+                    await self._write_batch(batch)
+                finally:
+                    self._recycle(batch.chunk)
+            if self._idle_sync is None:
+                self._idle_sync = self._loop.call_later(self.sync_delay_s, self._start_idle_sync)
         except OSError as exc:
             self._disable("write failed", exc)
         except Exception as exc:  # a bug must not kill the writer silently and leave flush() hanging
             logger.exception("SSD tier writer failed")
             self._disable("writer crashed", exc)
         finally:
-            if fut is not None:
-                await asyncio.gather(fut, return_exceptions=True)
+            if task is not None:
+                done = await asyncio.gather(task, return_exceptions=True)
+                if isinstance(done[0], _Batch):
+                    self._recycle(done[0].chunk)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
 
-    def _encode_batch(self, batch: list[_Pending]) -> list[tuple[_Pending, bytes, Any, int]]:
+    async def _prepare(self, chunk: _Chunk, out: _Chunk) -> _Batch:
+        """Turn a chunk of raw entries into the bytes to write.
+
+        Uncompressed (the common case: KV rarely passes the ratio threshold), each entry's
+        header is written into the space its put reserved and the chunk is written as it is.
+        Blocks that compress are re-laid into an output buffer. Encoding runs on the executor,
+        split across the I/O threads (lz4, numpy and xxhash release the GIL).
+        """
+        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        out = []
-        for p in batch:
-            if self.compress:
-                codec, payload = encode(p.data, self.elem_size, self.min_ratio)
-            else:
-                codec, payload = CODEC_RAW, memoryview(p.data)
-            header = pack_entry_header(
-                block_hash=p.block_hash,
-                parent_hash=p.parent_hash,
-                token_ids=p.token_ids,
-                layout_id=self.layout_id,
-                dtype_code=self._dtype_code,
-                codec=codec,
-                raw_len=p.data.nbytes,
-                payload=payload,
+        entries = list(chunk.entries)
+        codecs: list[tuple[int, Any]] = [(CODEC_RAW, None)] * len(entries)
+        if self.compress and entries:
+            with self._lock:  # popped while pending: not worth compressing or writing
+                live = [i for i, p in enumerate(entries) if self._pending.get(p.block_hash) is p]
+            groups = [live[k :: self._io_threads] for k in range(self._io_threads)]
+            parts = await asyncio.gather(
+                *(loop.run_in_executor(None, self._encode_group, entries, g) for g in groups if g)
             )
-            out.append((p, header, payload, codec))
-        with self._lock:
-            self._c["encode_seconds"] += time.perf_counter() - t0
+            for part in parts:
+                for i, codec, payload in part:
+                    codecs[i] = (codec, payload)
+            if all(c == CODEC_RAW for c, _ in codecs) and len(live) == len(entries):
+                codecs = [(CODEC_RAW, None)] * len(entries)
+            else:
+                batch = await loop.run_in_executor(None, self._relayout, chunk, out, entries, codecs, live)
+                self._c["encode_seconds"] += time.perf_counter() - t0
+                return batch
+        batch = await loop.run_in_executor(None, self._headers_in_place, chunk, entries)
+        self._c["encode_seconds"] += time.perf_counter() - t0
+        return batch
+
+    def _encode_group(self, entries: list[_Pending], idxs: list[int]) -> list[tuple[int, int, Any]]:
+        out = []
+        for i in idxs:
+            codec, payload = encode(entries[i].payload(), self.elem_size, self.min_ratio)
+            out.append((i, codec, payload if codec != CODEC_RAW else None))
         return out
 
-    async def _write_batch(self, encoded: list[tuple[_Pending, bytes, Any, int]]) -> None:
+    def _header(self, p: _Pending, codec: int, payload: Any) -> bytes:
+        header = pack_entry_header(
+            block_hash=p.block_hash,
+            parent_hash=p.parent_hash,
+            token_ids=p.token_ids,
+            layout_id=self.layout_id,
+            dtype_code=self._dtype_code,
+            codec=codec,
+            raw_len=p.nbytes,
+            payload=payload,
+        )
+        assert len(header) == p.header_len
+        return header
+
+    def _headers_in_place(self, chunk: _Chunk, entries: list[_Pending]) -> _Batch:
+        batch = _Batch(chunk, chunk.view, chunk.fill)
+        for p in entries:
+            header = self._header(p, CODEC_RAW, p.payload())
+            chunk.arr[p.offset : p.offset + p.header_len] = np.frombuffer(header, dtype=np.uint8)
+            batch.items.append((p, p.offset, p.header_len + p.nbytes, CODEC_RAW))
+        return batch
+
+    def _relayout(
+        self,
+        chunk: _Chunk,
+        out: _Chunk,
+        entries: list[_Pending],
+        codecs: list[tuple[int, Any]],
+        live: list[int],
+    ) -> _Batch:
+        batch = _Batch(chunk, out.view)
+        pos = 0
+        for i in live:
+            p = entries[i]
+            codec, payload = codecs[i]
+            if codec == CODEC_RAW:
+                payload = p.payload()
+            header = self._header(p, codec, payload)
+            length = p.header_len + len(payload)
+            end = align_up(pos + length)
+            out.arr[pos : pos + p.header_len] = np.frombuffer(header, dtype=np.uint8)
+            out.arr[pos + p.header_len : pos + length] = np.frombuffer(payload, dtype=np.uint8)
+            out.arr[pos + length : end] = 0
+            batch.items.append((p, pos, length, codec))
+            pos = end
+        batch.size = pos
+        return batch
+
+    async def _write_batch(self, batch: _Batch) -> None:
         async with self._seg_lock:
             with self._lock:
-                doomed, kept = self._make_room_locked(encoded)
+                doomed, keep = self._make_room_locked(batch)
             await self._delete_segments(doomed)
-            if not kept:
+            if not keep:
                 return
-            total = sum(len(h) + len(pl) for _, h, pl, _ in kept)
-            seg = await self._active_for(total)
+            items = batch.items[:keep]
+            size = batch.size if keep == len(batch.items) else batch.items[keep][1]
+            seg = await self._active_for(size)
             f = self._active_file
-            start = pos = seg.size
-            buffers: list[Any] = []
-            placed: list[tuple[_Pending, int, int, int]] = []
-            for p, header, payload, codec in kept:
-                buffers += (header, payload)
-                length = len(header) + len(payload)
-                placed.append((p, pos, length, codec))
-                pos += length
+            start = seg.size
             with self._lock:  # reserve: the file grows now, whatever happens next
-                seg.size = pos
-                self._disk_bytes += pos - start
+                seg.size += size
+                seg.dirty = True
+                self._disk_bytes += size
             t0 = time.perf_counter()
-            await f.writelines(buffers)
-            fd = f.fileno()
-            if os.fstat(fd).st_size != pos:
-                raise OSError(errno.EIO, f"short write to {seg.path}")
-            if self.sync:
-                await asyncio.get_running_loop().run_in_executor(None, os.fdatasync, fd)
-            if self.drop_cache:
-                os.posix_fadvise(fd, start, pos - start, os.POSIX_FADV_DONTNEED)
+            written = await f.write(batch.view[:size])
+            if written != size:
+                raise OSError(errno.EIO, f"short write to {seg.path} ({written} of {size} bytes)")
             elapsed = time.perf_counter() - t0
             with self._cond:
-                for p, offset, length, codec in placed:
+                for p, offset, length, codec in items:
                     if self._pending.get(p.block_hash) is p:
                         del self._pending[p.block_hash]
-                        self._pending_bytes -= p.data.nbytes
-                        self._index[p.block_hash] = _Loc(seg, offset, length)
+                        self._pending_bytes -= p.nbytes
+                        self._index[p.block_hash] = _Loc(seg, start + offset, length)
                         seg.live += 1
                         self._c["entries_written"] += 1
-                        self._c["raw_bytes_written"] += p.data.nbytes
+                        self._c["raw_bytes_written"] += p.nbytes
                         if codec != CODEC_RAW:
                             self._c["compressed_entries"] += 1
                     else:
                         self._c["dead_entries_written"] += 1
-                self._c["bytes_written"] += pos - start
+                self._c["bytes_written"] += size
                 self._c["write_seconds"] += elapsed
                 if seg.live == 0:
                     self._schedule_reclaim_locked()
                 self._cond.notify_all()
 
-    def _make_room_locked(
-        self, encoded: list[tuple[_Pending, bytes, Any, int]]
-    ) -> tuple[list[_Segment], list[tuple[_Pending, bytes, Any, int]]]:
-        """Evict LRU entries until the batch fits the budget; drop what still cannot fit."""
-        need = sum(len(h) + len(pl) for _, h, pl, _ in encoded) + len(self._seg_header)
+    def _make_room_locked(self, batch: _Batch) -> tuple[list[_Segment], int]:
+        """Evict LRU entries until the batch fits the budget. Returns (segments to delete,
+        how many of the batch's entries to write); the rest are dropped by `_recycle`."""
+        seg = self._active
+        rolls = seg is None or (seg.size > seg.first_entry and seg.size + batch.size > self.segment_bytes)
+        need = batch.size + (len(self._seg_header) if rolls else 0)
         doomed = self._collect_empty_locked()  # emptied by reads since the last reclaim
         while self._disk_bytes + need > self._capacity and self._index:
             block_hash, loc = self._index.popitem(last=False)
@@ -591,42 +771,95 @@ class SsdTier(Tier):
             self._c["evictions"] += 1
             if loc.seg.live == 0 and loc.seg.pins == 0:
                 doomed.append(self._unlink_locked(loc.seg))
-        if self._disk_bytes + need <= self._capacity:
-            return doomed, encoded
-        # Nothing left to evict (reads in flight pin segments, or the budget is tiny).
-        room = self._capacity - self._disk_bytes - len(self._seg_header)
-        kept = []
-        for item in encoded:
-            p, header, payload, _ = item
-            size = len(header) + len(payload)
-            if size <= room:
-                kept.append(item)
-                room -= size
-            elif self._pending.get(p.block_hash) is p:
-                del self._pending[p.block_hash]
-                self._pending_bytes -= p.data.nbytes
-                self._dropped.append(p.block_hash)
-                self._c["put_drops"] += 1
-        return doomed, kept
+        room = self._capacity - self._disk_bytes - (need - batch.size)
+        keep = 0
+        for _, offset, length, _ in batch.items:
+            if align_up(offset + length) > room:
+                break
+            keep += 1
+        self._c["put_drops"] += sum(
+            self._pending.get(p.block_hash) is p for p, *_ in batch.items[keep:]
+        )  # nothing left to evict (reads pin it, or a tiny budget)
+        return doomed, keep
 
     async def _active_for(self, nbytes: int) -> _Segment:
         seg = self._active
-        if seg is not None and seg.size > seg.header_len and seg.size + nbytes > self.segment_bytes:
-            await self._active_file.close()  # sealed: it stays, read-only from now on
-            self._active = self._active_file = None
+        if seg is not None and seg.size > seg.first_entry and seg.size + nbytes > self.segment_bytes:
+            self._close_active()  # sealed: it stays, read-only from now on; synced in the background
         if self._active is None:
             await self._open_segment()
         assert self._active is not None
         return self._active
+
+    def _start_idle_sync(self) -> None:
+        """At most one pending idle sync: a steady trickle of puts must not sync every batch."""
+        self._idle_sync = None
+        if self._busy:
+            self._idle_sync = self._loop.call_later(self.sync_delay_s, self._start_idle_sync)
+        elif not self._closing:
+            self._loop.create_task(self._sync_now())
+
+    async def _sync_now(self) -> None:
+        try:
+            async with self._seg_lock:
+                await self._sync_active()
+            await asyncio.gather(*self._sealing)
+        except OSError as exc:
+            self._disable("sync failed", exc)
+
+    async def _sync_active(self) -> None:
+        seg, f = self._active, self._active_file
+        if seg is None or f is None or not seg.dirty or not self.sync:
+            return
+        fd = f.fileno()
+        await asyncio.get_running_loop().run_in_executor(None, os.fdatasync, fd)
+        seg.dirty = False
+        self._c["syncs"] += 1
+        if not self.direct_io:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean now: drop our pages
+
+    def _close_active(self) -> asyncio.Task[None] | None:
+        """Seal the active segment: sync and close it in the background (the writer goes on)."""
+        if self._active_file is None:
+            return None
+        seg, f = self._active, self._active_file
+        self._active = self._active_file = None
+        task = self._loop.create_task(self._seal(seg, f))
+        self._sealing.add(task)
+        task.add_done_callback(self._sealing.discard)
+        return task
+
+    async def _seal(self, seg: _Segment | None, f: Any) -> None:
+        try:
+            if seg is not None and seg.dirty and self.sync:
+                fd = f.fileno()
+                await asyncio.get_running_loop().run_in_executor(None, os.fdatasync, fd)
+                seg.dirty = False
+                self._c["syncs"] += 1
+                if not self.direct_io:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            self._disable("sync failed", exc)
+        finally:
+            await f.close()
 
     async def _open_segment(self) -> None:
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
         path = str(self.directory / f"seg-{seq:010d}.pkv")
-        f = await aiofiles.open(path, "xb", buffering=0)  # 'x': never clobber an existing file
         try:
-            await f.write(self._seg_header)
+            # 'x': never clobber an existing file
+            f = await aiofiles.open(path, "xb", buffering=0, opener=self._opener)
+        except OSError as exc:
+            if not (self.direct_io and exc.errno == errno.EINVAL):
+                raise
+            logger.info("SSD tier: %s does not support O_DIRECT; using buffered I/O", self.directory)
+            self.direct_io = False
+            f = await aiofiles.open(path, "xb", buffering=0, opener=self._opener)
+        try:
+            if await f.write(memoryview(self._seg_header)) != len(self._seg_header):
+                raise OSError(errno.EIO, f"short write to {path}")
             if self.sync:
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, os.fdatasync, f.fileno())
@@ -634,7 +867,8 @@ class SsdTier(Tier):
         except BaseException:
             await f.close()
             raise
-        seg = _Segment(seq, path, size=len(self._seg_header), header_len=len(self._seg_header))
+        size = len(self._seg_header)
+        seg = _Segment(seq, path, size=size, first_entry=size)
         with self._lock:
             self._segments[seq] = seg
             self._disk_bytes += seg.size
@@ -650,8 +884,8 @@ class SsdTier(Tier):
     async def _delete_segments(self, doomed: list[_Segment]) -> None:
         for seg in doomed:
             if seg is self._active:
-                await self._active_file.close()
-                self._active = self._active_file = None
+                f, self._active, self._active_file = self._active_file, None, None
+                await f.close()  # its entries are all gone: no point syncing it
             try:
                 await aiofiles.os.remove(seg.path)
                 self._c["deleted_segments"] += 1
@@ -671,11 +905,9 @@ class SsdTier(Tier):
             for i, h in enumerate(block_hashes):
                 p = self._pending.get(h)
                 if p is not None:  # not on disk yet: serve the copy we hold
+                    results[i] = torch.from_numpy(p.payload().copy())
                     if remove:
                         self._remove_locked(h)
-                        results[i] = torch.from_numpy(p.data)
-                    else:
-                        results[i] = torch.from_numpy(p.data.copy())
                     self._c["read_hits"] += 1
                     continue
                 loc = self._index.get(h)
@@ -692,21 +924,17 @@ class SsdTier(Tier):
             return results
         t0 = time.perf_counter()
         try:
-            bufs = self._run(self._read_locs([loc for _, _, loc in reads]))
+            arrays = self._run(self._read_entries([(h, loc) for _, h, loc in reads]))
         except Exception as exc:  # the loop is gone (closing): a miss, never a raise
             logger.warning("SSD tier read failed: %s", exc)
-            bufs = [None] * len(reads)
+            arrays = [None] * len(reads)
         elapsed = time.perf_counter() - t0
         failed: list[tuple[bytes, _Loc, bool]] = []
-        for (i, h, loc), buf in zip(reads, bufs, strict=True):
-            if buf is None:
-                failed.append((h, loc, False))
-                continue
-            arr = self._verify(h, buf)
-            if arr is None:
-                failed.append((h, loc, True))
-            else:
+        for (i, h, loc), arr in zip(reads, arrays, strict=True):
+            if isinstance(arr, np.ndarray):
                 results[i] = torch.from_numpy(arr)
+            else:
+                failed.append((h, loc, arr is not None))
         with self._cond:
             for _, _, loc in reads:
                 loc.seg.pins -= 1
@@ -729,75 +957,91 @@ class SsdTier(Tier):
             )
         return results
 
-    def _verify(self, block_hash: bytes, buf: memoryview) -> np.ndarray | None:
-        """Check an entry's header and payload against what we expect; decode it."""
-        try:
-            hdr = parse_entry_header(buf)
-        except FormatError:
-            return None
-        if (
-            hdr.block_hash != block_hash
-            or hdr.layout_id != self.layout_id
-            or hdr.raw_len != self.block_bytes
-            or hdr.entry_len != len(buf)
-        ):
-            return None
-        payload = buf[hdr.header_len :]
-        if checksum(payload) != hdr.payload_xxh:
-            return None
-        try:
-            return decode_array(hdr.codec, payload, hdr.raw_len, self.elem_size)
-        except ValueError:
-            return None
-
-    async def _read_locs(self, locs: list[_Loc]) -> list[memoryview | None]:
-        out: list[memoryview | None] = [None] * len(locs)
-        by_seg: dict[int, list[int]] = {}
-        for i, loc in enumerate(locs):
-            by_seg.setdefault(loc.seg.seq, []).append(i)
-        await asyncio.gather(*(self._read_segment(idxs, locs, out) for idxs in by_seg.values()))
-        return out
-
-    async def _read_segment(self, idxs: list[int], locs: list[_Loc], out: list[memoryview | None]) -> None:
-        """One open per segment; runs of adjacent entries are read with one call."""
-        idxs.sort(key=lambda i: locs[i].offset)
+    async def _read_entries(self, wanted: list[tuple[bytes, _Loc]]) -> list[np.ndarray | str | None]:
+        """Read entries: runs of adjacent entries (up to one staging buffer) are read with one
+        call, runs in parallel. Per entry: the data, _CORRUPT, or None (could not be read)."""
+        out: list[np.ndarray | str | None] = [None] * len(wanted)
+        order = sorted(range(len(wanted)), key=lambda i: (wanted[i][1].seg.seq, wanted[i][1].offset))
         runs: list[list[int]] = []
-        for i in idxs:
+        for i in order:
+            loc = wanted[i][1]
             if runs:
-                last = locs[runs[-1][-1]]
-                first = locs[runs[-1][0]]
+                first, last = wanted[runs[-1][0]][1], wanted[runs[-1][-1]][1]
                 if (
-                    locs[i].offset == last.offset + last.length
-                    and locs[i].offset + locs[i].length - first.offset <= self.max_read_bytes
+                    loc.seg is last.seg
+                    and loc.offset == align_up(last.offset + last.length)
+                    and align_up(loc.offset + loc.length) - first.offset <= self.read_chunk_bytes
                 ):
                     runs[-1].append(i)
                     continue
             runs.append([i])
-        path = locs[idxs[0]].seg.path
+        await asyncio.gather(*(self._read_run(run, wanted, out) for run in runs))
+        return out
+
+    async def _read_run(
+        self, run: list[int], wanted: list[tuple[bytes, _Loc]], out: list[np.ndarray | str | None]
+    ) -> None:
+        first, last = wanted[run[0]][1], wanted[run[-1]][1]
+        start, end = first.offset, align_up(last.offset + last.length)
+        buf = await self._rbufs.get()
         try:
-            async with aiofiles.open(path, "rb", buffering=0) as f:
-                fd = f.fileno()
-                for run in runs:
-                    start = locs[run[0]].offset
-                    end = locs[run[-1]].offset + locs[run[-1]].length
-                    buf = bytearray(end - start)
-                    view = memoryview(buf)
-                    await f.seek(start)
-                    got = 0
-                    while got < len(buf):
-                        n = await f.readinto(view[got:])
-                        if not n:
-                            break
-                        got += n
-                    if self.drop_cache:
-                        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-                    for i in run:
-                        a = locs[i].offset - start
-                        b = a + locs[i].length
-                        if b <= got:
-                            out[i] = view[a:b]
+            view = memoryview(buf)[: end - start]
+            got = 0
+            async with aiofiles.open(first.seg.path, "rb", buffering=0, opener=self._opener) as f:
+                await f.seek(start)
+                while got < len(view):
+                    n = await f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                if not self.direct_io:
+                    os.posix_fadvise(f.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
+            items = [(i, wanted[i][0], wanted[i][1].offset - start, wanted[i][1].length) for i in run]
+            decoded = await asyncio.get_running_loop().run_in_executor(
+                None, self._decode_run, buf, got, items
+            )
+            for i, arr in decoded:
+                out[i] = arr
         except OSError as exc:
-            logger.warning("SSD tier: reading %s failed: %s", path, exc)
+            logger.warning("SSD tier: reading %s failed: %s", first.seg.path, exc)
+        finally:
+            self._rbufs.put_nowait(buf)
+
+    def _decode_run(
+        self, buf: mmap.mmap, got: int, items: list[tuple[int, bytes, int, int]]
+    ) -> list[tuple[int, np.ndarray | str | None]]:
+        """Verify and copy out each entry of a run (executor thread: xxhash and numpy copies
+        release the GIL). The staging buffer is reused, so every result is a copy."""
+        view = memoryview(buf)
+        out: list[tuple[int, np.ndarray | str | None]] = []
+        for i, block_hash, offset, length in items:
+            if offset + length > got:
+                out.append((i, None))  # short read: the file ends early
+                continue
+            out.append((i, self._verify(block_hash, view[offset : offset + length])))
+        return out
+
+    def _verify(self, block_hash: bytes, entry: memoryview) -> np.ndarray | str:
+        """Check an entry's header and payload against what we expect; decode it into new memory."""
+        try:
+            hdr = parse_entry_header(entry)
+        except FormatError:
+            return _CORRUPT
+        if (
+            hdr.block_hash != block_hash
+            or hdr.layout_id != self.layout_id
+            or hdr.raw_len != self.block_bytes
+            or hdr.entry_len != len(entry)
+        ):
+            return _CORRUPT
+        payload = entry[hdr.header_len :]
+        if checksum(payload) != hdr.payload_xxh:
+            return _CORRUPT
+        try:
+            arr = decode_array(hdr.codec, payload, hdr.raw_len, self.elem_size)
+        except ValueError:
+            return _CORRUPT
+        return arr.copy() if hdr.codec == CODEC_RAW else arr  # raw: a view of the staging buffer
 
     # --- start-up recovery -------------------------------------------------------------------
     async def _recover(self) -> None:
@@ -828,8 +1072,9 @@ class SsdTier(Tier):
         with self._lock:
             self._c["recovered_entries"] = len(self._index)
             doomed = self._collect_empty_locked()
-            # Over budget (it may have shrunk since the last run): evict the oldest.
-            while self._disk_bytes > self._capacity and self._index:
+            # Over budget (it may have shrunk since the last run): evict the oldest, leaving
+            # room for the segment this run starts.
+            while self._disk_bytes + len(self._seg_header) > self._capacity and self._index:
                 h, loc = self._index.popitem(last=False)
                 loc.seg.live -= 1
                 self._recovered.pop(h, None)
@@ -839,12 +1084,12 @@ class SsdTier(Tier):
         await self._delete_segments(doomed)
 
     async def _scan_segment(self, seg: _Segment) -> list[tuple[EntryHeader, int]]:
-        """Headers of the valid entries of one segment, in file order."""
+        """Headers of the valid entries of one segment, in file order (payloads are not read)."""
         found: list[tuple[EntryHeader, int]] = []
         async with aiofiles.open(seg.path, "rb") as f:
             head = await f.read(min(seg.size, MAX_LAYOUT_LEN + 64))
             try:
-                layout_id, _, seg.header_len = parse_segment_header(head)
+                layout_id, _, first_entry, align = parse_segment_header(head)
             except FormatError as exc:
                 logger.warning("SSD tier: %s discarded: %s", seg.path, exc)
                 self._c["discarded_segments"] += 1
@@ -853,7 +1098,8 @@ class SsdTier(Tier):
                 logger.warning("SSD tier: %s belongs to another layout; discarded", seg.path)
                 self._c["discarded_segments"] += 1
                 return found
-            offset: int | None = seg.header_len
+            seg.first_entry = first_entry
+            offset: int | None = first_entry
             while offset is not None and offset < seg.size:
                 remaining = seg.size - offset
                 await f.seek(offset)
@@ -867,7 +1113,7 @@ class SsdTier(Tier):
                         break
                     self._c["checksum_failures"] += 1
                     logger.warning("SSD tier: %s has a corrupt entry header at %d; skipped", seg.path, offset)
-                    offset = await self._resync(f, seg, offset + 1)
+                    offset = await self._resync(f, seg, offset + align, align)
                     continue
                 if hdr.entry_len > remaining:
                     self._c["torn_entries"] += 1
@@ -875,34 +1121,46 @@ class SsdTier(Tier):
                     break
                 if hdr.layout_id == self.layout_id and hdr.raw_len == self.block_bytes:
                     found.append((hdr, offset))
-                offset += hdr.entry_len
+                offset = align_up(offset + hdr.entry_len, align)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # headers are not needed again
         return found
 
-    async def _resync(self, f: Any, seg: _Segment, offset: int) -> int | None:
-        """The offset of the next entry whose header verifies, or None (rare: only after corruption)."""
+    async def _resync(self, f: Any, seg: _Segment, offset: int, align: int) -> int | None:
+        """The offset of the next aligned entry whose header verifies (rare: after corruption)."""
         await f.seek(offset)
         rest = await f.read(seg.size - offset)
         view = memoryview(rest)
-        pos = rest.find(ENTRY_MAGIC)
-        while pos >= 0:
+        for pos in range(0, len(rest), align):
+            if rest[pos : pos + len(ENTRY_MAGIC)] != ENTRY_MAGIC:
+                continue
             try:
                 hdr = parse_entry_header(view[pos : pos + MAX_ENTRY_HEADER_LEN])
-                if pos + hdr.entry_len <= len(rest):
-                    return offset + pos
             except FormatError:
-                pass
-            pos = rest.find(ENTRY_MAGIC, pos + 1)
+                continue
+            if pos + hdr.entry_len <= len(rest):
+                return offset + pos
         return None
 
 
 def _is_torn(chunk: bytes, remaining: int) -> bool:
-    """True if an entry header failed to parse only because the file ends inside it."""
-    if remaining < ENTRY_FIXED_LEN:
+    """True if an entry header failed to parse because the log ends here: the file ends inside
+    it, or the rest is zeros (space allocated but never written before a crash)."""
+    if remaining < ENTRY_FIXED_LEN or chunk.count(0) == len(chunk):
         return True
     try:
         return remaining < entry_header_len(chunk)
     except FormatError:
         return False
+
+
+def _check_entry_fields(block_hash: bytes, parent_hash: bytes | None, tokens: tuple[int, ...]) -> None:
+    if not isinstance(block_hash, bytes) or not 0 < len(block_hash) <= MAX_HASH_LEN:
+        raise ValueError(f"block hash must be 1..{MAX_HASH_LEN} bytes")
+    if parent_hash is not None and not 0 < len(parent_hash) <= MAX_HASH_LEN:
+        raise ValueError(f"parent hash must be 1..{MAX_HASH_LEN} bytes or None")
+    if len(tokens) > MAX_TOKENS or (tokens and (min(tokens) < 0 or max(tokens) >= 1 << 32)):
+        raise ValueError(f"token ids must be at most {MAX_TOKENS} values in [0, 2**32)")
 
 
 def _fsync_dir(path: str) -> None:

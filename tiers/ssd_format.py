@@ -1,11 +1,13 @@
 """The SSD tier's on-disk format: segment headers and self-describing block entries.
 
-A segment file is `segment header | entry | entry | ...`, append-only. Every integer is
+A segment file is `segment header | entry | entry | ...`, append-only. The header and every
+entry start at a multiple of the segment's alignment (4096: what O_DIRECT needs); the bytes
+between the end of one and the start of the next are zero padding. Every integer is
 little-endian. Nothing here is a pickle: a reader needs only this module (no torch).
 
 Segment header::
 
-    magic "PKVS" | version u16 | reserved u16 | layout_id u64 | layout_len u32
+    magic "PKVS" | version u16 | align_shift u16 | layout_id u64 | layout_len u32
     | layout (canonical JSON, layout_len bytes) | xxh3_64 of everything before it (u64)
 
 Entry::
@@ -37,10 +39,21 @@ _SEG_FIXED = struct.Struct("<4sHHQI")
 _ENTRY_FIXED = struct.Struct("<4sHBBBBHQQQQ")
 _U64 = struct.Struct("<Q")
 ENTRY_FIXED_LEN = _ENTRY_FIXED.size
-MAX_TOKENS = 4096  # bounds a header to a few KiB, so a scan can read it in one go
+MAX_TOKENS = 1024  # bounds a header to ~4 KiB, so a scan reads it in one go
 MAX_HASH_LEN = 64
 MAX_ENTRY_HEADER_LEN = ENTRY_FIXED_LEN + 2 * MAX_HASH_LEN + 4 * MAX_TOKENS + _U64.size
 MAX_LAYOUT_LEN = 1 << 16
+ALIGN_SHIFT = 12
+ALIGN = 1 << ALIGN_SHIFT
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def entry_header_size(hash_len: int, parent_len: int, n_tokens: int) -> int:
+    """Exact header length of an entry with these variable parts."""
+    return ENTRY_FIXED_LEN + hash_len + parent_len + 4 * n_tokens + _U64.size
 
 
 class FormatError(ValueError):
@@ -63,20 +76,21 @@ def layout_id_of(layout_bytes: bytes) -> int:
 
 
 # --- segment header ----------------------------------------------------------------------
-def pack_segment_header(layout_bytes: bytes) -> bytes:
+def pack_segment_header(layout_bytes: bytes, align_shift: int = ALIGN_SHIFT) -> bytes:
+    """The segment header, unpadded (the writer pads it to the alignment)."""
     if len(layout_bytes) > MAX_LAYOUT_LEN:
         raise ValueError(f"layout descriptor is {len(layout_bytes)} bytes, at most {MAX_LAYOUT_LEN}")
-    head = _SEG_FIXED.pack(SEG_MAGIC, FORMAT_VERSION, 0, layout_id_of(layout_bytes), len(layout_bytes))
+    head = _SEG_FIXED.pack(SEG_MAGIC, FORMAT_VERSION, align_shift, layout_id_of(layout_bytes), len(layout_bytes))
     body = head + layout_bytes
     return body + _U64.pack(checksum(body))
 
 
-def parse_segment_header(buf: bytes | bytearray | memoryview) -> tuple[int, bytes, int]:
-    """(layout_id, layout bytes, header length); FormatError if torn or corrupt."""
+def parse_segment_header(buf: bytes | bytearray | memoryview) -> tuple[int, bytes, int, int]:
+    """(layout_id, layout bytes, offset of the first entry, alignment); FormatError if invalid."""
     mv = memoryview(buf)
     if len(mv) < _SEG_FIXED.size:
         raise FormatError("segment header truncated")
-    magic, version, _, layout_id, layout_len = _SEG_FIXED.unpack_from(mv)
+    magic, version, align_shift, layout_id, layout_len = _SEG_FIXED.unpack_from(mv)
     if magic != SEG_MAGIC:
         raise FormatError("not a PageKV segment (bad magic)")
     if version != FORMAT_VERSION:
@@ -92,7 +106,10 @@ def parse_segment_header(buf: bytes | bytearray | memoryview) -> tuple[int, byte
     layout_bytes = bytes(mv[_SEG_FIXED.size : end])
     if layout_id_of(layout_bytes) != layout_id:
         raise FormatError("segment header: layout id does not match its layout")
-    return layout_id, layout_bytes, end + _U64.size
+    if align_shift > 24:
+        raise FormatError("segment header: alignment out of range")
+    align = 1 << align_shift
+    return layout_id, layout_bytes, align_up(end + _U64.size, align), align
 
 
 # --- entries -----------------------------------------------------------------------------
@@ -160,7 +177,7 @@ def entry_header_len(buf: bytes | bytearray | memoryview) -> int:
         raise FormatError("bad entry magic")
     if not 0 < hash_len <= MAX_HASH_LEN or parent_len > MAX_HASH_LEN or n_tokens > MAX_TOKENS:
         raise FormatError("entry header: field out of range")
-    return ENTRY_FIXED_LEN + hash_len + parent_len + 4 * n_tokens + _U64.size
+    return entry_header_size(hash_len, parent_len, n_tokens)
 
 
 def parse_entry_header(buf: bytes | bytearray | memoryview) -> EntryHeader:

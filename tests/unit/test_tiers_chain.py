@@ -19,6 +19,7 @@ from tiers.ssd import SsdTier
 
 LAYOUT = {"num_layers": 1, "block_size": 4, "num_kv_heads": 2, "head_size": 64, "dtype": "float16"}
 BB = 1 * 2 * 4 * 2 * 64 * 2  # 2 KiB
+FOOT = ssd_format.align_up(BB + 200)  # disk bytes per SSD entry (entries are 4 KiB-aligned)
 MiB = 1 << 20
 
 
@@ -109,7 +110,7 @@ def test_demote_copies_the_pool_block(make_ssd: Callable[..., SsdTier]) -> None:
 
 
 def test_ssd_victims_are_dropped_and_published(make_ssd: Callable[..., SsdTier]) -> None:
-    ssd = make_ssd(capacity_bytes=8 * BB, batch_bytes=BB)
+    ssd = make_ssd(capacity_bytes=8 * FOOT, batch_bytes=BB)
     chain = TierChain(DramTier(1 * BB, BB), ssd)
     names = [f"n{i}" for i in range(30)]
     for n in names:
@@ -117,7 +118,7 @@ def test_ssd_victims_are_dropped_and_published(make_ssd: Callable[..., SsdTier])
         ssd.flush(30)
     stats = chain.stats()
     assert stats["drops"] > 0
-    assert stats["ssd_used_bytes"] <= 8 * BB
+    assert stats["ssd_used_bytes"] <= 8 * FOOT
     removed_disk = {
         b for e in chain.take_events() if isinstance(e, BlockRemoved) and e.medium == "DISK" for b in e.block_hashes
     }
@@ -160,14 +161,14 @@ def test_dropping_a_block_drops_its_descendants() -> None:
 
 
 def test_orphans_across_tiers_after_ssd_eviction(make_ssd: Callable[..., SsdTier]) -> None:
-    ssd = make_ssd(capacity_bytes=6 * BB, batch_bytes=BB)
+    ssd = make_ssd(capacity_bytes=8 * FOOT, batch_bytes=BB)
     chain = TierChain(DramTier(2 * BB, BB), ssd)
     demote_chain(chain, ["r", "s", "t", "u"])  # r, s -> SSD; t, u in DRAM
     ssd.flush(30)
     assert [where(chain, n) for n in "rstu"] == ["DISK", "DISK", "CPU", "CPU"]
     chain.take_events()
     # Unrelated traffic pushes r out of the SSD: s, t and u hang off it and must go too.
-    for i in range(8):
+    for i in range(12):
         chain.demote(h(f"z{i}"), None, toks("z"), data(f"z{i}"))
         ssd.flush(30)
     assert all(where(chain, n) is None for n in "rstu")
@@ -251,12 +252,12 @@ def test_checksum_failure_on_promote_is_a_miss_and_counted(make_ssd: Callable[..
     ssd.flush(30)
     seg = sorted(Path(ssd.directory).glob("seg-*.pkv"))[0]
     raw = seg.read_bytes()
-    _, _, off = ssd_format.parse_segment_header(raw)
+    _, _, off, align = ssd_format.parse_segment_header(raw)
     while True:
         hdr = ssd_format.parse_entry_header(raw[off : off + ssd_format.MAX_ENTRY_HEADER_LEN])
         if hdr.block_hash == h("b"):
             break
-        off += hdr.entry_len
+        off = ssd_format.align_up(off + hdr.entry_len, align)
     with open(seg, "r+b") as f:
         f.seek(off + hdr.header_len + 10)
         f.write(b"\xde\xad")
@@ -316,7 +317,7 @@ def test_ssd_failure_publishes_losses_and_keeps_serving_dram(
 
 
 def test_concurrent_engine_and_writer_keep_blocks_exclusive(make_ssd: Callable[..., SsdTier]) -> None:
-    ssd = make_ssd(capacity_bytes=40 * BB, batch_bytes=2 * BB)
+    ssd = make_ssd(capacity_bytes=40 * FOOT, batch_bytes=2 * BB)
     chain = TierChain(DramTier(4 * BB, BB), ssd)
     errors: list[BaseException] = []
 
@@ -344,4 +345,4 @@ def test_concurrent_engine_and_writer_keep_blocks_exclusive(make_ssd: Callable[.
     state = chain.full_state()
     for block_hash, medium in state.items():
         assert (medium == "CPU") == (chain.dram is not None and chain.dram.contains(block_hash))
-    assert chain.stats()["ssd_used_bytes"] <= 40 * BB
+    assert chain.stats()["ssd_used_bytes"] <= 40 * FOOT
