@@ -12,10 +12,12 @@ Promotion is not a drop: the block is back in the pool and its descendants stay 
 The same holds for a promotion that fails its checksum: the caller recomputes that block into
 the pool, so its descendants stay too.
 
-Threads: the engine thread calls demote / match_prefix / promote; the SSD tier writes (and
-evicts) in its own thread. Everything here runs under one lock; the SSD tier reports the
-blocks it lost on its own through `take_dropped()`, which is drained under that lock at the
-start of each call, so no tier ever calls back into the chain (no lock-order cycles).
+Threads: the engine thread calls demote / match_prefix / promote; a loader thread may run
+promote_many; the SSD tier writes (and evicts) in its own thread. Chain state is under one
+lock, which promote_many releases while it reads the SSD, so a demote never waits for a disk
+read. The SSD tier reports the blocks it lost on its own through `take_dropped()`, drained
+under the chain lock at the start of each call, so no tier ever calls back into the chain
+(no lock-order cycles).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnode.kv_events import BlockRemoved, BlockStored, KVEvent
+from kvnode.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tiers.base import BlockData, TierMedium, as_uint8_tensor
 from tiers.dram import DramTier
 from tiers.ssd import SsdTier
@@ -87,6 +89,7 @@ class TierChain:
         self._nodes: dict[bytes, _Node] = {}  # every block below the pool
         self._children: dict[bytes, set[bytes]] = {}  # parent -> children below the pool
         self._events: list[KVEvent] = []
+        self._promoting: set[bytes] = set()  # SSD blocks being read by promote_many
         self._c: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         if ssd is not None:
             # Warm restart: what the SSD still holds is below the pool again; tell the index.
@@ -149,7 +152,8 @@ class TierChain:
 
         Returns data for the leading run of blocks that could be promoted and None from the
         first block that could not (absent, or unreadable: the caller recomputes from there).
-        Blocks after that point stay below the pool.
+        Blocks after that point stay below the pool. The chain lock is not held during the
+        SSD read, so a loader thread can promote while the engine thread demotes.
         """
         n = len(block_hashes)
         out: list[torch.Tensor | None] = [None] * n
@@ -164,45 +168,60 @@ class TierChain:
                 else:
                     break
             self._c["promote_misses"] += n - len(run)
-            read: dict[int, torch.Tensor | None] = {}
             disk = [i for i, medium in enumerate(run) if medium == "DISK"]
-            if disk:
-                assert self.ssd is not None
-                t0 = time.perf_counter()
-                read = dict(zip(disk, self.ssd.pop_many([block_hashes[i] for i in disk]), strict=True))
-                self._c["ssd_to_pool_seconds"] += time.perf_counter() - t0
+            # Until this call has dealt with them, the SSD's reports about these blocks are
+            # ours to handle (a failed read is not a drop: see the module docstring).
+            self._promoting.update(block_hashes[i] for i in disk)
+        read: dict[int, torch.Tensor | None] = {}
+        ssd_seconds = 0.0
+        if disk and self.ssd is not None:
+            t0 = time.perf_counter()
+            read = dict(zip(disk, self.ssd.pop_many([block_hashes[i] for i in disk]), strict=True))
+            ssd_seconds = time.perf_counter() - t0
+        with self._lock:
+            self._promoting.difference_update(block_hashes[i] for i in disk)
+            self._c["ssd_to_pool_seconds"] += ssd_seconds
             cut = False
-            for i, medium in enumerate(run):
+            for i in range(len(run)):
                 block_hash = block_hashes[i]
-                if medium == "CPU":
+                medium: TierMedium
+                if i in read:
+                    data, medium = read[i], "DISK"
+                else:
                     if cut:
                         continue  # untouched: stays in DRAM
-                    assert self.dram is not None
-                    t0 = time.perf_counter()
-                    data = self.dram.pop(block_hash)
-                    self._c["dram_to_pool_seconds"] += time.perf_counter() - t0
-                    if data is None:
-                        cut = True
-                        continue
-                    self._c["promotions_dram"] += 1
-                    self._c["dram_to_pool_bytes"] += data.numel()
-                else:
-                    data = read[i]
-                    if data is None:
-                        # Corrupt or unreadable: the SSD already dropped it; the caller recomputes.
-                        cut = True
-                        if block_hash in self._nodes and not self._ssd_has(block_hash):
-                            self._c["promote_failures"] += 1
-                            self._left_tier_locked(block_hash, "DISK")
-                        continue
-                    if cut:
-                        self._put_back_ssd_locked(block_hash, data)
-                        continue
-                    self._c["promotions_ssd"] += 1
-                    self._c["ssd_to_pool_bytes"] += data.numel()
+                    data, medium = self._pop_dram_locked(block_hash)
+                if data is None:
+                    cut = True
+                    if medium == "DISK" and block_hash in self._nodes and not self._ssd_has(block_hash):
+                        # Corrupt or unreadable: the SSD dropped it; the caller recomputes it.
+                        self._c["promote_failures"] += 1
+                        self._left_tier_locked(block_hash, "DISK")
+                    continue
+                if cut:
+                    self._put_back_ssd_locked(block_hash, data)  # read, but past the gap
+                    continue
                 out[i] = data
+                self._c["promotions_dram" if medium == "CPU" else "promotions_ssd"] += 1
+                self._c["dram_to_pool_bytes" if medium == "CPU" else "ssd_to_pool_bytes"] += data.numel()
                 self._left_tier_locked(block_hash, medium)
         return out
+
+    def clear(self) -> int:
+        """Drop every block below the pool (files go in the background). Returns how many."""
+        with self._lock:
+            self._sync_ssd_locked()
+            dropped = len(self._nodes)
+            if self.dram is not None:
+                self.dram.clear()
+                self._events.append(AllBlocksCleared("CPU"))
+            if self.ssd is not None:
+                self.ssd.clear()
+                self.ssd.take_dropped()
+                self._events.append(AllBlocksCleared("DISK"))
+            self._nodes.clear()
+            self._children.clear()
+            return dropped
 
     # --- the index's side ----------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
@@ -324,6 +343,19 @@ class TierChain:
         self._events.append(BlockRemoved([block_hash], medium=medium))
         self._forget_node(block_hash)
 
+    def _pop_dram_locked(self, block_hash: bytes) -> tuple[torch.Tensor | None, TierMedium]:
+        """Take a block found in DRAM by the lookup; it may have moved to the SSD since."""
+        t0 = time.perf_counter()
+        data = self.dram.pop(block_hash) if self.dram is not None else None
+        self._c["dram_to_pool_seconds"] += time.perf_counter() - t0
+        if data is None and self._ssd_has(block_hash):
+            assert self.ssd is not None
+            t0 = time.perf_counter()
+            data = self.ssd.pop(block_hash)  # the DRAM victim is still in the SSD's write-behind
+            self._c["ssd_to_pool_seconds"] += time.perf_counter() - t0
+            return data, "DISK"
+        return data, "CPU"
+
     def _ssd_has(self, block_hash: bytes) -> bool:
         return self.ssd is not None and self.ssd.contains(block_hash)
 
@@ -366,6 +398,8 @@ class TierChain:
             node = self._nodes.get(block_hash)
             if node is None or node.medium != "DISK" or self.ssd.contains(block_hash):
                 continue  # already promoted, or stored again since
+            if block_hash in self._promoting:
+                continue  # a promotion in flight reads it; it handles the outcome
             self._events.append(BlockRemoved([block_hash], medium="DISK"))
             self._forget_node(block_hash)
             self._c["drops"] += 1

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvnode.kv_events import BlockRemoved, BlockStored, KVEvent
+from kvnode.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tiers import ssd_format
 from tiers.chain import TierChain
 from tiers.dram import DramTier
@@ -346,3 +346,16 @@ def test_concurrent_engine_and_writer_keep_blocks_exclusive(make_ssd: Callable[.
     for block_hash, medium in state.items():
         assert (medium == "CPU") == (chain.dram is not None and chain.dram.contains(block_hash))
     assert chain.stats()["ssd_used_bytes"] <= 40 * FOOT
+
+
+def test_clear_drops_everything_and_says_so(make_ssd: Callable[..., SsdTier]) -> None:
+    chain = TierChain(DramTier(2 * BB, BB), make_ssd())
+    demote_chain(chain, ["a", "b", "c", "d"])
+    chain.take_events()
+    assert chain.clear() == 4
+    assert chain.full_state() == {}
+    assert chain.match_prefix([h("a")], 0) == []
+    cleared = [e for e in chain.take_events() if isinstance(e, AllBlocksCleared)]
+    assert {e.medium for e in cleared} == {"CPU", "DISK"}
+    chain.demote(h("e"), None, toks("e"), data("e"))  # still usable
+    assert chain.full_state() == {h("e"): "CPU"}
