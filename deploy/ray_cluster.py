@@ -1,0 +1,499 @@
+"""`pagekv ray-up`: deploy the pods and the router as Ray actors.
+
+    python -m deploy.ray_cluster --num-nodes 4 --redis-url redis://10.0.0.5:6380/0 \\
+        --model pagekv-small --address auto            # on a running Ray cluster
+    pagekv ray-up --local --num-nodes 2 --redis-url redis://127.0.0.1:6380/0   # a local one
+
+One pod per GPU (`num_gpus=1`) where the cluster has GPUs, else one pod per `--pod-cpus`
+CPUs. The pods' bundles sit in one placement group with strategy SPREAD, so they land on
+different nodes when there are several. Each pod actor runs a `PodServer` (engine, gRPC,
+metrics, Redis index publisher) on an asyncio loop in a thread of its own, bound to its node's
+IP and a free port. The router is one more actor, placed on the driver's node (normally the
+head) so that clients have a fixed address to dial.
+
+Actors restart when they die (`max_restarts`): Ray runs the constructor again, which starts a
+fresh PodServer on a new port, and its index publisher registers a new epoch, so the router
+drops the dead instance's claims and dials the new address. `--detach` leaves the actors
+running after this command exits (named, in the `pagekv` namespace); `--down` removes them.
+
+Tests use `deploy_cluster(...)`, which returns the actor handles and their addresses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Coroutine
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+NAMESPACE = "pagekv"
+PG_NAME = "pagekv-pods"
+ROUTER_NAME = "pagekv-router"
+START_TIMEOUT_S = 300.0  # engine build + weights; a big checkpoint on a cold node is slow
+
+
+def pod_name(index: int) -> str:
+    return f"pagekv-pod-{index}"
+
+
+# -- inside the actors ---------------------------------------------------------------------
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread: the servers live there, the actor's methods stay
+    free to answer Ray calls while gRPC traffic is served."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5.0)
+
+
+def _actor_logging() -> None:
+    # Ray forwards a worker's stderr to the driver; without a handler our INFO lines vanish.
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _bind_host(host: str | None) -> str:
+    return host or ray.util.get_node_ip_address()
+
+
+class PodActor:
+    """One pod. The constructor starts it, so a restarted actor comes back serving."""
+
+    def __init__(self, pod_id: str, redis_url: str, engine_kwargs: dict[str, Any],
+                 host: str | None = None, serve_metrics: bool = True,
+                 lease_ttl_s: float = 3.0, max_queue: int = 1024) -> None:
+        _actor_logging()
+        # Imported here: the driver (and the router actor) never load torch.
+        from kvnode.config import EngineArgs
+        from kvnode.redis_server import free_port
+        from kvnode.server import PodServer
+
+        self.pod_id = pod_id
+        self.host = _bind_host(host)
+        port = free_port(self.host)
+        self.metrics_port = free_port(self.host) if serve_metrics else None
+        self.server = PodServer(
+            EngineArgs(**engine_kwargs), pod_id, host=self.host, port=port,
+            metrics_port=self.metrics_port, redis_url=redis_url,
+            advertise_address=f"{self.host}:{port}", max_queue=max_queue,
+            lease_ttl_s=lease_ttl_s,
+        )
+        self._loop = _LoopThread(f"pod-{pod_id}")
+        self._loop.run(self.server.start(), START_TIMEOUT_S)
+        logger.info("pod actor %s (pid %d) serving on %s, epoch %s", pod_id, os.getpid(),
+                    self.address(), self.epoch())
+
+    def address(self) -> str:
+        return self.server.address
+
+    def metrics_address(self) -> str | None:
+        return f"{self.host}:{self.metrics_port}" if self.metrics_port else None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def epoch(self) -> str:
+        pub = self.server.publisher
+        return pub.epoch if pub is not None else ""
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Graceful: health NOT_SERVING, drain, leave the index. Ray still holds the actor;
+        the caller kills it (with no_restart=True) afterwards."""
+        self._loop.run(self.server.stop(drain_timeout_s), drain_timeout_s + 30.0)
+        self._loop.close()
+
+
+class RouterActor:
+    """The prefix-aware router over the same Redis index."""
+
+    def __init__(self, config_kwargs: dict[str, Any], host: str | None = None,
+                 port: int = 50050, metrics_port: int = 0,
+                 advertise_host: str | None = None) -> None:
+        _actor_logging()
+        from router.config import RouterConfig
+        from router.scoring import CostModel
+        from router.server import RouterServer
+
+        kwargs = dict(config_kwargs)
+        if isinstance(kwargs.get("costs"), dict):
+            kwargs["costs"] = CostModel(**kwargs["costs"])
+        self.host = _bind_host(host)
+        # Bound to 0.0.0.0 the router is reachable on every interface; it advertises the
+        # node's IP.
+        self.advertise_host = advertise_host or (
+            ray.util.get_node_ip_address() if self.host == "0.0.0.0" else self.host)
+        metrics_host = "127.0.0.1" if self.host == "127.0.0.1" else "0.0.0.0"
+        self.metrics_port = metrics_port
+        self.server = RouterServer(RouterConfig(**kwargs), host=self.host, port=port,
+                                   metrics_port=metrics_port, metrics_host=metrics_host)
+        self._loop = _LoopThread("router")
+        self.port = self._loop.run(self.server.start(), 60.0)
+        logger.info("router actor (pid %d) serving on %s", os.getpid(), self.address())
+
+    def address(self) -> str:
+        return f"{self.advertise_host}:{self.port}"
+
+    def metrics_address(self) -> str | None:
+        return f"{self.advertise_host}:{self.metrics_port}" if self.metrics_port else None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def live_pods(self) -> list[str]:
+        """Pod ids the router would route to right now."""
+        router = self.server.router
+        return sorted(p.pod_id for p in router.registry.eligible()) if router else []
+
+    def stop(self) -> None:
+        self._loop.run(self.server.stop(2.0), 30.0)
+        self._loop.close()
+
+
+# -- on the driver -------------------------------------------------------------------------
+
+@dataclass
+class ClusterHandles:
+    pods: list[Any]                  # PodActor handles, in pod order
+    pod_ids: list[str]
+    pod_addresses: list[str]
+    router: Any | None               # RouterActor handle
+    router_address: str | None
+    placement_group: PlacementGroup
+    detached: bool = False
+    metrics_addresses: list[str] = field(default_factory=list)
+
+    def refresh(self, timeout: float = 60.0) -> bool:
+        """Re-read every actor's address (they move when an actor restarts); True when any
+        changed."""
+        before = (list(self.pod_addresses), self.router_address)
+        self.pod_addresses = ray.get([p.address.remote() for p in self.pods], timeout=timeout)
+        if self.router is not None:
+            self.router_address = ray.get(self.router.address.remote(), timeout=timeout)
+        self.metrics_addresses = self._metrics(timeout)
+        return before != (self.pod_addresses, self.router_address)
+
+    def _metrics(self, timeout: float) -> list[str]:
+        actors = [*self.pods, *([self.router] if self.router is not None else [])]
+        found = ray.get([a.metrics_address.remote() for a in actors], timeout=timeout)
+        return [m for m in found if m]
+
+    def describe(self) -> str:
+        lines = [f"router:  {self.router_address or '(none)'}"]
+        lines += [f"{pid}:  {addr}" for pid, addr in zip(self.pod_ids, self.pod_addresses,
+                                                          strict=True)]
+        if self.metrics_addresses:
+            lines.append("metrics: " + " ".join(self.metrics_addresses))
+        return "\n".join(lines)
+
+
+def _cluster_gpus() -> float:
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
+def deploy_cluster(
+    num_pods: int,
+    redis_url: str,
+    model: str = "pagekv-tiny",
+    *,
+    engine_kwargs: dict[str, Any] | None = None,
+    router_kwargs: dict[str, Any] | None = None,
+    host: str | None = None,
+    use_gpus: bool | None = None,
+    pod_cpus: float = 1.0,
+    router_cpus: float = 1.0,
+    router_port: int = 50050,
+    router_metrics_port: int = 0,
+    start_router: bool = True,
+    serve_metrics: bool = True,
+    lease_ttl_s: float = 3.0,
+    max_restarts: int = -1,
+    max_task_retries: int = 3,
+    detach: bool = False,
+    start_timeout_s: float = START_TIMEOUT_S,
+) -> ClusterHandles:
+    """Start `num_pods` pod actors and the router on the connected Ray cluster.
+
+    `host=None` binds every server to its node's IP; tests pass "127.0.0.1". `use_gpus=None`
+    reserves one GPU per pod when the cluster has that many. Blocks until all are serving.
+    """
+    if not ray.is_initialized():
+        raise RuntimeError("connect to Ray first: ray.init(address='auto') or ray.init()")
+    if num_pods < 1:
+        raise ValueError(f"num_pods must be >= 1, got {num_pods}")
+    from kvnode.config import EngineArgs  # plain dataclass, no torch
+
+    ekw = {"model": model, **(engine_kwargs or {})}
+    eargs = EngineArgs(**ekw)  # a misspelt option fails here, not in every actor
+    gpus = _cluster_gpus()
+    if use_gpus is None:
+        use_gpus = gpus >= num_pods
+    elif use_gpus and gpus < num_pods:
+        raise ValueError(f"{num_pods} GPU pods asked for; the cluster has {gpus:g} GPUs")
+    bundle: dict[str, float] = {"CPU": pod_cpus}
+    if use_gpus:
+        bundle["GPU"] = 1.0
+    lifetime = "detached" if detach else None
+    pg = placement_group([dict(bundle) for _ in range(num_pods)], strategy="SPREAD",
+                         name=PG_NAME if detach else "", lifetime=lifetime)
+    try:
+        ray.get(pg.ready(), timeout=start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"no room for {num_pods} pods of {bundle} within {start_timeout_s:.0f} s; cluster "
+            f"resources: {ray.cluster_resources()}") from None
+    logger.info("placement group ready: %d bundles of %s (SPREAD)", num_pods, bundle)
+
+    pod_ids = [f"ray-pod-{i}" for i in range(num_pods)]
+    pod_cls = ray.remote(PodActor)
+    pods = []
+    for i, pod_id in enumerate(pod_ids):
+        kwargs = dict(ekw)
+        if kwargs.get("disk_offload_dir"):  # each pod its own SSD directory
+            kwargs["disk_offload_dir"] = str(Path(kwargs["disk_offload_dir"]) / pod_id)
+        opts: dict[str, Any] = {
+            "num_cpus": pod_cpus, "num_gpus": 1 if use_gpus else 0,
+            "max_restarts": max_restarts, "max_task_retries": max_task_retries,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=i),
+        }
+        if detach:
+            opts.update(name=pod_name(i), namespace=NAMESPACE, lifetime="detached")
+        pods.append(pod_cls.options(**opts).remote(
+            pod_id, redis_url, kwargs, host, serve_metrics, lease_ttl_s))
+
+    router = None
+    if start_router:
+        # The router hashes exactly like the pods, or it routes on misses only.
+        rkw = {"redis_url": redis_url, "model": model, "block_size": eargs.block_size,
+               "hash_algo": eargs.hash_algo, "hash_seed": eargs.hash_seed,
+               **(router_kwargs or {})}
+        opts = {
+            "num_cpus": router_cpus, "max_restarts": max_restarts,
+            "max_task_retries": max_task_retries,
+            # The driver's node (the head, normally) so the entry point stays put; soft, so a
+            # lost head does not leave the router unschedulable.
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=True),
+        }
+        if detach:
+            opts.update(name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached")
+        router_host = host if host is not None else "0.0.0.0"
+        router = ray.remote(RouterActor).options(**opts).remote(
+            rkw, router_host, router_port, router_metrics_port)
+
+    handles = ClusterHandles(pods=pods, pod_ids=pod_ids, pod_addresses=[], router=router,
+                             router_address=None, placement_group=pg, detached=detach)
+    try:
+        handles.refresh(timeout=start_timeout_s)
+    except BaseException:
+        shutdown_cluster(handles, graceful=False)
+        raise
+    logger.info("PageKV on Ray:\n%s", handles.describe())
+    return handles
+
+
+def shutdown_cluster(handles: ClusterHandles, graceful: bool = True,
+                     drain_timeout_s: float = 10.0) -> None:
+    """Router first (no new traffic), then the pods (they drain and leave the index)."""
+    actors = ([handles.router] if handles.router is not None else []) + list(handles.pods)
+    if graceful:
+        refs = [a.stop.remote() if a is handles.router else a.stop.remote(drain_timeout_s)
+                for a in actors]
+        try:
+            ray.get(refs, timeout=drain_timeout_s + 60.0)
+        except Exception as exc:  # a dead or wedged actor must not stop the teardown
+            logger.warning("graceful stop incomplete: %s", exc)
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    remove_placement_group(handles.placement_group)
+
+
+def down(timeout: float = 60.0) -> int:
+    """Remove the detached actors and placement group of an earlier `--detach`."""
+    found = 0
+    names = [ROUTER_NAME] + [pod_name(i) for i in range(1024)]
+    for name in names:
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            if name.startswith("pagekv-pod-"):
+                break  # pods are numbered from 0 without gaps
+            continue
+        found += 1
+        try:
+            ray.get(actor.stop.remote(), timeout=timeout)
+        except Exception as exc:
+            logger.warning("%s did not stop cleanly: %s", name, exc)
+        ray.kill(actor, no_restart=True)
+    try:
+        remove_placement_group(ray.util.get_placement_group(PG_NAME))
+    except ValueError:
+        pass
+    logger.info("removed %d PageKV actors", found)
+    return found
+
+
+def write_prometheus_targets(handles: ClusterHandles, path: str) -> None:
+    """Prometheus file_sd: the metrics addresses move when actors restart, so a scrape
+    config points at this file (`file_sd_configs: [{files: [path]}]`)."""
+    data = [{"targets": handles.metrics_addresses, "labels": {"job": "pagekv-ray"}}]
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)  # atomic: Prometheus never reads half a file
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvnode.cli import add_engine_arguments
+
+    p.add_argument("--num-nodes", "--num-pods", dest="num_pods", type=int, default=None,
+                   help="pods to run (default: one per GPU in the cluster, else 2)")
+    p.add_argument("--redis-url", default=None,
+                   help="the Redis index every pod and the router use (required, except with "
+                        "--down)")
+    p.add_argument("--address", default="auto",
+                   help="Ray cluster to join (ignored with --local)")
+    p.add_argument("--local", action="store_true",
+                   help="start a local Ray instance instead of joining a cluster")
+    p.add_argument("--host", default=None,
+                   help="bind address of the pods and the router (default: each node's IP)")
+    p.add_argument("--gpus", choices=("auto", "yes", "no"), default="auto",
+                   help="one GPU per pod (auto: when the cluster has one for every pod)")
+    p.add_argument("--pod-cpus", type=float, default=1.0, help="CPUs reserved per pod")
+    p.add_argument("--router-cpus", type=float, default=1.0)
+    p.add_argument("--router-port", type=int, default=50050)
+    p.add_argument("--router-metrics-port", type=int, default=9100, help="0: not served")
+    p.add_argument("--no-router", action="store_true", help="pods only")
+    p.add_argument("--lease-ttl-s", type=float, default=3.0)
+    p.add_argument("--max-restarts", type=int, default=-1, help="-1: restart forever")
+    p.add_argument("--detach", action="store_true",
+                   help="leave the actors running when this command exits")
+    p.add_argument("--down", action="store_true", help="remove a --detach deployment")
+    p.add_argument("--prometheus-sd-file", default=None,
+                   help="write the metrics targets here (Prometheus file_sd), kept current")
+    add_engine_arguments(p)
+
+
+def _connect(args: argparse.Namespace, needed_cpus: float) -> None:
+    if args.local:
+        # Logical CPUs: enough to place every actor, whatever the machine's core count.
+        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)),
+                 include_dashboard=False, namespace=NAMESPACE)
+    else:
+        ray.init(address=args.address, namespace=NAMESPACE)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvnode.cli import engine_args_from
+
+    engine = asdict(engine_args_from(args))
+    model = engine.pop("model")
+    if args.down:
+        _connect(args, 0)
+        try:
+            down()
+        finally:
+            ray.shutdown()
+        return 0
+    if not args.redis_url:
+        logger.error("--redis-url is required (the index the pods publish to)")
+        return 2
+    num_pods = args.num_pods
+    _connect(args, (num_pods or 2) * args.pod_cpus + args.router_cpus)
+    try:
+        if num_pods is None:
+            num_pods = int(_cluster_gpus()) or 2
+        handles = deploy_cluster(
+            num_pods, args.redis_url, model, engine_kwargs=engine, host=args.host,
+            use_gpus={"auto": None, "yes": True, "no": False}[args.gpus],
+            pod_cpus=args.pod_cpus, router_cpus=args.router_cpus, router_port=args.router_port,
+            router_metrics_port=args.router_metrics_port, start_router=not args.no_router,
+            lease_ttl_s=args.lease_ttl_s, max_restarts=args.max_restarts, detach=args.detach,
+        )
+        print("PageKV on Ray is up:\n" + handles.describe(), flush=True)
+        if args.prometheus_sd_file:
+            write_prometheus_targets(handles, args.prometheus_sd_file)
+        if args.detach:
+            print("detached: `pagekv ray-up --down` removes it", flush=True)
+            return 0
+        _watch(handles, args.prometheus_sd_file)
+        shutdown_cluster(handles)
+        return 0
+    finally:
+        ray.shutdown()
+
+
+def _watch(handles: ClusterHandles, sd_file: str | None, interval_s: float = 5.0) -> None:
+    """Until SIGINT/SIGTERM: report address changes (restarted actors)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(interval_s):
+        try:
+            changed = handles.refresh(timeout=interval_s * 6)
+        except Exception as exc:  # an actor mid-restart: try again next round
+            logger.warning("cannot read actor addresses: %s", exc)
+            continue
+        if changed:
+            logger.info("an actor restarted; now:\n%s", handles.describe())
+            if sd_file:
+                write_prometheus_targets(handles, sd_file)
+    logger.info("stopping PageKV actors")
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.ray_cluster",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return main(args)
+
+
+if __name__ == "__main__":
+    # Re-import under the package name: Ray ships actor classes by module reference, and a
+    # class defined in __main__ would not be importable on the workers.
+    from deploy.ray_cluster import cli_main as _cli_main
+
+    sys.exit(_cli_main())

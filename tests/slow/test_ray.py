@@ -1,0 +1,197 @@
+"""PageKV on Ray: pods and the router as actors on a local Ray instance, a real Redis.
+
+Ray 2.60 turns token authentication on for a new local instance and writes the token to
+~/.ray/auth_token by itself, so `ray.init(num_cpus=2)` needs no interaction. The instance
+is started (and shut down) by this module only; RAY_ADDRESS is cleared so that an outside
+cluster is never joined, and our Redis is a private redis-server on a free port (never 6379,
+which a Ray head may own).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import yaml
+
+from kvnode.hashing import DEFAULT_HASH_SEED, HashConfig, hash_prompt
+from kvnode.index_schema import IndexSchema, list_live_pods, lookup_prefix
+from kvnode.redis_server import RedisProcess
+from proto.pagekv.v1 import pagekv_pb2 as pb
+from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+
+ray = pytest.importorskip("ray")
+
+from deploy.ray_cluster import (  # noqa: E402 - after the importorskip
+    ClusterHandles,
+    deploy_cluster,
+    shutdown_cluster,
+)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BS = 16
+SCHEMA = IndexSchema("pagekv-tiny", BS, "sha256", DEFAULT_HASH_SEED)
+ENGINE = {"num_gpu_blocks": 128, "max_model_len": 1024, "max_num_batched_tokens": 1024}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def request(ids: list[int]) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=2, temperature=0.0, ignore_eos=True))
+
+
+def wait_for(check, what: str, timeout: float = 60.0, interval: float = 0.2):
+    """Poll `check()` until it returns something truthy (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"gave up after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with RedisProcess(data_dir=tmp_path_factory.mktemp("ray-redis")) as proc:
+        assert proc.port != 6379
+        yield proc.url
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url: str) -> Iterator[ClusterHandles]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RAY_ADDRESS", raising=False)
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no reporting thread, no network
+        ray.init(num_cpus=2, include_dashboard=False, namespace="pagekv-test")
+        try:
+            # 2 logical CPUs: two half-CPU pods and a half-CPU router fit with room to spare.
+            handles = deploy_cluster(
+                2, redis_url, "pagekv-tiny", engine_kwargs=ENGINE, host="127.0.0.1",
+                pod_cpus=0.5, router_cpus=0.5, router_port=0, serve_metrics=False,
+                lease_ttl_s=1.5, start_timeout_s=120.0,
+            )
+            try:
+                yield handles
+            finally:
+                shutdown_cluster(handles, drain_timeout_s=5.0)
+        finally:
+            ray.shutdown()
+
+
+def router_stub(handles: ClusterHandles) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(grpc.insecure_channel(handles.router_address))
+
+
+def test_pods_and_router_serve_with_prefix_affinity(cluster: ClusterHandles,
+                                                     redis_url: str) -> None:
+    assert len(cluster.pods) == 2 and cluster.router_address
+    assert all(a.startswith("127.0.0.1:") for a in cluster.pod_addresses)
+    # Both pods registered in Redis, each under the address its actor reports.
+    client = redis.Redis.from_url(redis_url)
+    live = wait_for(lambda: len(list_live_pods(client, SCHEMA)) == 2
+                    and list_live_pods(client, SCHEMA), "two live pods in Redis")
+    assert {p.pod_id: p.address for p in live} == dict(zip(cluster.pod_ids,
+                                                           cluster.pod_addresses, strict=True))
+    wait_for(lambda: ray.get(cluster.router.live_pods.remote()) == sorted(cluster.pod_ids),
+             "the router to see both pods")
+    # Distinct worker processes, all alive.
+    pids = ray.get([p.pid.remote() for p in cluster.pods] + [cluster.router.pid.remote()])
+    assert len(set(pids)) == 3
+
+    stub = router_stub(cluster)
+    system = [256] + tokens(1, 159)  # ten full blocks
+    first = stub.Generate(request(system + tokens(2, 12)), timeout=60)
+    assert first.served_by in cluster.pod_ids
+    assert len(first.completions[0].token_ids) == 2
+    hashes = hash_prompt(HashConfig("sha256", DEFAULT_HASH_SEED), BS, system)
+    wait_for(lambda: (m := lookup_prefix(client, SCHEMA, hashes).get(first.served_by))
+             and m.depth == len(hashes), "the served prefix in the index")
+    again = stub.Generate(request(system + tokens(3, 12)), timeout=60)
+    assert again.served_by == first.served_by
+    assert again.usage.cached_tokens == len(system)
+
+
+def test_killed_pod_restarts_with_a_new_epoch_and_serves(cluster: ClusterHandles,
+                                                         redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    victim, pod_id = cluster.pods[0], cluster.pod_ids[0]
+    old_pid = ray.get(victim.pid.remote())
+    old_epoch = ray.get(victim.epoch.remote())
+    assert client.get(SCHEMA.lease_key(pod_id)).decode() == old_epoch
+
+    ray.kill(victim, no_restart=False)  # a crash, as far as the pod knows: no clean-up runs
+    # Method calls wait for the restart (max_task_retries); a call may still land on the
+    # dying instance, hence the loop.
+    new_pid = wait_for(lambda: (p := _try(victim.pid)) not in (None, old_pid) and p,
+                       "the pod actor to restart", timeout=90)
+    new_epoch = ray.get(victim.epoch.remote())
+    assert new_pid != old_pid and new_epoch and new_epoch != old_epoch
+    lease = wait_for(lambda: client.get(SCHEMA.lease_key(pod_id)), "the new lease")
+    assert lease.decode() == new_epoch
+    assert cluster.refresh()  # the restarted pod listens on a new port
+    new_address = cluster.pod_addresses[0]
+    assert {p.pod_id: p.address for p in list_live_pods(client, SCHEMA)}[pod_id] == new_address
+
+    # It serves directly...
+    direct = pb_grpc.GenerationStub(grpc.insecure_channel(new_address))
+    system = [256] + tokens(10, 159)
+    resp = direct.Generate(request(system + tokens(11, 12)), timeout=60)
+    assert resp.served_by == pod_id and resp.usage.cached_tokens == 0  # a cold cache
+    # ...and through the router, which dials the new address for the prefix it now holds.
+    hashes = hash_prompt(HashConfig("sha256", DEFAULT_HASH_SEED), BS, system)
+    wait_for(lambda: (m := lookup_prefix(client, SCHEMA, hashes).get(pod_id))
+             and m.depth == len(hashes), "the restarted pod's blocks in the index")
+    wait_for(lambda: pod_id in ray.get(cluster.router.live_pods.remote()),
+             "the router to take the restarted pod back")
+    routed = router_stub(cluster).Generate(request(system + tokens(12, 12)), timeout=60)
+    assert routed.served_by == pod_id and routed.usage.cached_tokens == len(system)
+    # The other pod never stopped serving.
+    other = pb_grpc.GenerationStub(grpc.insecure_channel(cluster.pod_addresses[1]))
+    assert other.Generate(request(tokens(13, 40)), timeout=60).served_by == cluster.pod_ids[1]
+
+
+def _try(method) -> int | None:
+    try:
+        return ray.get(method.remote(), timeout=30)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+# -- the cluster configs: structure only (no cloud, no Kubernetes here) ----------------------
+
+def test_ray_launcher_config_installs_and_starts_pagekv() -> None:
+    cfg = yaml.safe_load((ROOT / "deploy" / "ray-cluster.yaml").read_text())
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] in types and len(types) >= 2
+    workers = [t for name, t in types.items() if name != cfg["head_node_type"]]
+    assert any(t["resources"].get("GPU") == 1 for t in workers)  # one pod per GPU
+    setup = " ".join(cfg["setup_commands"])
+    assert "pip install" in setup and "pagekv" in setup
+    assert any("ray start --head" in c for c in cfg["head_start_ray_commands"])
+    assert any("ray start" in c and "--address" in c for c in cfg["worker_start_ray_commands"])
+    assert "6379" not in " ".join(cfg.get("head_setup_commands", []))  # the index's Redis
+
+
+def test_kuberay_manifest_is_a_raycluster_with_gpu_workers() -> None:
+    docs = [d for d in yaml.safe_load_all(
+        (ROOT / "deploy" / "kuberay-raycluster.yaml").read_text()) if d]
+    rc = next(d for d in docs if d["kind"] == "RayCluster")
+    assert rc["apiVersion"] == "ray.io/v1"
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert 50050 in {p["containerPort"] for p in head["ports"]}  # the router
+    group = rc["spec"]["workerGroupSpecs"][0]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert str(limits["nvidia.com/gpu"]) == "1"
+    assert any(d["kind"] == "Service" and d["metadata"]["name"] == "pagekv-redis" for d in docs)
