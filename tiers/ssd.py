@@ -12,7 +12,11 @@ Design (see also `tiers/ssd_format.py` for the bytes on disk):
   much as the disk write. Without O_DIRECT (tmpfs, some network filesystems) the tier falls
   back to buffered I/O and drops the pages it wrote or read (POSIX_FADV_DONTNEED).
 * Threads. An asyncio loop runs in one background thread; aiofiles runs the blocking file calls
-  on a small executor. `put` copies the block into a pending buffer and wakes the writer: it
+  (open, write, close, scan reads, remove) on a small executor. Block reads go through cached
+  read-only aiofiles handles, but read with `os.preadv` on the handle's descriptor inside one
+  executor job that also verifies and copies out: aiofiles has no positional read, a shared
+  handle's seek+read would race between concurrent reads, and one hop per run instead of five
+  (open, seek, read, close, verify) is what keeps reads near device speed on a busy host. `put` copies the block into a pending buffer and wakes the writer: it
   never waits for the disk. Encoding (shuffle + lz4) of batch N+1 overlaps the write of batch N.
   A pending block is readable from the pending buffer until its write lands. Reads split into
   runs of adjacent entries that are read concurrently (one staging buffer each), verified and
@@ -100,6 +104,7 @@ MiB = 1 << 20
 _SEG_RE = re.compile(r"^seg-(\d{10})\.pkv$")
 _T = TypeVar("_T")
 _CORRUPT = "corrupt"  # read result: the bytes arrived but failed verification
+MAX_READ_HANDLES = 64  # open read-only segment files kept for reuse
 
 
 @dataclass(slots=True)
@@ -155,6 +160,12 @@ class _Batch:
     view: memoryview
     size: int = 0
     items: list[tuple[_Pending, int, int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _ReadHandle:
+    f: Any  # aiofiles handle, read-only; positional reads use its descriptor
+    users: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -529,6 +540,7 @@ class SsdTier(Tier):
         self._idle_sync: asyncio.TimerHandle | None = None
         self._sealing: set[asyncio.Task[None]] = set()  # segments being synced and closed
         self._seg_lock = asyncio.Lock()  # serialises appends and segment deletion
+        self._rfiles: OrderedDict[int, _ReadHandle] = OrderedDict()  # seq -> handle, LRU first
         self._rbufs: asyncio.Queue[mmap.mmap] = asyncio.Queue()
         for _ in range(self._io_threads):
             self._rbufs.put_nowait(mmap.mmap(-1, self.read_chunk_bytes))
@@ -556,6 +568,8 @@ class SsdTier(Tier):
         async with self._seg_lock:
             self._close_active()
         await asyncio.gather(*self._sealing)
+        for seq in list(self._rfiles):
+            await self._close_read_handle(seq)
 
     def _opener(self, path: str, flags: int) -> int:
         return os.open(path, flags | (os.O_DIRECT if self.direct_io else 0))
@@ -883,6 +897,7 @@ class SsdTier(Tier):
 
     async def _delete_segments(self, doomed: list[_Segment]) -> None:
         for seg in doomed:
+            await self._close_read_handle(seg.seq)
             if seg is self._active:
                 f, self._active, self._active_file = self._active_file, None, None
                 await f.close()  # its entries are all gone: no point syncing it
@@ -983,22 +998,13 @@ class SsdTier(Tier):
     ) -> None:
         first, last = wanted[run[0]][1], wanted[run[-1]][1]
         start, end = first.offset, align_up(last.offset + last.length)
+        items = [(i, wanted[i][0], wanted[i][1].offset - start, wanted[i][1].length) for i in run]
         buf = await self._rbufs.get()
+        handle: _ReadHandle | None = None
         try:
-            view = memoryview(buf)[: end - start]
-            got = 0
-            async with aiofiles.open(first.seg.path, "rb", buffering=0, opener=self._opener) as f:
-                await f.seek(start)
-                while got < len(view):
-                    n = await f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                if not self.direct_io:
-                    os.posix_fadvise(f.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
-            items = [(i, wanted[i][0], wanted[i][1].offset - start, wanted[i][1].length) for i in run]
+            handle = await self._acquire_read_handle(first.seg)
             decoded = await asyncio.get_running_loop().run_in_executor(
-                None, self._decode_run, buf, got, items
+                None, self._pread_decode, handle.f.fileno(), start, end - start, buf, items
             )
             for i, arr in decoded:
                 out[i] = arr
@@ -1006,19 +1012,54 @@ class SsdTier(Tier):
             logger.warning("SSD tier: reading %s failed: %s", first.seg.path, exc)
         finally:
             self._rbufs.put_nowait(buf)
+            if handle is not None:
+                handle.users -= 1
+                await self._trim_read_handles()
 
-    def _decode_run(
-        self, buf: mmap.mmap, got: int, items: list[tuple[int, bytes, int, int]]
+    async def _acquire_read_handle(self, seg: _Segment) -> _ReadHandle:
+        """A cached read-only aiofiles handle on a segment (opened once, LRU-bounded)."""
+        handle = self._rfiles.get(seg.seq)
+        if handle is None:
+            f = await aiofiles.open(seg.path, "rb", buffering=0, opener=self._opener)
+            handle = self._rfiles.get(seg.seq)  # another read may have opened it meanwhile
+            if handle is None:
+                handle = self._rfiles[seg.seq] = _ReadHandle(f)
+            else:
+                await f.close()
+        self._rfiles.move_to_end(seg.seq)
+        handle.users += 1
+        return handle
+
+    async def _trim_read_handles(self) -> None:
+        idle = [seq for seq, h in self._rfiles.items() if h.users == 0]
+        for seq in idle[: max(0, len(self._rfiles) - MAX_READ_HANDLES)]:
+            await self._rfiles.pop(seq).f.close()
+
+    async def _close_read_handle(self, seq: int) -> None:
+        handle = self._rfiles.pop(seq, None)
+        if handle is not None:  # a deleted segment has no reads in flight (pins)
+            await handle.f.close()
+
+    def _pread_decode(
+        self, fd: int, start: int, length: int, buf: mmap.mmap, items: list[tuple[int, bytes, int, int]]
     ) -> list[tuple[int, np.ndarray | str | None]]:
-        """Verify and copy out each entry of a run (executor thread: xxhash and numpy copies
-        release the GIL). The staging buffer is reused, so every result is a copy."""
-        view = memoryview(buf)
+        """Read a run into the staging buffer, then verify and copy out each entry (executor
+        thread: the read, xxhash and numpy copies release the GIL). One hop per run."""
+        view = memoryview(buf)[:length]
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [view[got:]], start + got)
+            if n <= 0:
+                break  # the file ends early (torn)
+            got += n
+        if not self.direct_io:
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
         out: list[tuple[int, np.ndarray | str | None]] = []
-        for i, block_hash, offset, length in items:
-            if offset + length > got:
-                out.append((i, None))  # short read: the file ends early
+        for i, block_hash, offset, size in items:
+            if offset + size > got:
+                out.append((i, None))
                 continue
-            out.append((i, self._verify(block_hash, view[offset : offset + length])))
+            out.append((i, self._verify(block_hash, view[offset : offset + size])))
         return out
 
     def _verify(self, block_hash: bytes, entry: memoryview) -> np.ndarray | str:
