@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds each waiting or running request adds to the TTFT")
     group.add_argument("--tie-tolerance", type=float, default=c.tie_rel,
                        help="costs within this fraction of the best are tied (load decides)")
+    group.add_argument("--speed-band", type=float, default=c.speed_band,
+                       help="published prefill speeds within this factor of the pods' median "
+                            "count as equal (noise); 1 trusts every pod's own figure")
     group.add_argument("--burst-ttl-s", type=float, default=d.burst_ttl_s,
                        help="how long a routed request counts as a predicted hit")
     group.add_argument("--refresh-interval-s", type=float, default=d.refresh_interval_s,
@@ -62,6 +65,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         disk_per_token=args.cost_disk_per_token,
         queue_per_request=args.cost_queue_per_request,
         tie_rel=args.tie_tolerance,
+        speed_band=args.speed_band,
     )
     return RouterConfig(
         redis_url=args.redis_url, model=args.model, block_size=args.block_size,

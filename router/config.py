@@ -1,17 +1,20 @@
 """The router's configuration: one dataclass that the CLI and the tests both fill.
 
-Default costs (seconds), used for a pod until it publishes its own measured figures:
+Default costs (seconds), used for a pod until it publishes its own measured figures. Measured
+on the 2-core AMD EPYC development machine with pagekv-small (the demo and benchmark model),
+one pod with 2 torch threads:
 
-* prefill 1e-3 s/token: `bench/prefix_ttft.py --quick --model pagekv-small` on the 2-core
-  AMD EPYC development machine measured a cold 2,080-token prefill at 2.4-4.1 s (torch and
-  C++ attention), i.e. 1.2-2.0 ms/token under load from other processes; 1 ms rounds down
-  to an idle machine. pagekv-tiny measured 0.19-0.47 ms/token on the same machine.
+* prefill 6e-4 s/token: a queued cold 1,071-token prompt delays a probe by 0.60 s
+  (`bench/prefix_ttft.py --quick` measured 1.2-2.0 ms/token while other processes loaded
+  the machine; pagekv-tiny runs at 60-100 µs/token).
 * CPU (DRAM reload) 6e-6 s/token: copying pagekv-small's fp32 KV (6 KiB/token) block by
-  block measured 6 µs/token (about 1 GB/s) on that machine.
+  block measured 6 µs/token (about 1 GB/s).
 * DISK (SSD reload) 3e-5 s/token: five times the DRAM figure for the read, checksum and
   decode of an SSD entry; an estimate, not a measurement (pods publish the real one).
-* queue 0.05 s/request: see `bench/routing.py`; about the prefill of a 48-token suffix
-  on pagekv-small, the work a typical queued request adds before a new one gets its turn.
+* queue 0.025 s/request: each queued request with a 48-token uncached suffix delayed a
+  probe's first token by about 25 ms (0 -> 8 queued: 39 -> 238 ms). It is scaled by each
+  pod's prefill speed (pagekv-tiny measured 5.5 ms per queued request). A queued cold
+  prompt costs far more, but under prefix routing queued requests are mostly hits.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from router.scoring import CostModel
 POLICIES = ("prefix", "round_robin", "random")
 
 DEFAULT_COSTS = CostModel(
-    prefill_per_token=1e-3,
+    prefill_per_token=6e-4,
     cpu_per_token=6e-6,
     disk_per_token=3e-5,
-    queue_per_request=0.05,
+    queue_per_request=0.025,
 )
 
 

@@ -15,6 +15,7 @@ back.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError,
                                                  asyncio.TimeoutError)
+_FINISHED_KEEP = 4096  # completion times kept per pod
 _CHANNEL_IDLE_CLOSE_S = 30.0  # close a departed pod's channel once unused this long
 _CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),  # the router decides retries itself (next-best pod)
@@ -56,6 +58,18 @@ class PodEntry:
     excluded_reason: str = ""  # non-empty: never routed to (hash configuration mismatch)
     inflight: int = 0
     unavailable_until: float = 0.0  # monotonic time; tried last until then
+    finished: list[float] = field(default_factory=list)  # unix times our calls ended
+
+    def call_finished(self) -> None:
+        now = time.time()
+        self.finished.append(now)
+        if len(self.finished) > _FINISHED_KEEP:  # keep a few lease renewals' worth
+            cut = bisect.bisect_right(self.finished, now - 5.0)
+            del self.finished[:max(cut, len(self.finished) - _FINISHED_KEEP)]
+
+    def finished_since_load(self) -> int:
+        """Our calls that ended after the pod last published its load."""
+        return len(self.finished) - bisect.bisect_right(self.finished, self.info.updated_at)
 
     @property
     def pod_id(self) -> str:

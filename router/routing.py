@@ -33,6 +33,7 @@ from router.scoring import (
     order_round_robin,
     rank,
     score_candidate,
+    settle_prefill_costs,
 )
 from router.tokenize import PromptTokenizer
 
@@ -127,11 +128,21 @@ class Router:
         self._counter += 1
         return self._counter
 
+    @staticmethod
+    def _candidate(p: PodEntry) -> Candidate:
+        return Candidate(p.pod_id, p.info.address, waiting=p.info.waiting,
+                         running=p.info.running, inflight=p.inflight,
+                         finished_since_load=p.finished_since_load(),
+                         free_blocks=p.info.free_blocks)
+
     def _base_scores(self, pods: list[PodEntry]) -> list[Score]:
-        return [Score(p.pod_id, p.info.address, waiting=p.info.waiting,
-                      running=p.info.running, queue=max(p.info.waiting + p.info.running,
-                                                        p.inflight),
-                      free_blocks=p.info.free_blocks, cost_s=0.0) for p in pods]
+        """Load only: no lookup, no costs (baseline policies and the index-down fallback)."""
+        out = []
+        for p in pods:
+            c = self._candidate(p)
+            out.append(Score(c.pod_id, c.address, waiting=c.waiting, running=c.running,
+                             queue=c.queue, free_blocks=c.free_blocks, cost_s=0.0))
+        return out
 
     def _excluded_scores(self) -> list[Score]:
         reg = self.registry
@@ -187,13 +198,20 @@ class Router:
                 reg.drop(gone)  # leases expired since the last refresh
         limit = prepared.lookup_blocks
         bursts = self.burst.depths(prepared.block_hashes[:limit]) if limit else {}
+        pods = reg.eligible()
+        speeds = settle_prefill_costs(
+            {p.pod_id: p.info.tier_costs["prefill"] for p in pods
+             if "prefill" in p.info.tier_costs}, self.config.costs.speed_band)
         scores: list[Score] = []
-        for p in reg.eligible():
+        for p in pods:
             match = matches.get(p.pod_id)
             tiers, from_burst = merge_prediction(match.tiers if match else (),
                                                  bursts.get(p.pod_id, 0), limit)
-            cand = Candidate(p.pod_id, p.info.address, tiers, p.info.waiting, p.info.running,
-                             p.inflight, p.info.free_blocks, p.info.tier_costs, from_burst)
+            cand = self._candidate(p)
+            cand.tiers, cand.burst_blocks = tiers, from_burst
+            cand.published_costs = p.info.tier_costs
+            if p.pod_id in speeds:
+                cand.published_costs = {**p.info.tier_costs, "prefill": speeds[p.pod_id]}
             scores.append(score_candidate(cand, prompt_len, self.config.block_size,
                                           self.config.costs))
         order, reason = rank(scores, self.config.costs, counter)

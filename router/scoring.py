@@ -5,12 +5,20 @@ For one request of `prompt_len` tokens and one pod:
     cost = uncached tokens × prefill s/token          (prefill still to do on that pod)
          + tokens found in DRAM × CPU s/token          (reload from the DRAM tier)
          + tokens found on SSD × DISK s/token          (reload from the SSD tier)
-         + queue × queue s/request                     (work ahead of it on that pod)
+         + queue × queue s/request × speed             (work ahead of it on that pod)
 
 The per-token figures come from what the pod publishes (`cost.prefill`, `cost.CPU`,
-`cost.DISK`), else from the router's configuration. `queue` is the larger of the pod's
-published `waiting + running` (everyone's requests, up to a second old) and this router's own
-requests in flight to it (exact, but only ours).
+`cost.DISK`), else from the router's configuration; `speed` is the pod's prefill s/token
+over the configured one, so the queue figure is in units of the configured machine. `queue`
+is the larger of the pod's published `waiting + running` (everyone's requests, up to a
+second old, less those of ours that finished since) and this router's own requests in
+flight to it (exact, but only ours).
+
+Measured prefill speeds are noisy: identical pods sharing a host (or just amortizing a
+step's fixed cost over small batches) publish figures that swing 2x within seconds. Pods
+within `speed_band` times of the pods' median are therefore scored at that median, as equally
+fast; only a pod further off (other hardware) keeps its own figure. Otherwise noise, not
+load, would decide where every cold prompt goes.
 
 The cheapest pod wins. Pods whose costs are within the tie tolerance of the best one are
 tied; ties go to the smaller queue, then the larger free pool, then rotate so that cold
@@ -47,6 +55,8 @@ class CostModel:
 
     `tie_rel` / `tie_abs_s`: costs within max(tie_abs_s, tie_rel × best) of the best count as
     tied, so that measurement noise between identical pods does not decide a cold request.
+    `speed_band` (>= 1): published prefill speeds within this factor of the median are
+    treated as the median (1 = always trust each pod's own figure).
     """
 
     prefill_per_token: float
@@ -55,13 +65,16 @@ class CostModel:
     queue_per_request: float
     tie_rel: float = 0.05
     tie_abs_s: float = 0.0005
+    speed_band: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_per_token", "cpu_per_token", "disk_per_token",
-                     "queue_per_request", "tie_rel", "tie_abs_s"):
+                     "queue_per_request", "tie_rel", "tie_abs_s", "speed_band"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.speed_band < 1:
+            raise ValueError(f"speed_band must be >= 1, got {self.speed_band!r}")
 
 
 @dataclass(slots=True)
@@ -74,6 +87,7 @@ class Candidate:
     waiting: int = 0
     running: int = 0
     inflight: int = 0           # this router's requests in flight to the pod
+    finished_since_load: int = 0  # of ours, finished after the pod published its load
     free_blocks: int = 0
     published_costs: Mapping[str, float] = field(default_factory=dict)
     burst_blocks: int = 0       # how many of `tiers` come only from the burst prediction
@@ -82,7 +96,10 @@ class Candidate:
 
     @property
     def queue(self) -> int:
-        return max(self.waiting + self.running, self.inflight)
+        # The published load is up to a lease renewal old: requests of ours that finished
+        # since then are no longer in it.
+        published = self.waiting + self.running - self.finished_since_load
+        return max(published, self.inflight, 0)
 
 
 @dataclass(slots=True)
@@ -134,6 +151,22 @@ def _pod_cost(published: Mapping[str, float], key: str, default: float) -> float
     return float(value)
 
 
+def settle_prefill_costs(published: Mapping[str, float], band: float) -> dict[str, float]:
+    """Pod id -> the prefill s/token to score it with, from the pods' published figures.
+
+    Figures within `band` times of their median become the median; the others stay.
+    Pods that published nothing (or nonsense) are left out: they get the configured cost.
+    """
+    valid = {pod: v for pod, v in published.items() if math.isfinite(v) and v > 0}
+    if not valid:
+        return {}
+    ordered = sorted(valid.values())
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {pod: median if max(v / median, median / v) <= band else v
+            for pod, v in valid.items()}
+
+
 def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostModel) -> Score:
     s = Score(c.pod_id, c.address, waiting=c.waiting, running=c.running, queue=c.queue,
               free_blocks=c.free_blocks, eligible=c.eligible,
@@ -149,12 +182,22 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
     s.cached_disk = counts["DISK"] * block_size
     s.from_burst = c.burst_blocks > 0
     pub = c.published_costs
+    prefill = _pod_cost(pub, "prefill", costs.prefill_per_token)
     uncached = prompt_len - s.cached_tokens
-    s.cost_s = (uncached * _pod_cost(pub, "prefill", costs.prefill_per_token)
+    s.cost_s = (uncached * prefill
                 + s.cached_cpu * _pod_cost(pub, "CPU", costs.cpu_per_token)
                 + s.cached_disk * _pod_cost(pub, "DISK", costs.disk_per_token)
-                + c.queue * costs.queue_per_request)
+                + c.queue * queue_cost(costs, prefill))
     return s
+
+
+def queue_cost(costs: CostModel, pod_prefill: float) -> float:
+    """Seconds one queued request adds on a pod: the configured figure holds for a pod as
+    fast as the configured prefill cost, and scales with the pod's measured speed (a queued
+    request is mostly prefill work, so a pod twice as fast clears it twice as fast)."""
+    if costs.prefill_per_token <= 0:
+        return costs.queue_per_request
+    return costs.queue_per_request * pod_prefill / costs.prefill_per_token
 
 
 def _load_key(s: Score) -> tuple[int, int]:

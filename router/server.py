@@ -56,6 +56,7 @@ class _Attempt:
 
     def __exit__(self, *exc: object) -> None:
         self.entry.inflight -= 1
+        self.entry.call_finished()
         self.metrics.inflight.dec()
 
 

@@ -320,3 +320,33 @@ def test_hf_tokenizer_matches_the_pods(tmp_path: Path, with_bos: bool) -> None:
     ours = load_tokenizer(str(tmp_path)).encode(text)
     assert ours == HFTokenizer(tmp_path / "tokenizer.json", bos_token_id=0).encode(text)
     assert ours[0] == 0 if with_bos else ours[0] == 2
+
+
+def test_speeds_within_the_band_count_as_the_median() -> None:
+    from router.scoring import settle_prefill_costs
+
+    published = {"a": 160e-6, "b": 320e-6, "c": 250e-6, "d": 3e-3, "e": float("nan")}
+    settled = settle_prefill_costs(published, band=2.0)
+    median = 285e-6  # of a, b, c, d
+    assert settled["a"] == settled["b"] == settled["c"] == pytest.approx(median)
+    assert settled["d"] == 3e-3  # other hardware: its own figure
+    assert "e" not in settled
+    assert settle_prefill_costs(published, band=1.0)["a"] == 160e-6
+    assert settle_prefill_costs({}, 2.0) == {}
+
+
+def test_queue_cost_scales_with_the_pods_speed() -> None:
+    fast = Candidate("a", "x", running=4, published_costs={"prefill": 0.5e-3})
+    slow = Candidate("b", "x", running=4, published_costs={"prefill": 2e-3})
+    s_fast, s_slow = scored([fast, slow], 1)
+    assert s_fast.cost_s == pytest.approx(1 * 0.5e-3 + 4 * 0.05 * 0.5)
+    assert s_slow.cost_s == pytest.approx(1 * 2e-3 + 4 * 0.05 * 2)
+
+
+def test_published_load_is_discounted_by_our_calls_finished_since() -> None:
+    c = Candidate("a", "x", waiting=1, running=3, inflight=0, finished_since_load=3)
+    assert c.queue == 1
+    c.finished_since_load = 9  # more than it published: never negative
+    assert c.queue == 0
+    c.inflight = 2
+    assert c.queue == 2
