@@ -1,0 +1,424 @@
+"""Routing benchmark: prefix-aware routing vs round-robin vs random, side by side in one run.
+
+One Redis, N pods (processes, `pagekv node`) and one router process per policy
+(`pagekv router --policy prefix|round_robin|random`), all on this machine. Two workloads:
+
+* groups:     G groups × P prompts; every prompt of a group starts with the group's prefix
+              (a system prompt / few-shot block) and ends with its own question;
+* multi-turn: C conversations × T turns; turn t+1 = turn t's prompt + the answer the pod
+              gave + a new user message.
+
+Each pod's pool is sized so that the groups' prefixes fill about 150% of it: one pod cannot
+hold them all, the cluster can. Before each (workload, policy) phase every pod's cache is
+reset (pool and tiers) and the index is checked empty, so every policy starts cold.
+
+Reported per phase: cluster prefix hit rate (cached / prompt tokens, from the pods' usage),
+the oracle hit rate (every group on one pod with an unbounded pool, computed analytically),
+TTFT p50/p99, throughput, and the router's own overhead per request (p50/p99 of the
+`pagekv-router-overhead-us` trailing metadata: time inside the router, the pod call
+excluded), under load and for sequential requests.
+
+    python -m bench.routing [--quick] [--json PATH] [--model pagekv-tiny] [--pods 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc  # noqa: E402
+import redis  # noqa: E402
+
+from bench.machine import machine_info  # noqa: E402
+from deploy.local_cluster import Child, pagekv_cmd, spawn, stop_child, wait_healthy  # noqa: E402
+from kvnode.index_schema import IndexSchema, list_live_pods  # noqa: E402
+from kvnode.redis_server import RedisProcess, free_port  # noqa: E402
+from proto.pagekv.v1 import pagekv_pb2 as pb  # noqa: E402
+from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc  # noqa: E402
+from router.server import OVERHEAD_METADATA_KEY  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+BS = 16
+POLICIES = ("prefix", "round_robin", "random")
+BOS = 256  # the byte tokenizer's BOS: built-in presets only
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    groups: int
+    prompts_per_group: int
+    prefix_tokens: int   # multiple of BS
+    suffix_tokens: int
+    conversations: int
+    turns: int
+    context_tokens: int  # each conversation's own opening context
+    message_tokens: int  # each later user message
+    max_tokens: int
+    concurrency: int
+
+
+QUICK = Workload(groups=12, prompts_per_group=6, prefix_tokens=1024, suffix_tokens=48,
+                 conversations=8, turns=4, context_tokens=512, message_tokens=64,
+                 max_tokens=8, concurrency=8)
+FULL = Workload(groups=16, prompts_per_group=8, prefix_tokens=1024, suffix_tokens=48,
+                conversations=12, turns=5, context_tokens=512, message_tokens=64,
+                max_tokens=8, concurrency=8)
+
+
+def pool_blocks(w: Workload) -> int:
+    """Pool per pod: the groups' prefixes fill 150% of it."""
+    return int(w.groups * (w.prefix_tokens // BS) / 1.5)
+
+
+# -- workloads and their oracles --------------------------------------------------------------
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(BOS) for _ in range(n)]
+
+
+def group_requests(w: Workload, seed: int) -> list[tuple[int, list[int]]]:
+    """(group, prompt) in arrival order, the same for every policy: P waves, and in each
+    wave every group sends one prompt, the groups in a fresh random order (tenants whose
+    users keep coming back, interleaved)."""
+    rng = random.Random(seed)
+    prefixes = [[BOS] + rand_tokens(rng, w.prefix_tokens - 1) for _ in range(w.groups)]
+    reqs = []
+    for _ in range(w.prompts_per_group):
+        wave = list(range(w.groups))
+        rng.shuffle(wave)
+        reqs += [(g, prefixes[g] + rand_tokens(rng, w.suffix_tokens)) for g in wave]
+    return reqs
+
+
+def group_oracle(w: Workload) -> float:
+    """Every group on one pod, unbounded pool: all but each group's first prompt hit the
+    prefix's full blocks (the random suffixes share nothing)."""
+    prompt = w.prefix_tokens + w.suffix_tokens
+    hit = min(w.prefix_tokens // BS, (prompt - 1) // BS) * BS
+    return (w.prompts_per_group - 1) * hit / (w.prompts_per_group * prompt)
+
+
+def multiturn_oracle(w: Workload) -> float:
+    """Turn t+1 can hit every full block of turn t's prompt + answer whose KV was computed
+    (the last answer token's KV never is)."""
+    cached = total = 0
+    prev = 0
+    length = w.context_tokens + w.message_tokens
+    for t in range(w.turns):
+        total += length
+        if t:
+            cached += min((prev + w.max_tokens - 1) // BS, (length - 1) // BS) * BS
+        prev, length = length, length + w.max_tokens + w.message_tokens
+    return cached / total
+
+
+# -- one request -----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Result:
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    overhead_us: int
+    served_by: str
+    lookup_ms: float = 0.0
+    answer: list[int] = field(default_factory=list)
+
+
+async def generate(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int) -> Result:
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    first = 0.0
+    answer: list[int] = []
+    usage = pb.Usage()
+    served_by = ""
+    lookup_ms = 0.0
+    call = stub.GenerateStream(req, timeout=300)
+    async for chunk in call:
+        if chunk.token_ids and not first:
+            first = time.perf_counter()
+        if chunk.index == 0:
+            answer.extend(chunk.token_ids)
+        if chunk.HasField("usage"):
+            usage, served_by = chunk.usage, chunk.served_by
+            lookup_ms = chunk.routing.lookup_ms
+    end = time.perf_counter()
+    meta = dict(await call.trailing_metadata() or ())
+    return Result(first - t0, end - t0, usage.prompt_tokens, usage.cached_tokens,
+                  usage.completion_tokens, int(meta.get(OVERHEAD_METADATA_KEY, -1)), served_by,
+                  lookup_ms, answer)
+
+
+async def run_groups(stub: pb_grpc.GenerationStub, w: Workload, seed: int) -> list[Result]:
+    sem = asyncio.Semaphore(w.concurrency)
+
+    async def one(prompt: list[int]) -> Result:
+        async with sem:
+            return await generate(stub, prompt, w.max_tokens)
+
+    return list(await asyncio.gather(*(one(p) for _, p in group_requests(w, seed))))
+
+
+async def run_multiturn(stub: pb_grpc.GenerationStub, w: Workload, seed: int) -> list[Result]:
+    rng = random.Random(seed + 1)
+    openings = [[BOS] + rand_tokens(rng, w.context_tokens - 1) for _ in range(w.conversations)]
+    messages = [[rand_tokens(rng, w.message_tokens) for _ in range(w.turns)]
+                for _ in range(w.conversations)]
+    sem = asyncio.Semaphore(w.concurrency)
+    results: list[Result] = []
+
+    async def conversation(c: int) -> None:
+        history = list(openings[c])
+        for t in range(w.turns):
+            prompt = history + messages[c][t]
+            async with sem:
+                r = await generate(stub, prompt, w.max_tokens)
+            results.append(r)
+            history = prompt + r.answer
+            await asyncio.sleep(rng.random() * 0.05)  # the user types
+
+    await asyncio.gather(*(conversation(c) for c in range(w.conversations)))
+    return results
+
+
+async def sequential_overhead(stub: pb_grpc.GenerationStub, n: int, seed: int
+                              ) -> list[Result]:
+    """Router overhead with one request at a time (no contention from other requests)."""
+    rng = random.Random(seed + 2)
+    prefix = [BOS] + rand_tokens(rng, 1023)
+    return [await generate(stub, prefix + rand_tokens(rng, 16 + i % 7), 1) for i in range(n)]
+
+
+# -- the cluster -----------------------------------------------------------------------------
+
+def start_cluster(run_dir: Path, redis_url: str, model: str, n_pods: int, blocks: int,
+                  pod_args: list[str], nice: int) -> tuple[list[Child], dict[str, Child]]:
+    env = {"OMP_NUM_THREADS": "1"}  # N pods on a few cores: no thread oversubscription
+    # The pods stand in for GPU machines; at a lower priority they do not starve the router
+    # and Redis of the CPU, which in a real cluster they would not share.
+    prio = ["nice", "-n", str(nice)] if nice else []
+    pods = []
+    for i in range(n_pods):
+        port, mport = free_port(), free_port()
+        argv = prio + pagekv_cmd("node", "--model", model, "--host", "127.0.0.1", "--port",
+                          str(port), "--metrics-port", str(mport), "--redis-url", redis_url,
+                          "--pod-id", f"node-{chr(ord('a') + i)}", "--num-gpu-blocks",
+                          str(blocks), "--max-model-len", "4096", *pod_args)
+        child = spawn(f"node-{chr(ord('a') + i)}", argv, run_dir, env)
+        child.address = f"127.0.0.1:{port}"
+        pods.append(child)
+    routers = {}
+    for policy in POLICIES:
+        port = free_port()
+        argv = pagekv_cmd("router", "--model", model, "--host", "127.0.0.1", "--port",
+                          str(port), "--metrics-port", "0", "--redis-url", redis_url,
+                          "--policy", policy, "--random-seed", "7")
+        child = spawn(f"router-{policy}", argv, run_dir)
+        child.address = f"127.0.0.1:{port}"
+        routers[policy] = child
+    for child in [*pods, *routers.values()]:
+        wait_healthy(child.address, 300, child.proc)
+    return pods, routers
+
+
+def reset_pods(pods: list[Child], redis_url: str, model: str) -> None:
+    """Drop every pod's cache (pool and tiers) and wait until the index shows it."""
+    schema = IndexSchema(model, BS, "sha256", "vllm-none-hash")
+    client = redis.Redis.from_url(redis_url)
+    for pod in pods:
+        with grpc.insecure_channel(pod.address) as ch:
+            stub = pb_grpc.KVNodeStub(ch)
+            for _ in range(50):
+                if stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(include_tiers=True),
+                                         timeout=30).success:
+                    break
+                time.sleep(0.1)  # requests still running: retry
+            else:
+                raise RuntimeError(f"{pod.name}: prefix cache reset refused")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(client.scard(schema.pod_blocks_key(p.name)) == 0 for p in pods):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("index still holds blocks after the reset")
+
+
+def published_costs(redis_url: str, model: str) -> dict[str, dict[str, float]]:
+    """What each pod measured and published (prefill and tier reload, s/token)."""
+    schema = IndexSchema(model, BS, "sha256", "vllm-none-hash")
+    return {p.pod_id: p.tier_costs
+            for p in list_live_pods(redis.Redis.from_url(redis_url), schema)}
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(results: list[Result], wall_s: float) -> dict:
+    prompt = sum(r.prompt_tokens for r in results)
+    overhead = [r.overhead_us / 1e3 for r in results if r.overhead_us >= 0]
+    per_pod: dict[str, int] = {}
+    for r in results:
+        per_pod[r.served_by] = per_pod.get(r.served_by, 0) + 1
+    return {
+        "requests": len(results),
+        "hit_rate": sum(r.cached_tokens for r in results) / prompt if prompt else 0.0,
+        "ttft_p50_ms": 1e3 * pct([r.ttft_s for r in results], 0.5),
+        "ttft_p99_ms": 1e3 * pct([r.ttft_s for r in results], 0.99),
+        "throughput_rps": len(results) / wall_s,
+        "prompt_tokens_per_s": prompt / wall_s,
+        "overhead_p50_ms": pct(overhead, 0.5) if overhead else float("nan"),
+        "overhead_p99_ms": pct(overhead, 0.99) if overhead else float("nan"),
+        "lookup_p50_ms": pct([r.lookup_ms for r in results], 0.5),
+        "lookup_p99_ms": pct([r.lookup_ms for r in results], 0.99),
+        "per_pod": dict(sorted(per_pod.items())),
+        "wall_s": wall_s,
+    }
+
+
+async def run_phases(routers: dict[str, Child], pods: list[Child], redis_url: str,
+                     model: str, w: Workload, seed: int) -> dict:
+    channels = {p: grpc.aio.insecure_channel(c.address) for p, c in routers.items()}
+    stubs = {p: pb_grpc.GenerationStub(ch) for p, ch in channels.items()}
+    out: dict = {"groups": {}, "multi_turn": {}}
+    try:
+        for workload, runner in (("groups", run_groups), ("multi_turn", run_multiturn)):
+            for policy in ("round_robin", "random", "prefix"):
+                await asyncio.to_thread(reset_pods, pods, redis_url, model)
+                start = time.perf_counter()
+                results = await runner(stubs[policy], w, seed)
+                out[workload][policy] = summarize(results, time.perf_counter() - start)
+                logger.info("%s / %s: %s", workload, policy, out[workload][policy])
+        await asyncio.to_thread(reset_pods, pods, redis_url, model)
+        seq = await sequential_overhead(stubs["prefix"], 100, seed)
+        ms = [r.overhead_us / 1e3 for r in seq if r.overhead_us >= 0]
+        out["sequential_overhead_ms"] = {
+            "p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "n": len(ms),
+            "lookup_p50": pct([r.lookup_ms for r in seq], 0.5),
+            "lookup_p99": pct([r.lookup_ms for r in seq], 0.99)}
+    finally:
+        for ch in channels.values():
+            await ch.close()
+    return out
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def print_report(res: dict, w: Workload, args: argparse.Namespace) -> None:
+    oracles = {"groups": group_oracle(w), "multi_turn": multiturn_oracle(w)}
+    print(f"routing: {args.pods} pods × {args.model}, block size {BS}, "
+          f"pool {res['pool_blocks']} blocks/pod ({res['pool_blocks'] * BS} tokens), "
+          f"concurrency {w.concurrency}, Redis on loopback, pods at nice {args.pod_nice}")
+    print(f"machine: {machine_info()}")
+    print(f"groups: {w.groups} × {w.prompts_per_group} prompts, prefix {w.prefix_tokens} + "
+          f"suffix {w.suffix_tokens} tokens (prefixes = 150% of one pool); multi-turn: "
+          f"{w.conversations} conversations × {w.turns} turns, context {w.context_tokens}, "
+          f"+{w.message_tokens}/turn; max_tokens {w.max_tokens}")
+    head = (f"{'workload':<11} {'policy':<12} {'hit rate':>8} {'/oracle':>8} {'x RR':>6} "
+            f"{'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>7} {'rtr p50':>8} {'rtr p99':>8}  "
+            "requests per pod")
+    print(head)
+    for workload in ("groups", "multi_turn"):
+        rr = res[workload]["round_robin"]["hit_rate"]
+        for policy in POLICIES:
+            r = res[workload][policy]
+            ratio = r["hit_rate"] / rr if rr else float("inf")
+            print(f"{workload:<11} {policy:<12} {r['hit_rate']:>8.1%} "
+                  f"{r['hit_rate'] / oracles[workload]:>8.1%} {ratio:>5.1f}x "
+                  f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>7.0f}ms "
+                  f"{r['throughput_rps']:>7.2f} {r['overhead_p50_ms']:>6.2f}ms "
+                  f"{r['overhead_p99_ms']:>6.2f}ms  "
+                  + " ".join(f"{k[-1]}:{v}" for k, v in r["per_pod"].items()))
+        print(f"{workload:<11} {'oracle':<12} {oracles[workload]:>8.1%}")
+    for pod, costs in res["published_costs"].items():
+        print(f"published by {pod}: " + ", ".join(
+            f"{k} {v * 1e6:.1f} us/token" for k, v in sorted(costs.items())))
+    s = res["sequential_overhead_ms"]
+    print(f"router overhead, one request at a time (prefix policy, 1,024-token prefix, "
+          f"n={s['n']}): p50 {s['p50']:.2f} ms, p99 {s['p99']:.2f} ms (of which Redis lookup "
+          f"p50 {s['lookup_p50']:.2f} ms, p99 {s['lookup_p99']:.2f} ms)")
+    for workload in ("groups", "multi_turn"):
+        r = res[workload]["prefix"]
+        print(f"{workload} / prefix under load: Redis lookup p50 {r['lookup_p50_ms']:.2f} ms, "
+              f"p99 {r['lookup_p99_ms']:.2f} ms")
+    print("(hit rate = cached / prompt tokens from the pods' usage; rtr = time inside the "
+          "router per request, pod call excluded; targets: prefix >= 3x round_robin and >= "
+          "90% of oracle, router p99 <= 5 ms)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller workload (< 3 min)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--model", default="pagekv-tiny",
+                    help="built-in preset (the workload is made of byte-tokenizer ids)")
+    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pod-arg", action="append", default=[],
+                    help="extra flag for every pod, e.g. --pod-arg=--cpu-offload-bytes=64MiB")
+    ap.add_argument("--pod-nice", type=int, default=10,
+                    help="run the pods at this nice level (0: same priority as the router)")
+    ap.add_argument("--keep-logs", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    w = QUICK if args.quick else FULL
+    blocks = pool_blocks(w)
+    run_dir = Path(tempfile.mkdtemp(prefix="pagekv-bench-routing-"))
+    pod_args = [a for arg in args.pod_arg for a in arg.split("=", 1)]
+    rp = RedisProcess(data_dir=run_dir / "redis").start()
+    pods: list[Child] = []
+    routers: dict[str, Child] = {}
+    t0 = time.perf_counter()
+    try:
+        pods, routers = start_cluster(run_dir, rp.url, args.model, args.pods, blocks, pod_args,
+                                      args.pod_nice)
+        startup = time.perf_counter() - t0
+        res = asyncio.run(run_phases(routers, pods, rp.url, args.model, w, args.seed))
+        res["pool_blocks"] = blocks
+        res["published_costs"] = published_costs(rp.url, args.model)
+        res["startup_s"] = startup
+    except BaseException:
+        for child in [*pods, *routers.values()]:
+            if child.proc.poll() is not None:
+                print(f"{child.name} exited; log tail:\n{child.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        for child in [*routers.values(), *pods]:
+            stop_child(child, grace=10)
+        rp.close()
+    print_report(res, w, args)
+    print(f"(total {time.perf_counter() - t0:.0f} s, cluster start-up {res['startup_s']:.0f} s;"
+          f" logs in {run_dir})" if args.keep_logs else
+          f"(total {time.perf_counter() - t0:.0f} s, cluster start-up {res['startup_s']:.0f} s)")
+    if not args.keep_logs:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "benchmark": "routing", "model": args.model, "pods": args.pods,
+            "machine": machine_info(), "workload": asdict(w),
+            "oracle": {"groups": group_oracle(w), "multi_turn": multiturn_oracle(w)},
+            "results": res}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
