@@ -52,6 +52,10 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "avx512_path": cpu_kernel.has_avx512_path(),
+        # Other work on a shared machine shifts absolute times; the interleaved rounds keep
+        # the ratios comparable, and the load says how shared the machine was.
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -110,25 +114,40 @@ def gather_then_sdpa(case: dict) -> torch.Tensor:
     return o.squeeze(2)
 
 
+def dtype_case(case: dict, dtype: torch.dtype) -> dict:
+    """The same batch with the cache stored in ``dtype`` (fp8 with per-tensor scales)."""
+    args = paged_args(case)
+    scale = 1.0
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale = 0.05  # values stored as x / scale stay well inside the fp8 range
+    args["key_cache"] = (args["key_cache"] / scale).to(dtype)
+    args["value_cache"] = (args["value_cache"] / scale).to(dtype)
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        args["k_scale"] = args["v_scale"] = scale
+    return args
+
+
 def time_side_by_side(fns: dict[str, Callable[[], object]], rounds: int,
                       min_round_s: float) -> dict[str, float]:
     """Median µs per call. Methods alternate within every round, so background load on the
-    shared machine hits all of them alike."""
+    shared machine hits all of them alike; every call is timed on its own and the median
+    over all calls is kept, so a call that lost its core for a scheduler tick is an outlier,
+    not part of an average."""
     iters: dict[str, int] = {}
     for name, fn in fns.items():
         fn()  # warm up (and size the round)
         t0 = time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
-        iters[name] = max(1, int(min_round_s / max(dt, 1e-7)))
+        iters[name] = max(1, min(200, int(min_round_s / max(dt, 1e-7))))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            n = iters[name]
-            t0 = time.perf_counter()
-            for _ in range(n):
+            out = samples[name]
+            for _ in range(iters[name]):
+                t0 = time.perf_counter()
                 fn()
-            samples[name].append((time.perf_counter() - t0) / n * 1e6)
+                out.append((time.perf_counter() - t0) * 1e6)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -155,7 +174,9 @@ def main() -> None:
         batches, contexts, rounds, min_round = (1, 2, 4, 8, 16, 32), (512, 1024, 2048, 4096), 9, 0.02
     info = machine()
     print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, "
-          f"torch {info['torch']} ({info['torch_threads']} threads), python {info['python']}")
+          f"torch {info['torch']} ({info['torch_threads']} threads), python {info['python']}, "
+          f"kernel path {'avx512' if info['avx512_path'] else 'portable'}, "
+          f"load average {info['loadavg_1m']}")
     print(f"decode, fp32, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, head {HEAD_SIZE}; "
           "µs per call (median); ratio = kernel / sdpa")
     cols = ["batch", "ctx", "bs", "sdpa", "gather", *(["ref"] if ref_fn else []), "kernel",
@@ -194,10 +215,41 @@ def main() -> None:
         ratios = [r["ratio"] for r in rows if r["block_size"] == bs]
         print(f"block_size {bs}: kernel/sdpa ratio max {max(ratios):.2f}, "
               f"geomean {math.exp(statistics.fmean(math.log(x) for x in ratios)):.2f}")
+
+    # KV cache dtypes: the kernel converts rows on load; the reference converts whole
+    # gathered tensors. Ratios are against the fp32 kernel on the same batch.
+    batch, ctx, bs = (8, 2048, 16)
+    case = build_case(batch, ctx, bs)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+              torch.float8_e5m2]
+    cases = {dt: dtype_case(case, dt) for dt in dtypes}
+    fns = {str(dt).removeprefix("torch."): (lambda a=a: cpu_kernel.paged_attention(**a))
+           for dt, a in cases.items()}
+    if ref_fn is not None:
+        fns |= {f"ref_{str(dt).removeprefix('torch.')}": (lambda a=a: ref_fn(**a))
+                for dt, a in cases.items()}
+    t = time_side_by_side(fns, rounds, min_round)
+    print(f"\nKV cache dtype, decode batch {batch}, ctx {ctx}, block {bs}: µs per call")
+    print(f"{'dtype':>14} {'kernel':>10} {'vs fp32':>8}" + (f" {'ref':>10}" if ref_fn else ""))
+    dtype_rows = []
+    for dt in dtypes:
+        name = str(dt).removeprefix("torch.")
+        row = {"dtype": name, "kernel_us": round(t[name], 1),
+               "vs_fp32": t[name] / t["float32"]}
+        line = f"{name:>14} {t[name]:>10.1f} {row['vs_fp32']:>8.2f}"
+        if ref_fn is not None:
+            row["ref_us"] = round(t[f"ref_{name}"], 1)
+            line += f" {t[f'ref_{name}']:>10.1f}"
+        dtype_rows.append(row)
+        print(line)
+
+    info["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+    print(f"load average (1 min) at start {info['loadavg_1m']}, at end {info['loadavg_1m_end']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"machine": info, "heads": NUM_HEADS, "kv_heads": NUM_KV_HEADS,
-                       "head_size": HEAD_SIZE, "dtype": "float32", "rows": rows}, f, indent=2)
+                       "head_size": HEAD_SIZE, "dtype": "float32", "rows": rows,
+                       "cache_dtypes": dtype_rows}, f, indent=2)
         print(f"wrote {args.json}")
 
 

@@ -147,6 +147,39 @@ def test_low_precision_caches(dtype: torch.dtype, head_size: int) -> None:
     check(batch, **scales)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, *FP8])
+@pytest.mark.parametrize("portable", PATHS)
+def test_every_stored_bit_pattern_decodes_exactly(dtype: torch.dtype, portable: bool) -> None:
+    # A context of one token returns that token's V row (times v_scale) exactly, so putting
+    # every 8-bit pattern (or a spread of 16-bit ones) in V checks the conversion bit for bit,
+    # subnormals, infinities and NaN included.
+    nbytes = torch.finfo(dtype).bits // 8
+    if nbytes == 1:
+        bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    else:
+        bits = torch.randint(-(2**15), 2**15, (1024,), generator=torch.Generator().manual_seed(1))
+        bits = bits.to(torch.int16)
+    values = bits.view(dtype)
+    head_size = 64
+    nseq = values.numel() // head_size
+    vc = values.view(nseq, 1, 1, head_size)
+    kc = torch.zeros_like(vc)
+    v_scale = 0.5
+    out = cpu_kernel.paged_attention_splits(
+        torch.randn(nseq, 1, head_size),
+        kc,
+        vc,
+        torch.arange(nseq, dtype=torch.int32).flip(0).view(nseq, 1).contiguous(),
+        torch.ones(nseq, dtype=torch.int32),
+        torch.arange(nseq + 1, dtype=torch.int32),
+        0.125,
+        v_scale=v_scale,
+        portable=portable,
+    )
+    want = vc.flip(0).float().view(nseq, 1, head_size) * v_scale
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("portable", PATHS)
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
 def test_context_splits_agree(num_splits: int, portable: bool) -> None:
