@@ -132,7 +132,8 @@ class FreeKVCacheBlockQueue:
         return out
 
 
-EvictHook = Callable[[KVCacheBlock], None]
+# Called with the hashed blocks about to be reused, before their data is overwritten.
+EvictHook = Callable[[list[KVCacheBlock]], None]
 
 
 class BlockPool:
@@ -214,11 +215,13 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         metrics = self.metrics
         now = time.monotonic() if metrics is not None else 0.0
+        if self.on_evict is not None:
+            evicted = [b for b in blocks if b.block_hash is not None]
+            if evicted:
+                self.on_evict(evicted)  # the tiers copy the data before it is overwritten
         removed: list[bytes] | None = None
         for block in blocks:
             if block.block_hash is not None:
-                if self.on_evict is not None:
-                    self.on_evict(block)  # the tiers copy the data before it is overwritten
                 if metrics is not None:
                     metrics.observe_eviction(now - block.alloc_time, now - block.free_time)
                 del self.cached_block_hash_to_block[block.block_hash]

@@ -169,6 +169,8 @@ class Engine:
         self.last_step_idle = not sched.scheduled
         if not sched.scheduled:
             self._publish_events()
+            if self.tiers is not None and self.tiers.has_pending_loads():
+                self.tiers.wait_for_loads(0.05)  # let the loader thread have the GIL
             return []
         copies = self.kv_manager.take_block_copies()
         if copies:

@@ -185,7 +185,7 @@ class KVCacheManager:
         request: Request,
         start: int,
         loads: Sequence[tuple[bytes, object]],
-        write_fn: Callable[[int, object], None],
+        write_fn: Callable[[list[int], list], None],
     ) -> int:
         """Materialize blocks reloaded from a lower tier as pool cache entries.
 
@@ -204,8 +204,7 @@ class KVCacheManager:
             if n <= 0:
                 return 0
             blocks = pool.get_new_blocks(n)
-            for block, (_, data) in zip(blocks, loads, strict=False):
-                write_fn(block.block_id, data)
+            write_fn([b.block_id for b in blocks], [data for _, data in loads[:n]])
             hashes = request.block_hashes
             pool.cache_full_blocks(pinned + blocks, hashes, start, start + n,
                                    request.all_token_ids)

@@ -235,3 +235,11 @@ class ModelRunner:
     def write_block(self, block_id: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
         """Inverse of ``read_block``."""
         self.kv_cache.write_block(block_id, data)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Many blocks at once: [n, block_bytes] uint8 (rows as ``read_block``)."""
+        return self.kv_cache.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of ``read_blocks``."""
+        self.kv_cache.write_blocks(block_ids, data)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+
+import torch
 
 from kvnode.block_pool import KVCacheBlock
 from kvnode.kv_cache_manager import KVCacheManager
@@ -72,9 +74,10 @@ class TierConnector:
         manager.block_pool.on_evict = self.on_evict
 
     # -- eviction -------------------------------------------------------------------------
-    def on_evict(self, block: KVCacheBlock) -> None:
-        data = self.runner.read_block(block.block_id)
-        self.chain.demote(block.block_hash, block.parent_hash, (), data)
+    def on_evict(self, blocks: list[KVCacheBlock]) -> None:
+        data = self.runner.read_blocks([b.block_id for b in blocks])  # one gather per layer
+        for i, block in enumerate(blocks):
+            self.chain.demote(block.block_hash, block.parent_hash, (), data[i])
 
     # -- reload ---------------------------------------------------------------------------
     def load_prefix(self, req: Request, hits: list, num_hit: int):
@@ -114,7 +117,7 @@ class TierConnector:
         while run < len(datas) and datas[run] is not None:
             run += 1
         loads = list(zip(todo[:run], datas[:run], strict=True))
-        n = self.manager.load_cached_blocks(req, start, loads, self.runner.write_block)
+        n = self.manager.load_cached_blocks(req, start, loads, self._write_blocks)
         for h, data in loads[n:]:  # no room in the pool: keep them below instead of losing them
             self.chain.demote(h, todo[todo.index(h) - 1] if todo.index(h) else None, (), data)
         hits, num_hit = self.manager.get_computed_blocks(req)
@@ -126,6 +129,17 @@ class TierConnector:
         by_tier["DISK"] = min(loaded_tokens["DISK"], num_hit - by_tier["CPU"])
         by_tier["GPU"] = num_hit - by_tier["CPU"] - by_tier["DISK"]
         return hits, num_hit, by_tier
+
+    def _write_blocks(self, block_ids: list[int], datas: list) -> None:
+        self.runner.write_blocks(block_ids, torch.stack(datas))
+
+    def has_pending_loads(self) -> bool:
+        return bool(self._loads)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block (GIL released) until a tier load finishes, instead of spinning the step loop."""
+        if self._loads:
+            wait([p.future for p in self._loads.values()], timeout, FIRST_COMPLETED)
 
     def forget(self, request_id: str) -> None:
         """An aborted request's in-flight load: its blocks go back below when it finishes."""

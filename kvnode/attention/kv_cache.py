@@ -155,6 +155,36 @@ class KVCache:
             _as_bytes(v[block_id]).copy_(flat[off + n : off + 2 * n])
             off += 2 * n
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """`read_block` for many blocks at once: [n, block_bytes] uint8 on CPU, one gather
+        per layer and K/V instead of one copy per block (tier demotion of a batch)."""
+        n = len(block_ids)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.key_caches[0].device)
+        self._check_ids(idx)
+        out = torch.empty((n, self.spec.block_bytes), dtype=torch.uint8)
+        planes = out.view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes)
+        for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
+            planes[:, layer, 0].copy_(_as_bytes(k[idx]).reshape(n, -1))
+            planes[:, layer, 1].copy_(_as_bytes(v[idx]).reshape(n, -1))
+        return out
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of `read_blocks`: `data` is [n, block_bytes] uint8."""
+        n = len(block_ids)
+        if tuple(data.shape) != (n, self.spec.block_bytes) or data.dtype != torch.uint8:
+            raise ValueError(
+                f"write_blocks: expected uint8 [{n}, {self.spec.block_bytes}], got "
+                f"{data.dtype} {tuple(data.shape)}"
+            )
+        device = self.key_caches[0].device
+        idx = torch.tensor(block_ids, dtype=torch.long, device=device)
+        self._check_ids(idx)
+        planes = data.to(device).view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes)
+        shape = (n, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size)
+        for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
+            k.index_copy_(0, idx, planes[:, layer, 0].contiguous().view(k.dtype).reshape(shape))
+            v.index_copy_(0, idx, planes[:, layer, 1].contiguous().view(v.dtype).reshape(shape))
+
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")

@@ -53,7 +53,8 @@ def test_queue_empty_and_remove_errors():
 
 def test_pool_new_blocks_and_lazy_eviction_hook():
     evicted = []
-    pool = BlockPool(4, block_size=16, on_evict=lambda b: evicted.append((b.block_id, b.block_hash)))
+    pool = BlockPool(4, block_size=16,
+                     on_evict=lambda bs: evicted.extend((b.block_id, b.block_hash) for b in bs))
     blocks = pool.get_new_blocks(2)
     assert [b.ref_cnt for b in blocks] == [1, 1]
     pool.cache_full_blocks(blocks, [b"h0", b"h1"], 0, 2, list(range(32)))

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvnode.kv_events import BlockRemoved, BlockStored
 from kvnode.llm import LLM
@@ -115,3 +116,15 @@ def test_abort_while_ssd_load_in_flight(tmp_path):
     assert not eng.has_unfinished()
     assert eng.kv_manager.get_num_free_blocks() == 26
     eng.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp16", "fp8"])
+def test_batched_block_io_matches_single_block_io(kv_dtype):
+    llm = LLM("pagekv-tiny", num_gpu_blocks=16, max_model_len=128, kv_cache_dtype=kv_dtype)
+    llm.generate([list(range(1, 100))], P)
+    runner = llm.engine.runner
+    ids = [3, 0, 5]
+    batch = runner.read_blocks(ids)
+    assert torch.equal(batch, torch.stack([runner.read_block(i) for i in ids]))
+    runner.write_blocks([10, 11, 12], batch)
+    assert torch.equal(runner.read_blocks([10, 11, 12]), batch)
