@@ -180,10 +180,11 @@ class KVCache:
         idx = torch.tensor(block_ids, dtype=torch.long, device=device)
         self._check_ids(idx)
         planes = data.to(device).view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes)
-        shape = (n, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_size)
+        # Copy as bytes: index_copy_ has no fp8 kernels, and bytes are what we store anyway.
         for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
-            k.index_copy_(0, idx, planes[:, layer, 0].contiguous().view(k.dtype).reshape(shape))
-            v.index_copy_(0, idx, planes[:, layer, 1].contiguous().view(v.dtype).reshape(shape))
+            for plane, cache in ((0, k), (1, v)):
+                raw = cache.view(torch.uint8)  # [blocks, bs, heads, head_size * elem]
+                raw.index_copy_(0, idx, planes[:, layer, plane].reshape(n, *raw.shape[1:]))
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
