@@ -58,6 +58,10 @@ return 1
 _ERRORS = (redis.exceptions.RedisError, OSError)
 
 
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
 def new_epoch() -> str:
     """Milliseconds since 1970 in base 36 plus 4 random base-36 digits (11-12 chars)."""
     def b36(n: int, width: int = 0) -> str:
@@ -158,6 +162,7 @@ class IndexPublisher:
         self._thread: threading.Thread | None = None
         self._superseded = False
 
+        self._lags: deque[float] = deque(maxlen=10_000)  # recent batch lags, for quantiles
         self._counters: dict[str, float] = dict.fromkeys(
             ("events_published", "batches", "errors", "reconnects", "republishes",
              "lease_renewals", "publish_lag_last_s", "publish_lag_max_s", "_lag_sum",
@@ -259,6 +264,7 @@ class IndexPublisher:
             submitted, dropped, seq = self._submitted, self._dropped, self._seq
         c = self._counters
         lag_n = c["_lag_n"]
+        lags = sorted(self._lags)
         return {
             "pod_id": self.pod_id,
             "epoch": self.epoch,
@@ -279,6 +285,8 @@ class IndexPublisher:
             "publish_lag_last_s": c["publish_lag_last_s"],
             "publish_lag_max_s": c["publish_lag_max_s"],
             "publish_lag_mean_s": c["_lag_sum"] / lag_n if lag_n else 0.0,
+            "publish_lag_p50_s": _quantile(lags, 0.5),
+            "publish_lag_p99_s": _quantile(lags, 0.99),
         }
 
     # -- publisher thread ----------------------------------------------------------------
@@ -504,6 +512,7 @@ class IndexPublisher:
         c["publish_lag_max_s"] = max(c["publish_lag_max_s"], lag)
         c["_lag_sum"] += lag
         c["_lag_n"] += 1
+        self._lags.append(lag)
         self._set_visible(last_seq)
 
     def _write_delta(self, before: dict[bytes, int]) -> None:

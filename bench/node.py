@@ -1,0 +1,147 @@
+"""One pod over gRPC vs. the offline engine on the same requests (the server's overhead).
+
+Concurrent streaming clients against a real pod process on `pagekv-small` (with a real
+Redis index): requests/s, TTFT p50/p99, output tokens/s; the offline engine on the same
+requests in the same run; and event publishing: events/s and the lag from block stored to
+visible in Redis (p50/p99, measured by the pod's publisher per batch).
+
+    python -m bench.node [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.machine import machine_info
+from deploy.local_cluster import LocalCluster
+from kvnode.llm import LLM
+from kvnode.sampling_params import SamplingParams
+from proto.pagekv.v1 import pagekv_pb2 as pb
+from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+
+MODEL = "pagekv-small"
+ENGINE = ["--num-gpu-blocks", "2048", "--max-model-len", "2048", "--max-num-seqs", "32"]
+
+
+def workload(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(256)]
+    reqs = []
+    for _ in range(n):
+        head = system if rng.random() < 0.5 else []
+        prompt = head + [rng.randrange(256) for _ in range(rng.randint(64, 384))]
+        reqs.append((prompt, rng.randint(32, 64)))
+    return reqs
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def drive(address: str, reqs, concurrency: int) -> dict:
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.GenerationStub(channel)
+
+    def one(item):
+        prompt, out = item
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+            max_tokens=out, temperature=0.0, ignore_eos=True))
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for chunk in stub.GenerateStream(req, timeout=600):
+            if first is None and chunk.token_ids:
+                first = time.perf_counter() - t0
+            n += len(chunk.token_ids)
+        return first, time.perf_counter() - t0, n
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, reqs))
+    wall = time.perf_counter() - t0
+    channel.close()
+    ttfts = [r[0] for r in results]
+    n_out = sum(r[2] for r in results)
+    return {"wall_s": wall, "requests_per_s": len(reqs) / wall, "tokens_per_s": n_out / wall,
+            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
+            "output_tokens": n_out}
+
+
+def offline(reqs, concurrency: int) -> dict:
+    """The same requests in-process; at most `concurrency` in the batch, like the clients."""
+    llm = LLM(MODEL, num_gpu_blocks=2048, max_model_len=2048, max_num_seqs=concurrency)
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
+    llm.generate([p for p, _ in reqs[:2]], params[:2])  # warm-up, as for the pod
+    llm.engine.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"wall_s": wall, "requests_per_s": len(reqs) / wall, "tokens_per_s": n_out / wall}
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.labels.keys() - {"pod"}:
+                out[s.name] = s.value
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args()
+    n = 24 if args.quick else 96
+    reqs = workload(n)
+    info = machine_info()
+    print(f"# Pod benchmark ({MODEL}, {n} requests, {args.concurrency} concurrent clients) — "
+          f"{info}")
+    with LocalCluster(nodes=1, model=MODEL, node_args=ENGINE, start_router=False) as cluster:
+        pod = cluster.pods[0]
+        drive(pod.address, reqs[:2], 2)  # warm-up (kernel load, first allocations)
+        with grpc.insecure_channel(pod.address) as ch:
+            pb_grpc.KVNodeStub(ch).ResetPrefixCache(pb.ResetPrefixCacheRequest())
+        before = scrape(pod.metrics_port)
+        served = drive(pod.address, reqs, args.concurrency)
+        time.sleep(0.3)
+        after = scrape(pod.metrics_port)
+    local = offline(reqs, args.concurrency)
+    events = after.get("pagekv_index_events_published", 0) - before.get(
+        "pagekv_index_events_published", 0)
+    print("\n| path | wall s | requests/s | output tokens/s | TTFT p50 ms | TTFT p99 ms |")
+    print("|---|---|---|---|---|---|")
+    print(f"| offline engine | {local['wall_s']:.1f} | {local['requests_per_s']:.2f} | "
+          f"{local['tokens_per_s']:.1f} | - | - |")
+    print(f"| pod over gRPC | {served['wall_s']:.1f} | {served['requests_per_s']:.2f} | "
+          f"{served['tokens_per_s']:.1f} | {served['ttft_p50_s'] * 1e3:.0f} | "
+          f"{served['ttft_p99_s'] * 1e3:.0f} |")
+    print(f"server throughput / offline: {served['tokens_per_s'] / local['tokens_per_s']:.2f}x")
+    print("\n| index events published | events/s | publish lag p50 ms | p99 ms | max ms |")
+    print("|---|---|---|---|---|")
+    print(f"| {events:.0f} | {events / served['wall_s']:.0f} | "
+          f"{after.get('pagekv_index_publish_lag_p50_s', 0) * 1e3:.1f} | "
+          f"{after.get('pagekv_index_publish_lag_p99_s', 0) * 1e3:.1f} | "
+          f"{after.get('pagekv_index_publish_lag_max_s', 0) * 1e3:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "served": served, "offline": local,
+                       "events": events, "lag": {k: v for k, v in after.items() if "lag" in k}},
+                      f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
