@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -227,6 +228,19 @@ def test_sequences_without_new_tokens_are_skipped() -> None:
     batch["query_start_loc"] = torch.tensor([0, 1, 1, 3], dtype=torch.int32)
     batch["query"] = batch["query"][:3]
     check(batch)
+
+
+def test_concurrent_calls_from_python_threads() -> None:
+    # The extension releases the GIL; calls from several threads must not share state.
+    gen = torch.Generator().manual_seed(17)
+    batches = [make_batch(gen, [(90 + 30 * i, 1), (40, 5)], 16, 4, 2, 64) for i in range(4)]
+    wants = [reference(**b) for b in batches]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        gots = list(pool.map(lambda b: [cpu_kernel.paged_attention(**b) for _ in range(5)],
+                             batches))
+    for got, want in zip(gots, wants, strict=True):
+        for g in got:
+            torch.testing.assert_close(g, want, atol=1e-4, rtol=1e-4)
 
 
 def test_bad_block_id_is_an_error_not_a_read() -> None:

@@ -851,7 +851,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
         py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
-        py::arg("num_splits") = 0, py::arg("portable") = false);
+        py::arg("num_splits") = 0, py::arg("portable") = false,
+        // Pure C++/ATen inside: let other Python threads (gRPC handlers) run meanwhile.
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512_path", [] {
 #if defined(PAGEKV_HAVE_AVX512)
     return true;
