@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError,
                                                  asyncio.TimeoutError)
 _FINISHED_KEEP = 4096  # completion times kept per pod
+_RECENT_HALF_LIFE_S = 10.0  # memory of "how much have we sent there lately"
+_WIPED_GRACE_S = 30.0  # keep the last known pods this long while the index is empty
 _CHANNEL_IDLE_CLOSE_S = 30.0  # close a departed pod's channel once unused this long
 _CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),  # the router decides retries itself (next-best pod)
@@ -59,6 +61,17 @@ class PodEntry:
     inflight: int = 0
     unavailable_until: float = 0.0  # monotonic time; tried last until then
     finished: list[float] = field(default_factory=list)  # unix times our calls ended
+    _recent: float = 0.0  # requests routed here, decayed with _RECENT_HALF_LIFE_S
+    _recent_at: float = 0.0
+
+    def recent(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        return self._recent * 0.5 ** ((now - self._recent_at) / _RECENT_HALF_LIFE_S)
+
+    def note_dispatch(self) -> None:
+        now = time.monotonic()
+        self._recent = self.recent(now) + 1.0
+        self._recent_at = now
 
     def call_finished(self) -> None:
         now = time.time()
@@ -135,20 +148,39 @@ class PodRegistry:
 
     async def _run(self) -> None:
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug or a malformed registration must not stop discovery
+                logger.exception("pod registry refresh failed; keeping the last known pods")
             await asyncio.sleep(self.refresh_interval_s)
 
     # -- index state -----------------------------------------------------------------------
     def index_failed(self, op: str, exc: BaseException) -> None:
         """Record a failed Redis operation (here or in a lookup); warn once per outage."""
+        self._index_down(op, f"unreachable ({type(exc).__name__}: {exc})")
+
+    def _index_down(self, op: str, why: str) -> None:
         self.metrics.index_errors.labels(op=op).inc()
         if self.index_up or not self._down_since:
             self._down_since = time.monotonic()
-            logger.warning("redis index unreachable (%s: %s): routing by load only among the "
-                           "%d last known pods until it answers again", type(exc).__name__,
-                           exc, sum(1 for p in self.pods.values() if p.eligible))
+            logger.warning("redis index %s: routing by load only among the %d last known "
+                           "pods until it answers again", why,
+                           sum(1 for p in self.pods.values() if p.eligible))
         self.index_up = False
         self.metrics.index_up.set(0)
+
+    async def _index_wiped(self) -> bool:
+        """No live pod, while we know some, and not even our namespace's config key: Redis
+        restarted empty or was flushed, and the pods have not re-registered yet. They are
+        most likely fine; keep routing to them by load for a grace period."""
+        if not self.pods or await self.redis.exists(self.schema.config_key):
+            return False
+        if self._down_since and time.monotonic() - self._down_since > _WIPED_GRACE_S:
+            return False  # nobody came back: believe the empty index
+        self._index_down("empty_index", "is empty (restarted or flushed?)")
+        return True
 
     def _index_ok(self) -> None:
         if not self.index_up and self._down_since:
@@ -162,6 +194,8 @@ class PodRegistry:
         """Read the live pods once; False (and state kept) when Redis fails."""
         try:
             infos = await list_live_pods_async(self.redis, self.schema)
+            if not infos and await self._index_wiped():
+                return False
             now = time.monotonic()
             if now >= self._next_ns_check:
                 self._next_ns_check = now + self.namespace_check_interval_s

@@ -132,7 +132,7 @@ class Router:
     def _candidate(p: PodEntry) -> Candidate:
         return Candidate(p.pod_id, p.info.address, waiting=p.info.waiting,
                          running=p.info.running, inflight=p.inflight,
-                         finished_since_load=p.finished_since_load(),
+                         finished_since_load=p.finished_since_load(), recent=p.recent(),
                          free_blocks=p.info.free_blocks)
 
     def _base_scores(self, pods: list[PodEntry]) -> list[Score]:
@@ -141,7 +141,8 @@ class Router:
         for p in pods:
             c = self._candidate(p)
             out.append(Score(c.pod_id, c.address, waiting=c.waiting, running=c.running,
-                             queue=c.queue, free_blocks=c.free_blocks, cost_s=0.0))
+                             queue=c.queue, recent=c.recent, free_blocks=c.free_blocks,
+                             cost_s=0.0))
         return out
 
     def _excluded_scores(self) -> list[Score]:
@@ -186,16 +187,19 @@ class Router:
         lookup_ms = 0.0
         if reg.index_up:
             matches, lookup_ms = await self._lookup(prepared)
-        if matches is None:  # index down: load only, among the last known pods
+        cause = "index_down" if matches is None else ""
+        if matches is not None and prepared.lookup_blocks:
+            gone = {p.pod_id for p in reg.pods.values() if p.pod_id not in matches}
+            if gone and len(gone) == len(reg.pods):
+                cause = "index_empty"  # every lease gone at once: a wiped index, most likely
+            elif gone:
+                reg.drop(gone)  # leases expired since the last refresh
+        if cause:  # load only, among the last known pods
             base = self._base_scores(reg.eligible())
-            self.metrics.fallbacks.labels(cause="index_down").inc()
+            self.metrics.fallbacks.labels(cause=cause).inc()
             return self._finish(order_least_loaded(base, counter), REASON_FALLBACK, base,
                                 prepared, lookup_ms)
-
-        if prepared.lookup_blocks:
-            gone = {p.pod_id for p in reg.pods.values() if p.pod_id not in matches}
-            if gone:
-                reg.drop(gone)  # leases expired since the last refresh
+        assert matches is not None
         limit = prepared.lookup_blocks
         bursts = self.burst.depths(prepared.block_hashes[:limit]) if limit else {}
         pods = reg.eligible()
@@ -238,5 +242,8 @@ class Router:
 
     def dispatched(self, pod_id: str, prepared: Prepared) -> None:
         """The request goes to `pod_id`: predict its blocks there for the burst TTL."""
+        entry = self.registry.pods.get(pod_id)
+        if entry is not None:
+            entry.note_dispatch()
         if self.config.policy == "prefix":
             self.burst.record(pod_id, prepared.block_hashes)

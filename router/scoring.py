@@ -21,8 +21,9 @@ fast; only a pod further off (other hardware) keeps its own figure. Otherwise no
 load, would decide where every cold prompt goes.
 
 The cheapest pod wins. Pods whose costs are within the tie tolerance of the best one are
-tied; ties go to the smaller queue, then the larger free pool, then rotate so that cold
-requests spread instead of piling onto the first pod id.
+tied; ties go to the pod this router has sent the fewest requests lately (a decayed count),
+then the smaller queue, then the larger free pool, then rotate so that cold requests spread
+instead of piling onto the first pod id.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class Candidate:
     running: int = 0
     inflight: int = 0           # this router's requests in flight to the pod
     finished_since_load: int = 0  # of ours, finished after the pod published its load
+    recent: float = 0.0         # requests we routed there lately (decayed count)
     free_blocks: int = 0
     published_costs: Mapping[str, float] = field(default_factory=dict)
     burst_blocks: int = 0       # how many of `tiers` come only from the burst prediction
@@ -112,6 +114,7 @@ class Score:
     waiting: int = 0
     running: int = 0
     queue: int = 0
+    recent: float = 0.0
     free_blocks: int = 0
     cost_s: float = math.inf
     from_burst: bool = False  # the burst prediction extended this pod's hit
@@ -169,7 +172,7 @@ def settle_prefill_costs(published: Mapping[str, float], band: float) -> dict[st
 
 def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostModel) -> Score:
     s = Score(c.pod_id, c.address, waiting=c.waiting, running=c.running, queue=c.queue,
-              free_blocks=c.free_blocks, eligible=c.eligible,
+              recent=c.recent, free_blocks=c.free_blocks, eligible=c.eligible,
               excluded_reason=c.excluded_reason)
     if not c.eligible:
         return s
@@ -200,8 +203,11 @@ def queue_cost(costs: CostModel, pod_prefill: float) -> float:
     return costs.queue_per_request * pod_prefill / costs.prefill_per_token
 
 
-def _load_key(s: Score) -> tuple[int, int]:
-    return (s.queue, -s.free_blocks)
+def _load_key(s: Score) -> tuple[int, int, int]:
+    # Recent routing share first: a cold prompt placed now brings its siblings later, so
+    # spreading by what each pod has been given lately spreads the groups; the queue
+    # itself is a snapshot (and partly a stale one).
+    return (round(s.recent), s.queue, -s.free_blocks)
 
 
 def rank(scores: Sequence[Score], costs: CostModel, rotation: int = 0

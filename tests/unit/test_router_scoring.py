@@ -350,3 +350,11 @@ def test_published_load_is_discounted_by_our_calls_finished_since() -> None:
     assert c.queue == 0
     c.inflight = 2
     assert c.queue == 2
+
+
+def test_ties_go_first_to_the_pod_given_the_least_work_lately() -> None:
+    cands = [Candidate("a", "x", recent=3.2), Candidate("b", "x", recent=0.4, running=1),
+             Candidate("c", "x", recent=2.0)]
+    costs = CostModel(1e-3, 1e-5, 1e-4, 1e-6)
+    order, reason = rank(scored(cands, 100, costs), costs)
+    assert [s.pod_id for s in order] == ["b", "c", "a"] and reason == REASON_TIE_LOAD
