@@ -191,12 +191,14 @@ def measure_cbor_paths(quick: bool) -> list[dict]:
         return [[rng.randrange(lo, hi) for _ in range(BLOCK_SIZE)] for _ in range(N_BLOCKS)]
 
     warm = blocks(2, VOCAB)
-    with_one = [b[:3] + [1] + b[4:] for b in warm]  # id 1: Llama-2/Mistral BOS, Llama-3 '"'
+    # 1 == True: the bool guard must not push these off the fast path (Llama-2 BOS, Llama-3 '"').
+    with_one = [b[:3] + [1] + b[4:] for b in warm]
     lora_mm = (("lora", "sql-adapter", "/adapters/sql-adapter"), ("mm", "img-7f3a", -5))
     cases = [
         ("warm ids, no extra keys", warm, None),
         ("block holding id 0 or 1", with_one, None),
-        ("ids never cached (>= 2**18)", blocks(1 << 18, 1 << 20), None),
+        # ids >= 2**18 are never cached: every repeat pays what a first sighting of an id does.
+        ("ids not cached: first sighting", blocks(1 << 18, 1 << 20), None),
         ("warm ids, lora + mm keys", warm, lora_mm),
     ]
     rows = []
