@@ -133,10 +133,12 @@ class LocalCluster:
 
     def start_pod(self, pod_id: str, extra: list[str] | None = None) -> Child:
         port, mport = free_port(), free_port()
+        # "{pod_id}" / "{run_dir}" in node args give each pod its own paths (SSD tier dirs).
+        node_args = [a.format(pod_id=pod_id, run_dir=self.run_dir) for a in self.node_args]
         argv = pagekv_cmd(
             "node", "--model", self.model, "--host", self.host, "--port", str(port),
             "--metrics-port", str(mport), "--redis-url", self.redis_url, "--pod-id", pod_id,
-            *self.node_args, *(extra or []),
+            *node_args, *(extra or []),
         )
         child = spawn(pod_id, argv, self.run_dir)
         child.address, child.metrics_port = f"{self.host}:{port}", mport
