@@ -134,6 +134,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         t0 = time.perf_counter()
         prepared, decision = await self._route(request, context)
         attempts = decision.order[:self.router.config.max_attempts]
+        in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
         for i, score in enumerate(attempts):
             entry, reason = self._dispatch(score, i, decision, prepared)
             if entry is None:
@@ -146,6 +147,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAVAILABLE and i + 1 < len(attempts):
                         self._on_unavailable(score, exc)
+                        in_pods += time.perf_counter() - t_call
                         continue
                     await self._fail(context, exc)
                 except asyncio.CancelledError:
@@ -155,7 +157,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             response.routing.CopyFrom(decision.routing_info(score, reason))
             if not response.served_by:
                 response.served_by = score.pod_id
-            overhead = (t_call - t0) + (time.perf_counter() - t_back)
+            overhead = (t_call - t0 - in_pods) + (time.perf_counter() - t_back)
             self._finish(context, prepared, decision, score, response.usage, overhead)
             return response
         self.metrics.failures.labels(code="UNAVAILABLE").inc()
@@ -169,11 +171,13 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         t0 = time.perf_counter()
         prepared, decision = await self._route(request, context)
         attempts = decision.order[:self.router.config.max_attempts]
+        in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
         for i, score in enumerate(attempts):
             entry, reason = self._dispatch(score, i, decision, prepared)
             if entry is None:
                 continue
-            overhead = time.perf_counter() - t0
+            t_call = time.perf_counter()
+            overhead = t_call - t0 - in_pods
             sent = False
             with _Attempt(entry, self.metrics):
                 call = entry.stub.GenerateStream(prepared.forward,
@@ -195,6 +199,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                     if (exc.code() == grpc.StatusCode.UNAVAILABLE and not sent
                             and i + 1 < len(attempts)):
                         self._on_unavailable(score, exc)
+                        in_pods += time.perf_counter() - t_call
                         continue
                     await self._fail(context, exc)
                 finally:
