@@ -13,7 +13,7 @@ $(VPY):
 # torch first, pinned to the local CPU wheel, so pip never resolves a CUDA build.
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q torch==2.13.0 || $(VPY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.4"
+	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -28,6 +28,15 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# Regenerate the gRPC code from proto/pagekv/v1/pagekv.proto (a test fails when it is stale).
+proto: $(STAMP)
+	PYTHON=$(VPY) scripts/gen_proto.sh
+
+# Every benchmark in quick mode (each prints its table; the full runs are in docs/BENCHMARKS.md).
+bench: $(STAMP)
+	for b in block_manager attention prefix_ttft kv_dtypes throughput tiers tiers_io node routing; do \
+		$(VPY) -m bench.$$b --quick || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
