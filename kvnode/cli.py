@@ -13,7 +13,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from kvnode.config import EngineArgs
+from kvnode.config import HELP, EngineArgs
 
 # subcommand -> (module, help)
 SUBCOMMANDS = {
@@ -39,7 +39,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             group.add_argument(
                 _flag(f.name), dest=f.name, default=default,
-                action=argparse.BooleanOptionalAction,
+                action=argparse.BooleanOptionalAction, help=HELP.get(f.name),
             )
             continue
         kind = {int: int, float: float}.get(type(default), str)
@@ -50,7 +50,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name.endswith("_bytes") or f.name == "kv_cache_memory":
             kind = parse_bytes
         group.add_argument(_flag(f.name), dest=f.name, type=kind, default=default,
-                           help=f"default: {default}")
+                           help=f"{HELP.get(f.name, '')} (default: {default})")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

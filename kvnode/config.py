@@ -33,3 +33,31 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+# One line per option: the CLI's --help and the README's configuration table say this.
+HELP: dict[str, str] = {
+    "model": "built-in preset (pagekv-tiny, pagekv-small) or a local HF directory "
+             "(config.json, *.safetensors, tokenizer.json)",
+    "block_size": "tokens per KV block: 8, 16, 32, 64 or 128",
+    "kv_cache_dtype": "KV storage dtype: auto (the model's), fp16, bf16, fp8 (E4M3), fp8_e5m2",
+    "enable_prefix_caching": "reuse KV of identical prompt prefixes (hash-chained blocks)",
+    "hash_algo": "block hash: sha256, sha256_cbor, xxhash, xxhash_cbor (vLLM-identical)",
+    "hash_seed": "seed of the hash chain's root; every pod and the router must agree",
+    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
+    "num_gpu_blocks": "pool size in blocks (overrides the two below)",
+    "kv_cache_memory": "pool size in bytes, e.g. 2GiB",
+    "gpu_memory_utilization": "pool size as a fraction of device memory (CPU: of available "
+                              "memory)",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
+    "enable_chunked_prefill": "split long prompts across steps under the token budget",
+    "max_n": "largest n (parallel samples) a request may ask for",
+    "watermark": "fraction of blocks kept free at admission for running decodes",
+    "device": "cpu or cuda (default: cuda when present)",
+    "attention_backend": "torch, cpp (the C++ paged kernel) or auto",
+    "cpu_offload_bytes": "DRAM tier size; evicted blocks spill here (0: off)",
+    "disk_offload_bytes": "SSD tier size; DRAM's evictions spill here (0: off)",
+    "disk_offload_dir": "directory of the SSD tier (survives restarts)",
+    "block_metrics_sample_rate": "fraction of blocks sampled for the lifecycle histograms",
+}
