@@ -181,6 +181,16 @@ class RouterActor:
         router = self.server.router
         return sorted(p.pod_id for p in router.registry.eligible()) if router else []
 
+    def pods(self) -> dict[str, dict[str, Any]]:
+        """The router's view of every live pod: address, epoch, published costs."""
+        router = self.server.router
+        if router is None:
+            return {}
+        return {p.pod_id: {"address": p.info.address, "epoch": p.info.epoch,
+                           "costs": dict(p.info.tier_costs),
+                           "excluded": p.excluded_reason}
+                for p in router.registry.pods.values()}
+
     def stop(self) -> None:
         self._loop.run(self.server.stop(2.0), 30.0)
         self._loop.close()
@@ -386,6 +396,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvnode.cli import add_engine_arguments
 
     p.add_argument("--num-nodes", "--num-pods", dest="num_pods", type=int, default=None,
+                   metavar="N",
                    help="pods to run (default: one per GPU in the cluster, else 2)")
     p.add_argument("--redis-url", default=None,
                    help="the Redis index every pod and the router use (required, except with "
@@ -416,7 +427,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _connect(args: argparse.Namespace, needed_cpus: float) -> None:
     if args.local:
         # Logical CPUs: enough to place every actor, whatever the machine's core count.
-        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)),
+        # address="local": a new instance even when `ray start` left one on this machine.
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed_cpus)),
                  include_dashboard=False, namespace=NAMESPACE)
     else:
         ray.init(address=args.address, namespace=NAMESPACE)
@@ -442,13 +454,21 @@ def main(args: argparse.Namespace) -> int:
     try:
         if num_pods is None:
             num_pods = int(_cluster_gpus()) or 2
-        handles = deploy_cluster(
-            num_pods, args.redis_url, model, engine_kwargs=engine, host=args.host,
-            use_gpus={"auto": None, "yes": True, "no": False}[args.gpus],
-            pod_cpus=args.pod_cpus, router_cpus=args.router_cpus, router_port=args.router_port,
-            router_metrics_port=args.router_metrics_port, start_router=not args.no_router,
-            lease_ttl_s=args.lease_ttl_s, max_restarts=args.max_restarts, detach=args.detach,
-        )
+        try:
+            handles = deploy_cluster(
+                num_pods, args.redis_url, model, engine_kwargs=engine, host=args.host,
+                use_gpus={"auto": None, "yes": True, "no": False}[args.gpus],
+                pod_cpus=args.pod_cpus, router_cpus=args.router_cpus,
+                router_port=args.router_port, router_metrics_port=args.router_metrics_port,
+                start_router=not args.no_router, lease_ttl_s=args.lease_ttl_s,
+                max_restarts=args.max_restarts, detach=args.detach,
+            )
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, TimeoutError,
+                ValueError) as exc:
+            # A constructor that raised (bad engine options, a port taken) is final: Ray
+            # restarts actors that die, not ones that never started.
+            logger.error("PageKV did not start on Ray: %s", exc)
+            return 1
         print("PageKV on Ray is up:\n" + handles.describe(), flush=True)
         if args.prometheus_sd_file:
             write_prometheus_targets(handles, args.prometheus_sd_file)

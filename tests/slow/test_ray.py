@@ -2,9 +2,9 @@
 
 Ray 2.60 turns token authentication on for a new local instance and writes the token to
 ~/.ray/auth_token by itself, so `ray.init(num_cpus=2)` needs no interaction. The instance
-is started (and shut down) by this module only; RAY_ADDRESS is cleared so that an outside
-cluster is never joined, and our Redis is a private redis-server on a free port (never 6379,
-which a Ray head may own).
+is started (and shut down) by this module only: RAY_ADDRESS is cleared and address="local"
+is passed, so no other cluster on the machine is ever joined. Our Redis is a private
+redis-server on a free port (never 6379, which a Ray head may own).
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def cluster(redis_url: str) -> Iterator[ClusterHandles]:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RAY_ADDRESS", raising=False)
         mp.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no reporting thread, no network
-        ray.init(num_cpus=2, include_dashboard=False, namespace="pagekv-test")
+        # "local": always a new instance, never a `ray start` cluster found on this machine.
+        ray.init(address="local", num_cpus=2, include_dashboard=False,
+                 namespace="pagekv-test")
         try:
             # 2 logical CPUs: two half-CPU pods and a half-CPU router fit with room to spare.
             handles = deploy_cluster(
@@ -140,23 +142,27 @@ def test_killed_pod_restarts_with_a_new_epoch_and_serves(cluster: ClusterHandles
     assert new_pid != old_pid and new_epoch and new_epoch != old_epoch
     lease = wait_for(lambda: client.get(SCHEMA.lease_key(pod_id)), "the new lease")
     assert lease.decode() == new_epoch
-    assert cluster.refresh()  # the restarted pod listens on a new port
+    cluster.refresh()  # the restarted pod picked a free port anew
     new_address = cluster.pod_addresses[0]
     assert {p.pod_id: p.address for p in list_live_pods(client, SCHEMA)}[pod_id] == new_address
 
     # It serves directly...
     direct = pb_grpc.GenerationStub(grpc.insecure_channel(new_address))
-    system = [256] + tokens(10, 159)
+    system = [256] + tokens(10, 959)  # 60 blocks: reuse outweighs any prefill-speed gap
     resp = direct.Generate(request(system + tokens(11, 12)), timeout=60)
     assert resp.served_by == pod_id and resp.usage.cached_tokens == 0  # a cold cache
-    # ...and through the router, which dials the new address for the prefix it now holds.
+    # ...and through the router, which dials the new address for the prefix it now holds,
+    # once the router has the pod's new registration and its measured prefill cost (the
+    # other pod publishes one already; a pod without one is costed at a slow default).
     hashes = hash_prompt(HashConfig("sha256", DEFAULT_HASH_SEED), BS, system)
     wait_for(lambda: (m := lookup_prefix(client, SCHEMA, hashes).get(pod_id))
              and m.depth == len(hashes), "the restarted pod's blocks in the index")
-    wait_for(lambda: pod_id in ray.get(cluster.router.live_pods.remote()),
+    wait_for(lambda: (seen := ray.get(cluster.router.pods.remote()).get(pod_id))
+             and seen["address"] == new_address and "prefill" in seen["costs"],
              "the router to take the restarted pod back")
     routed = router_stub(cluster).Generate(request(system + tokens(12, 12)), timeout=60)
-    assert routed.served_by == pod_id and routed.usage.cached_tokens == len(system)
+    assert routed.served_by == pod_id, routed.routing
+    assert routed.usage.cached_tokens == len(system)
     # The other pod never stopped serving.
     other = pb_grpc.GenerationStub(grpc.insecure_channel(cluster.pod_addresses[1]))
     assert other.Generate(request(tokens(13, 40)), timeout=60).served_by == cluster.pod_ids[1]
