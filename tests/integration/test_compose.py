@@ -30,9 +30,11 @@ import pytest
 import yaml
 
 from deploy.local_cluster import Child, spawn, stop_child, wait_healthy
+from kvnode.config import EngineArgs
 from kvnode.redis_server import RedisProcess, free_port
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from router.config import RouterConfig
 
 pytestmark = pytest.mark.integration
 
@@ -89,6 +91,10 @@ def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
 def flag(argv: list[str], name: str) -> str:
     assert name in argv, f"{name} missing from {argv}"
     return str(argv[argv.index(name) + 1])
+
+
+def flag_or(argv: list[str], name: str, default: object) -> str:
+    return str(argv[argv.index(name) + 1]) if name in argv else str(default)
 
 
 def as_env(environment: Any) -> dict[str, str]:
@@ -157,10 +163,16 @@ def test_compose_wiring_is_consistent() -> None:
     assert len(volumes) == 2
     # Silent hash disagreement is the classic failure: the router hashes like the pods.
     rcmd = services["router"]["command"]
+    engine, routing = EngineArgs(), RouterConfig()
     for pod in pods.values():
-        for key in ("--model", "--block-size"):
-            assert flag(rcmd, key) == flag(pod["command"], key)
-        assert "--hash-seed" not in pod["command"] and "--hash-seed" not in rcmd
+        for key, pod_default, router_default in (
+            ("--model", engine.model, routing.model),
+            ("--block-size", engine.block_size, routing.block_size),
+            ("--hash-algo", engine.hash_algo, routing.hash_algo),
+            ("--hash-seed", engine.hash_seed, routing.hash_seed),
+        ):
+            assert (flag_or(pod["command"], key, pod_default)
+                    == flag_or(rcmd, key, router_default)), key
     assert flag(rcmd, "--redis-url") == f"redis://redis:{redis_port}/0"
     # Prometheus scrapes every pod and the router on their metrics ports.
     prom = yaml.safe_load(PROMETHEUS.read_text())
