@@ -4,7 +4,9 @@ One Redis, N pods (processes, `pagekv node`) and one router process per policy
 (`pagekv router --policy prefix|round_robin|random`), all on this machine. Two workloads:
 
 * groups:     G groups × P prompts; every prompt of a group starts with the group's prefix
-              (a system prompt / few-shot block) and ends with its own question;
+              (a system prompt / few-shot block) and ends with its own question; they
+              arrive in P waves, each wave one prompt per group in random order;
+* bursts:     the same prompts, but each group's P prompts arrive together (siblings);
 * multi-turn: C conversations × T turns; turn t+1 = turn t's prompt + the answer the pod
               gave + a new user message.
 
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 BS = 16
 POLICIES = ("prefix", "round_robin", "random")
+WORKLOADS = ("groups", "bursts", "multi_turn")
 BOS = 256  # the byte tokenizer's BOS: built-in presets only
 
 
@@ -88,13 +91,22 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(BOS) for _ in range(n)]
 
 
-def group_requests(w: Workload, seed: int) -> list[tuple[int, list[int]]]:
-    """(group, prompt) in arrival order, the same for every policy: P waves, and in each
-    wave every group sends one prompt, the groups in a fresh random order (tenants whose
-    users keep coming back, interleaved)."""
+def group_requests(w: Workload, seed: int, bursts: bool = False
+                   ) -> list[tuple[int, list[int]]]:
+    """(group, prompt) in arrival order, the same for every policy.
+
+    Waves (default): P waves, and in each wave every group sends one prompt, the groups in
+    a fresh random order (tenants whose users keep coming back, interleaved). Bursts: the
+    groups in random order, each sending its P prompts at once (siblings of one task).
+    """
     rng = random.Random(seed)
     prefixes = [[BOS] + rand_tokens(rng, w.prefix_tokens - 1) for _ in range(w.groups)]
     reqs = []
+    if bursts:
+        order = list(range(w.groups))
+        rng.shuffle(order)
+        return [(g, prefixes[g] + rand_tokens(rng, w.suffix_tokens))
+                for g in order for _ in range(w.prompts_per_group)]
     for _ in range(w.prompts_per_group):
         wave = list(range(w.groups))
         rng.shuffle(wave)
@@ -164,14 +176,20 @@ async def generate(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: 
                   lookup_ms, answer)
 
 
-async def run_groups(stub: pb_grpc.GenerationStub, w: Workload, seed: int) -> list[Result]:
+async def run_groups(stub: pb_grpc.GenerationStub, w: Workload, seed: int,
+                     bursts: bool = False) -> list[Result]:
     sem = asyncio.Semaphore(w.concurrency)
 
     async def one(prompt: list[int]) -> Result:
         async with sem:
             return await generate(stub, prompt, w.max_tokens)
 
-    return list(await asyncio.gather(*(one(p) for _, p in group_requests(w, seed))))
+    reqs = group_requests(w, seed, bursts)
+    return list(await asyncio.gather(*(one(p) for _, p in reqs)))
+
+
+async def run_bursts(stub: pb_grpc.GenerationStub, w: Workload, seed: int) -> list[Result]:
+    return await run_groups(stub, w, seed, bursts=True)
 
 
 async def run_multiturn(stub: pb_grpc.GenerationStub, w: Workload, seed: int) -> list[Result]:
@@ -194,6 +212,42 @@ async def run_multiturn(stub: pb_grpc.GenerationStub, w: Workload, seed: int) ->
 
     await asyncio.gather(*(conversation(c) for c in range(w.conversations)))
     return results
+
+
+async def decision_cost(redis_url: str, model: str, n: int, seed: int) -> dict:
+    """The routing decision alone, in this process, with the pods idle: tokenize + hash +
+    one Redis lookup + scoring for a prompt whose 1,024-token prefix one pod holds."""
+    import redis.asyncio as aioredis
+
+    from router.config import RouterConfig
+    from router.metrics import RouterMetrics
+    from router.routing import Router
+    from router.tokenize import load_tokenizer
+
+    client = aioredis.Redis.from_url(redis_url)
+    router = Router(RouterConfig(redis_url=redis_url, model=model), client,
+                    load_tokenizer(model), RouterMetrics())
+    await router.registry.refresh()
+    rng = random.Random(seed + 3)
+    text = "".join(chr(32 + rng.randrange(90)) for _ in range(1023))
+    stub = pb_grpc.GenerationStub(grpc.aio.insecure_channel(
+        router.registry.eligible()[0].info.address))
+    await generate(stub, [BOS] + list(text.encode()) + [1] * 20, 1)  # one pod holds it
+    await asyncio.sleep(0.3)
+    prep, total = [], []
+    for i in range(n):
+        req = pb.GenerateRequest(text=text + f" question {i}: " + "x" * (i % 40))
+        t0 = time.perf_counter()
+        prepared = router.prepare(req)
+        t1 = time.perf_counter()
+        decision = await router.decide(prepared)
+        t2 = time.perf_counter()
+        prep.append(t1 - t0)
+        total.append(t2 - t0)
+    await client.aclose()
+    return {"prepare_p50_ms": 1e3 * pct(prep, 0.5), "prepare_p99_ms": 1e3 * pct(prep, 0.99),
+            "decision_p50_ms": 1e3 * pct(total, 0.5), "decision_p99_ms": 1e3 * pct(total, 0.99),
+            "n": n, "reason": decision.reason}
 
 
 async def sequential_overhead(stub: pb_grpc.GenerationStub, n: int, seed: int
@@ -233,6 +287,12 @@ def start_cluster(run_dir: Path, redis_url: str, model: str, n_pods: int, blocks
         routers[policy] = child
     for child in [*pods, *routers.values()]:
         wait_healthy(child.address, 300, child.proc)
+    schema = IndexSchema(model, BS, "sha256", "vllm-none-hash")
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 60
+    while len(list_live_pods(client, schema)) < n_pods and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # two router refreshes: every router sees every pod
     return pods, routers
 
 
@@ -296,9 +356,10 @@ async def run_phases(routers: dict[str, Child], pods: list[Child], redis_url: st
                      model: str, w: Workload, seed: int) -> dict:
     channels = {p: grpc.aio.insecure_channel(c.address) for p, c in routers.items()}
     stubs = {p: pb_grpc.GenerationStub(ch) for p, ch in channels.items()}
-    out: dict = {"groups": {}, "multi_turn": {}}
+    out: dict = {name: {} for name in WORKLOADS}
     try:
-        for workload, runner in (("groups", run_groups), ("multi_turn", run_multiturn)):
+        for workload, runner in (("groups", run_groups), ("bursts", run_bursts),
+                                 ("multi_turn", run_multiturn)):
             for policy in ("round_robin", "random", "prefix"):
                 await asyncio.to_thread(reset_pods, pods, redis_url, model)
                 start = time.perf_counter()
@@ -308,6 +369,7 @@ async def run_phases(routers: dict[str, Child], pods: list[Child], redis_url: st
         await asyncio.to_thread(reset_pods, pods, redis_url, model)
         seq = await sequential_overhead(stubs["prefix"], 100, seed)
         ms = [r.overhead_us / 1e3 for r in seq if r.overhead_us >= 0]
+        out["decision_ms"] = await decision_cost(redis_url, model, 300, seed)
         out["sequential_overhead_ms"] = {
             "p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "n": len(ms),
             "lookup_p50": pct([r.lookup_ms for r in seq], 0.5),
@@ -321,12 +383,13 @@ async def run_phases(routers: dict[str, Child], pods: list[Child], redis_url: st
 # -- report ----------------------------------------------------------------------------------
 
 def print_report(res: dict, w: Workload, args: argparse.Namespace) -> None:
-    oracles = {"groups": group_oracle(w), "multi_turn": multiturn_oracle(w)}
+    oracles = {"groups": group_oracle(w), "bursts": group_oracle(w),
+               "multi_turn": multiturn_oracle(w)}
     print(f"routing: {args.pods} pods × {args.model}, block size {BS}, "
           f"pool {res['pool_blocks']} blocks/pod ({res['pool_blocks'] * BS} tokens), "
           f"concurrency {w.concurrency}, Redis on loopback, pods at nice {args.pod_nice}")
     print(f"machine: {machine_info()}")
-    print(f"groups: {w.groups} × {w.prompts_per_group} prompts, prefix {w.prefix_tokens} + "
+    print(f"groups/bursts: {w.groups} × {w.prompts_per_group} prompts, prefix {w.prefix_tokens} + "
           f"suffix {w.suffix_tokens} tokens (prefixes = 150% of one pool); multi-turn: "
           f"{w.conversations} conversations × {w.turns} turns, context {w.context_tokens}, "
           f"+{w.message_tokens}/turn; max_tokens {w.max_tokens}")
@@ -334,7 +397,7 @@ def print_report(res: dict, w: Workload, args: argparse.Namespace) -> None:
             f"{'TTFT p50':>9} {'TTFT p99':>9} {'req/s':>7} {'rtr p50':>8} {'rtr p99':>8}  "
             "requests per pod")
     print(head)
-    for workload in ("groups", "multi_turn"):
+    for workload in WORKLOADS:
         rr = res[workload]["round_robin"]["hit_rate"]
         for policy in POLICIES:
             r = res[workload][policy]
@@ -353,7 +416,11 @@ def print_report(res: dict, w: Workload, args: argparse.Namespace) -> None:
     print(f"router overhead, one request at a time (prefix policy, 1,024-token prefix, "
           f"n={s['n']}): p50 {s['p50']:.2f} ms, p99 {s['p99']:.2f} ms (of which Redis lookup "
           f"p50 {s['lookup_p50']:.2f} ms, p99 {s['lookup_p99']:.2f} ms)")
-    for workload in ("groups", "multi_turn"):
+    d = res["decision_ms"]
+    print(f"routing decision alone, in-process, pods idle (text prompt, tokenize + hash + "
+          f"lookup + score, n={d['n']}): p50 {d['decision_p50_ms']:.2f} ms, p99 "
+          f"{d['decision_p99_ms']:.2f} ms (tokenize + hash p50 {d['prepare_p50_ms']:.2f} ms)")
+    for workload in WORKLOADS:
         r = res[workload]["prefix"]
         print(f"{workload} / prefix under load: Redis lookup p50 {r['lookup_p50_ms']:.2f} ms, "
               f"p99 {r['lookup_p99_ms']:.2f} ms")
@@ -415,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "benchmark": "routing", "model": args.model, "pods": args.pods,
             "machine": machine_info(), "workload": asdict(w),
-            "oracle": {"groups": group_oracle(w), "multi_turn": multiturn_oracle(w)},
+            "oracle": {"groups": group_oracle(w), "bursts": group_oracle(w),
+                       "multi_turn": multiturn_oracle(w)},
             "results": res}, indent=2))
     return 0
 

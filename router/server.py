@@ -78,6 +78,10 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}")
         decision = await self.router.decide(prepared)
         if not decision.order:
+            # Maybe pods joined since the last refresh (a router just started): look once.
+            await self.router.registry.refresh()
+            decision = await self.router.decide(prepared)
+        if not decision.order:
             self.metrics.failures.labels(code="UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
         return prepared, decision
