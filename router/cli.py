@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cost-disk-per-token", type=float, default=c.disk_per_token,
                        help="seconds per token to reload KV from SSD (pods may override)")
     group.add_argument("--cost-queue-per-request", type=float, default=c.queue_per_request,
-                       help="seconds each waiting or running request adds to the TTFT")
+                       help="seconds each waiting or running request adds to the TTFT on "
+                            "a pod as fast as --cost-prefill-per-token (scaled by the pod's "
+                            "measured speed); defaults measured, see router/config.py")
     group.add_argument("--tie-tolerance", type=float, default=c.tie_rel,
                        help="costs within this fraction of the best are tied (load decides)")
     group.add_argument("--speed-band", type=float, default=c.speed_band,
