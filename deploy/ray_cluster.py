@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import math
@@ -54,6 +55,7 @@ NAMESPACE = "pagekv"
 PG_NAME = "pagekv-pods"
 ROUTER_NAME = "pagekv-router"
 START_TIMEOUT_S = 300.0  # engine build + weights; a big checkpoint on a cold node is slow
+BIND_ATTEMPTS = 3
 
 
 def pod_name(index: int) -> str:
@@ -86,6 +88,12 @@ def _actor_logging() -> None:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _is_bind_error(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno == errno.EADDRINUSE
+    return "bind" in str(exc)  # PodServer: RuntimeError("cannot bind host:port")
+
+
 def _bind_host(host: str | None) -> str:
     return host or ray.util.get_node_ip_address()
 
@@ -104,16 +112,26 @@ class PodActor:
 
         self.pod_id = pod_id
         self.host = _bind_host(host)
-        port = free_port(self.host)
-        self.metrics_port = free_port(self.host) if serve_metrics else None
-        self.server = PodServer(
-            EngineArgs(**engine_kwargs), pod_id, host=self.host, port=port,
-            metrics_port=self.metrics_port, redis_url=redis_url,
-            advertise_address=f"{self.host}:{port}", max_queue=max_queue,
-            lease_ttl_s=lease_ttl_s,
-        )
         self._loop = _LoopThread(f"pod-{pod_id}")
-        self._loop.run(self.server.start(), START_TIMEOUT_S)
+        for attempt in range(BIND_ATTEMPTS):
+            # A port that was free a moment ago can be taken by another process on the node
+            # before we bind it: pick new ones and start again.
+            port = free_port(self.host)
+            self.metrics_port = free_port(self.host) if serve_metrics else None
+            self.server = PodServer(
+                EngineArgs(**engine_kwargs), pod_id, host=self.host, port=port,
+                metrics_port=self.metrics_port, redis_url=redis_url,
+                advertise_address=f"{self.host}:{port}", max_queue=max_queue,
+                lease_ttl_s=lease_ttl_s,
+            )
+            try:
+                self._loop.run(self.server.start(), START_TIMEOUT_S)
+                break
+            except (OSError, RuntimeError) as exc:
+                if attempt + 1 == BIND_ATTEMPTS or not _is_bind_error(exc):
+                    raise
+                logger.warning("pod %s: %s; retrying on other ports", pod_id, exc)
+                self._loop.run(self.server.stop(0.0), 60.0)
         logger.info("pod actor %s (pid %d) serving on %s, epoch %s", pod_id, os.getpid(),
                     self.address(), self.epoch())
 

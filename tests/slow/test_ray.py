@@ -10,6 +10,7 @@ redis-server on a free port (never 6379, which a Ray head may own).
 from __future__ import annotations
 
 import random
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ ray = pytest.importorskip("ray")
 
 from deploy.ray_cluster import (  # noqa: E402 - after the importorskip
     ClusterHandles,
+    PodActor,
     deploy_cluster,
     shutdown_cluster,
 )
@@ -173,6 +175,30 @@ def _try(method) -> int | None:
         return ray.get(method.remote(), timeout=30)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return None
+
+
+def test_pod_actor_retries_when_its_port_is_taken_before_bind(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The actor class itself, in this process (no Ray needed): the first port it picks is
+    taken by someone else by the time it binds."""
+    from kvnode import redis_server
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        busy = squatter.getsockname()[1]
+        real, picks = redis_server.free_port, iter([busy])
+        monkeypatch.setattr(redis_server, "free_port",
+                            lambda host="127.0.0.1": next(picks, None) or real(host))
+        actor = PodActor("bind-test", redis_url, {"model": "pagekv-tiny", **ENGINE},
+                         host="127.0.0.1", serve_metrics=False)
+        try:
+            address = actor.address()
+            assert address != f"127.0.0.1:{busy}"
+            stub = pb_grpc.GenerationStub(grpc.insecure_channel(address))
+            assert stub.Generate(request(tokens(20, 30)), timeout=60).served_by == "bind-test"
+        finally:
+            actor.stop(1.0)
 
 
 # -- the cluster configs: structure only (no cloud, no Kubernetes here) ----------------------
