@@ -9,8 +9,10 @@ every block, each with its own sampling generator.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence as Seq
 
 from kvnode.config import EngineArgs
@@ -25,6 +27,12 @@ from kvnode.sampling_params import SamplingParams
 from kvnode.scheduler import Scheduler, Sequence, SequenceGroup
 
 logger = logging.getLogger(__name__)
+
+
+# Steps with at least this many tokens are prefill-dominated: their time per token estimates
+# the prefill cost (a decode-heavy step's fixed cost would swamp it).
+PREFILL_SAMPLE_MIN_TOKENS = 128
+PREFILL_WARMUP_STEPS = 2
 
 
 class RequestRejected(ValueError):
@@ -84,9 +92,11 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.num_steps = 0
         self.event_sinks: list = []  # callables receiving each step's KV events
-        # Measured prefill cost (EMA of step seconds per batched token on prefill-heavy
-        # steps): published to the router so it can weigh recompute against a reload.
-        self.prefill_s_per_token: float | None = None
+        # Measured prefill cost, published to the router so it can weigh recompute against
+        # a reload: the median seconds per token of recent prefill-heavy steps, skipping the
+        # first ones (kernel loading and first-touch allocations inflate them several-fold).
+        self._prefill_samples: deque[float] = deque(maxlen=32)
+        self._prefill_steps_seen = 0
         self.last_step_idle = False
 
     # -- requests -------------------------------------------------------------------------
@@ -188,10 +198,11 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.runner.execute(batch)
         now = time.monotonic()
-        if sched.num_batched_tokens >= 64:
-            per_token = (time.perf_counter() - t0) / sched.num_batched_tokens
-            prev = self.prefill_s_per_token
-            self.prefill_s_per_token = per_token if prev is None else 0.8 * prev + 0.2 * per_token
+        if sched.num_batched_tokens >= PREFILL_SAMPLE_MIN_TOKENS:
+            self._prefill_steps_seen += 1
+            if self._prefill_steps_seen > PREFILL_WARMUP_STEPS:
+                self._prefill_samples.append(
+                    (time.perf_counter() - t0) / sched.num_batched_tokens)
 
         rows: list[int] = []
         sampling_seqs: list[Sequence] = []
@@ -291,6 +302,12 @@ class Engine:
         if events:
             for sink in self.event_sinks:
                 sink(events)
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        if not self._prefill_samples:
+            return None
+        return statistics.median(self._prefill_samples)
 
     # -- cache state ----------------------------------------------------------------------
     def full_state(self) -> dict[bytes, str]:

@@ -158,3 +158,16 @@ def test_soak_random_requests_small_pool():
     assert all(b.ref_cnt == 0 for b in mgr.block_pool.blocks)
     assert mgr.req_to_blocks == {}
     assert eng.scheduler.num_preemptions > 0
+
+
+def test_prefill_cost_is_measured_after_warmup_steps():
+    eng = Engine(model="pagekv-tiny", num_gpu_blocks=128, max_model_len=512,
+                 max_num_batched_tokens=256)
+    assert eng.prefill_s_per_token is None
+    for i in range(4):
+        eng.add_request(f"p{i}", [(i * 7 + k) % 250 + 1 for k in range(300)],
+                        SamplingParams(max_tokens=1))
+        while eng.has_unfinished():
+            eng.step()
+    # 8 prefill steps of 256 and 44 tokens: the first two >= 128-token steps are warm-up.
+    assert eng.prefill_s_per_token is not None and eng.prefill_s_per_token > 0
