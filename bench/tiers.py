@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info
+from bench.tiers_io import drop_page_cache
 from kvnode.llm import LLM
 from kvnode.sampling_params import SamplingParams
 from tiers import codec
@@ -62,20 +63,6 @@ def ttft_once(source: str, disk_dir: Path, trial: int) -> tuple[float, dict, lis
     ttft = time.perf_counter() - t0
     llm.engine.close()
     return ttft, out.cached_tokens_by_tier, out.outputs[0].token_ids
-
-
-def drop_page_cache(directory: Path) -> None:
-    """So an SSD read is a read from the device, not from memory."""
-    import os
-
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def real_kv_blocks(kv_dtype: str, n_blocks: int) -> tuple[list[torch.Tensor], int]:
