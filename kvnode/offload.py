@@ -15,6 +15,7 @@ import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvnode.block_pool import KVCacheBlock
@@ -131,7 +132,8 @@ class TierConnector:
         return hits, num_hit, by_tier
 
     def _write_blocks(self, block_ids: list[int], datas: list) -> None:
-        self.runner.write_blocks(block_ids, torch.stack(datas))
+        # numpy's stack is a plain memcpy per block (no intra-op thread pool: see copy_block).
+        self.runner.write_blocks(block_ids, torch.from_numpy(np.stack([d.numpy() for d in datas])))
 
     def has_pending_loads(self) -> bool:
         return bool(self._loads)

@@ -41,6 +41,23 @@ def as_uint8_tensor(data: BlockData, block_bytes: int) -> torch.Tensor:
     return t
 
 
+def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for one block. On CPU a plain single-threaded memcpy (through numpy): a
+    block is ~100 KB, and torch's intra-op thread pool turns each such copy into a parallel
+    region whose barrier stalls for a whole scheduler slice when the cores are busy."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        dst.numpy()[...] = src.numpy()
+    else:
+        dst.copy_(src)
+
+
+def clone_block(src: torch.Tensor) -> torch.Tensor:
+    """A copy of one block (see copy_block for why not `Tensor.clone`)."""
+    if src.device.type == "cpu":
+        return torch.from_numpy(src.numpy().copy())
+    return src.clone()
+
+
 class Tier(ABC):
     """One storage level below the pool (DRAM or SSD)."""
 

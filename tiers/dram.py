@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tiers.base import BlockData, Tier, TierMedium, as_uint8_tensor
+from tiers.base import BlockData, Tier, TierMedium, as_uint8_tensor, clone_block, copy_block
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class DramTier(Tier):
             if slot is None:
                 return None
             self._lru.move_to_end(block_hash)
-            return self._slab[slot].clone()
+            return clone_block(self._slab[slot])
 
     def pop(self, block_hash: bytes) -> torch.Tensor | None:
         """Remove the block and return a copy (the slot is reused by the next put)."""
@@ -91,7 +91,7 @@ class DramTier(Tier):
             slot = self._lru.pop(block_hash, None)
             if slot is None:
                 return None
-            out = self._slab[slot].clone()
+            out = clone_block(self._slab[slot])
             self._free.append(slot)
             return out
 
@@ -118,7 +118,7 @@ class DramTier(Tier):
                 self._free.append(victim_slot)
                 self.evictions += 1
             slot = self._free.pop()
-            self._slab[slot].copy_(src)  # synchronous, also from a CUDA tensor
+            copy_block(self._slab[slot], src)  # synchronous, also from a CUDA tensor
             self._lru[block_hash] = slot
             return True
 

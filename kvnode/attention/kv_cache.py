@@ -161,11 +161,17 @@ class KVCache:
         n = len(block_ids)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.key_caches[0].device)
         self._check_ids(idx)
+        ids = idx.cpu().numpy()
         out = torch.empty((n, self.spec.block_bytes), dtype=torch.uint8)
         planes = out.view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes)
+        cpu = idx.device.type == "cpu"
         for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
-            planes[:, layer, 0].copy_(_as_bytes(k[idx]).reshape(n, -1))
-            planes[:, layer, 1].copy_(_as_bytes(v[idx]).reshape(n, -1))
+            for plane, cache in ((0, k), (1, v)):
+                raw = cache.view(torch.uint8)
+                if cpu:  # numpy: one plain gather, no intra-op thread pool (see tiers.base)
+                    planes.numpy()[:, layer, plane] = raw.numpy()[ids].reshape(n, -1)
+                else:
+                    planes[:, layer, plane].copy_(raw[idx].reshape(n, -1))
         return out
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
@@ -181,10 +187,16 @@ class KVCache:
         self._check_ids(idx)
         planes = data.to(device).view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes)
         # Copy as bytes: index_copy_ has no fp8 kernels, and bytes are what we store anyway.
+        cpu = device.type == "cpu"
+        ids = idx.cpu().numpy()
         for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
             for plane, cache in ((0, k), (1, v)):
                 raw = cache.view(torch.uint8)  # [blocks, bs, heads, head_size * elem]
-                raw.index_copy_(0, idx, planes[:, layer, plane].reshape(n, *raw.shape[1:]))
+                src = planes[:, layer, plane].reshape(n, *raw.shape[1:])
+                if cpu:  # numpy: a plain scatter, no intra-op thread pool (see tiers.base)
+                    raw.numpy()[ids] = src.numpy()
+                else:
+                    raw.index_copy_(0, idx, src)
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
