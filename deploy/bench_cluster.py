@@ -157,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-tokens", type=int, default=768)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--num-gpu-blocks", type=int, default=112, help="per pod (small: forces spills)")
-    p.add_argument("--cpu-offload-bytes", default="5MiB", help="per pod")
+    p.add_argument("--cpu-offload-bytes", default="2MiB", help="per pod")
     p.add_argument("--disk-offload-bytes", default="256MiB", help="per pod")
 
 

@@ -23,6 +23,7 @@ class EngineArgs:
     max_n: int = 16  # largest n (parallel samples) a request may ask for
     watermark: float = 0.01
     device: str | None = None
+    num_threads: int | None = None  # torch intra-op threads (CPU compute)
     attention_backend: str | None = None
     # Offload tiers below the pool (0 = off).
     cpu_offload_bytes: int = 0
@@ -55,6 +56,8 @@ HELP: dict[str, str] = {
     "max_n": "largest n (parallel samples) a request may ask for",
     "watermark": "fraction of blocks kept free at admission for running decodes",
     "device": "cpu or cuda (default: cuda when present)",
+    "num_threads": "torch threads for CPU compute (default: torch's; give each pod on a "
+                   "shared host its own share of the cores)",
     "attention_backend": "torch, cpp (the C++ paged kernel) or auto",
     "cpu_offload_bytes": "DRAM tier size; evicted blocks spill here (0: off)",
     "disk_offload_bytes": "SSD tier size; DRAM's evictions spill here (0: off)",

@@ -15,6 +15,8 @@ import uuid
 from collections import deque
 from collections.abc import Sequence as Seq
 
+import torch
+
 from kvnode.config import EngineArgs
 from kvnode.kv_cache_manager import KVCacheManager
 from kvnode.metrics import KVCacheMetrics
@@ -43,6 +45,9 @@ class Engine:
     def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
         args = args or EngineArgs(**kwargs)
         self.args = args
+        if args.num_threads:
+            # Oversubscribed cores make every parallel op wait at its barrier for a slice.
+            torch.set_num_threads(args.num_threads)
         self.runner = ModelRunner(
             args.model,
             block_size=args.block_size,

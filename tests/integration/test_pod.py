@@ -76,6 +76,10 @@ def test_generate_and_stream_equal_offline(stub):
 def test_index_holds_exactly_the_prompt_blocks_at_gpu(stub, rclient):
     gen, kv = stub
     assert kv.ResetPrefixCache(pb.ResetPrefixCacheRequest()).success
+    deadline = time.time() + 5  # the clear reaches Redis asynchronously, like every event
+    while time.time() < deadline and rclient.scard(SCHEMA.pod_blocks_key("node-a")):
+        time.sleep(0.05)
+    assert rclient.scard(SCHEMA.pod_blocks_key("node-a")) == 0
     prompt = [100 + i for i in range(40)]  # 2 full blocks; 40 + 3 computed tokens stay < 48
     resp = gen.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                            sampling=greedy(4)))
@@ -83,7 +87,7 @@ def test_index_holds_exactly_the_prompt_blocks_at_gpu(stub, rclient):
     hashes = hash_prompt(HashConfig("sha256", "vllm-none-hash"), 16, prompt)
     assert len(hashes) == 2
     deadline = time.time() + 5
-    while time.time() < deadline and rclient.scard(SCHEMA.pod_blocks_key("node-a")) < 2:
+    while time.time() < deadline and lookup_prefix(rclient, SCHEMA, hashes)["node-a"].depth < 2:
         time.sleep(0.05)
     match = lookup_prefix(rclient, SCHEMA, hashes)["node-a"]
     assert match.depth == 2 and match.tiers == ["GPU", "GPU"]
