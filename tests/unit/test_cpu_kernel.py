@@ -4,8 +4,10 @@ in fp32), and against the pure-torch paged path when that module is present."""
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,6 +243,24 @@ def test_concurrent_calls_from_python_threads() -> None:
     for got, want in zip(gots, wants, strict=True):
         for g in got:
             torch.testing.assert_close(g, want, atol=1e-4, rtol=1e-4)
+
+
+def test_failed_build_means_unavailable_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A compiler that rejects the flags stands in for any build failure.
+    monkeypatch.setattr(cpu_kernel, "_FLAG_SETS", (("-O3", "--pagekv-no-such-flag"),))
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setattr(cpu_kernel, "_ext", None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+        assert cpu_kernel.available() is False
+        assert cpu_kernel.available() is False  # the build is attempted once per process
+    warnings = [r for r in caplog.records if r.name == cpu_kernel.__name__]
+    assert len(warnings) == 1 and "pure-torch" in warnings[0].getMessage()
+    batch = make_batch(torch.Generator().manual_seed(1), [(10, 1)], 16, 4, 2, 64)
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_kernel.paged_attention(**batch)
 
 
 def test_bad_block_id_is_an_error_not_a_read() -> None:
