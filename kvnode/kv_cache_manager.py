@@ -236,7 +236,9 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.prefix_stats_recorded = True  # the parent's admission already counted the prompt
         if child.hasher is None and parent.hasher is not None:
-            self._hashes(child)
+            # Same tokens so far, so the same chain: copy it instead of rehashing the prompt.
+            child.hasher = parent.hasher
+            child.block_hashes = list(parent.block_hashes)
 
     def reset_prefix_cache(self) -> bool:
         ok = self.block_pool.reset_prefix_cache()
