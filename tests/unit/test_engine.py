@@ -171,3 +171,17 @@ def test_prefill_cost_is_measured_after_warmup_steps():
             eng.step()
     # 8 prefill steps of 256 and 44 tokens: the first two >= 128-token steps are warm-up.
     assert eng.prefill_s_per_token is not None and eng.prefill_s_per_token > 0
+
+
+def test_prefix_caching_on_off_and_second_run_same_tokens():
+    shared = [(k * 5) % 250 + 1 for k in range(70)]
+    batch = [shared + [i, i + 1, i + 2] for i in range(1, 6)]
+    off = LLM("pagekv-tiny", num_gpu_blocks=128, max_model_len=256,
+              enable_prefix_caching=False).generate(batch, GREEDY)
+    llm = LLM("pagekv-tiny", num_gpu_blocks=128, max_model_len=256)
+    first = llm.generate(batch, GREEDY)
+    second = llm.generate(batch, GREEDY)  # every prompt hits the first run's blocks
+    tokens = [[o.outputs[0].token_ids for o in run] for run in (off, first, second)]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert all(o.num_cached_tokens == 64 for o in second)
+    assert all(o.num_cached_tokens == 0 for o in off)
