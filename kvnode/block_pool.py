@@ -132,8 +132,10 @@ class FreeKVCacheBlockQueue:
         return out
 
 
-# Called with the hashed blocks about to be reused, before their data is overwritten.
-EvictHook = Callable[[list[KVCacheBlock]], None]
+# Called with each hashed block about to be reused, before its data is overwritten; the
+# batch form gets them all at once (the tiers copy a batch in one gather per layer).
+EvictHook = Callable[[KVCacheBlock], None]
+EvictManyHook = Callable[[list[KVCacheBlock]], None]
 
 
 class BlockPool:
@@ -147,6 +149,7 @@ class BlockPool:
         on_evict: EvictHook | None = None,
         metrics: KVCacheMetrics | None = None,
         enable_kv_events: bool = True,
+        on_evict_many: EvictManyHook | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -154,6 +157,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.block_size = block_size
         self.on_evict = on_evict
+        self.on_evict_many = on_evict_many
         self.metrics = metrics
         self.enable_kv_events = enable_kv_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -215,10 +219,14 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         metrics = self.metrics
         now = time.monotonic() if metrics is not None else 0.0
-        if self.on_evict is not None:
+        if self.on_evict is not None or self.on_evict_many is not None:
+            # The hooks copy the data out (to the tiers) before the blocks are overwritten.
             evicted = [b for b in blocks if b.block_hash is not None]
-            if evicted:
-                self.on_evict(evicted)  # the tiers copy the data before it is overwritten
+            if evicted and self.on_evict_many is not None:
+                self.on_evict_many(evicted)
+            if self.on_evict is not None:
+                for b in evicted:
+                    self.on_evict(b)
         removed: list[bytes] | None = None
         for block in blocks:
             if block.block_hash is not None:

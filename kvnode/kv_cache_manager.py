@@ -59,8 +59,10 @@ class KVCacheManager:
 
     # -- hashing ------------------------------------------------------------------------
     def _hashes(self, request: Request) -> list[bytes]:
-        """The request's block hashes, attaching this pool's hasher on first sight."""
-        if request.hasher is None:
+        """The request's block hashes, attaching this pool's hasher on first sight (or when the
+        request was hashed for another block size or hash configuration)."""
+        h = request.hasher
+        if h is None or h.block_size != self.block_size or h.config != self.hash_config:
             lora = (request.lora_id, request.lora_path or "") if request.lora_id else None
             request.hasher = RequestBlockHasher(
                 self.hash_config, self.block_size, request.cache_salt, lora, request.mm_inputs

@@ -49,7 +49,10 @@ def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
     if disk_offload_bytes > 0:
         if not disk_offload_dir:
             raise ValueError("--disk-offload-bytes needs --disk-offload-dir")
-        os.makedirs(disk_offload_dir, exist_ok=True)
+        try:
+            os.makedirs(disk_offload_dir, exist_ok=True)
+        except OSError as e:  # the SSD tier then disables itself; the pod keeps serving
+            logger.error("SSD tier directory %s unusable: %s", disk_offload_dir, e)
         spec = runner.kv_spec
         layout = {"num_layers": spec.num_layers, "block_size": spec.block_size,
                   "num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size,
@@ -72,7 +75,7 @@ class TierConnector:
         self.block_size = manager.block_size
         self._loads: dict[str, _PendingLoad] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tier-load")
-        manager.block_pool.on_evict = self.on_evict
+        manager.block_pool.on_evict_many = self.on_evict
 
     # -- eviction -------------------------------------------------------------------------
     def on_evict(self, blocks: list[KVCacheBlock]) -> None:

@@ -53,8 +53,9 @@ def test_queue_empty_and_remove_errors():
 
 def test_pool_new_blocks_and_lazy_eviction_hook():
     evicted = []
-    pool = BlockPool(4, block_size=16,
-                     on_evict=lambda bs: evicted.extend((b.block_id, b.block_hash) for b in bs))
+    batches = []
+    pool = BlockPool(4, block_size=16, on_evict=lambda b: evicted.append((b.block_id, b.block_hash)),
+                     on_evict_many=lambda bs: batches.append([b.block_id for b in bs]))
     blocks = pool.get_new_blocks(2)
     assert [b.ref_cnt for b in blocks] == [1, 1]
     pool.cache_full_blocks(blocks, [b"h0", b"h1"], 0, 2, list(range(32)))
@@ -67,7 +68,7 @@ def test_pool_new_blocks_and_lazy_eviction_hook():
     order = ids(pool.free_block_queue.get_all_free_blocks())
     assert order == [2, 3, 1, 0]
     pool.get_new_blocks(3)
-    assert evicted == [(1, b"h1")]
+    assert evicted == [(1, b"h1")] and batches == [[1]]
     assert pool.get_cached_block(b"h1") is None
     assert pool.get_cached_block(b"h0") is blocks[0]
     events = pool.take_events()

@@ -128,3 +128,25 @@ def test_batched_block_io_matches_single_block_io(kv_dtype):
     assert torch.equal(batch, torch.stack([runner.read_block(i) for i in ids]))
     runner.write_blocks([10, 11, 12], batch)
     assert torch.equal(runner.read_blocks([10, 11, 12]), batch)
+
+
+def test_unwritable_ssd_dir_disables_the_tier_and_keeps_serving(tmp_path, cold_tokens, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    llm = small_llm(disk_offload_bytes=16 << 20, disk_offload_dir=str(blocker / "ssd"))
+    outs = run(llm, [TARGET, *FILLERS, TARGET])
+    assert outs[-1].outputs[0].token_ids == cold_tokens
+    assert llm.engine.tiers.chain.ssd.disabled
+    assert any(r.levelname == "ERROR" for r in caplog.records)
+    llm.engine.close()
+
+
+def test_request_hashed_for_another_block_size_is_rehashed():
+    from kvnode.kv_cache_manager import KVCacheManager
+    from kvnode.request import Request
+
+    req = Request("r", list(range(1, 70)))
+    KVCacheManager(16, block_size=16).get_computed_blocks(req)
+    assert len(req.block_hashes) == 4
+    KVCacheManager(16, block_size=32).get_computed_blocks(req)
+    assert len(req.block_hashes) == 2
