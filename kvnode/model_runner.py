@@ -236,9 +236,10 @@ class ModelRunner:
         """Inverse of ``read_block``."""
         self.kv_cache.write_block(block_id, data)
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Many blocks at once: [n, block_bytes] uint8 (rows as ``read_block``)."""
-        return self.kv_cache.read_blocks(block_ids)
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Many blocks at once: [n, block_bytes] uint8 (rows as ``read_block``); `out` is an
+        optional reusable buffer."""
+        return self.kv_cache.read_blocks(block_ids, out)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of ``read_blocks``."""

@@ -37,6 +37,23 @@ class _PendingLoad:
     future: Future
 
 
+def _as_rows(datas: list[torch.Tensor]) -> torch.Tensor:
+    """Blocks as one [n, block_bytes] tensor: a view when they already are consecutive rows
+    of one tensor (a DRAM reload), else one stacking copy (numpy: a plain memcpy per block,
+    no intra-op thread pool, see tiers.base.copy_block)."""
+    first = datas[0]
+    base = first._base if first._base is not None else None
+    if (
+        base is not None and base.dim() == 2 and base.is_contiguous()
+        and base.shape[0] >= len(datas) and first.data_ptr() == base.data_ptr()
+        and all(d._base is base for d in datas)
+    ):
+        row = base.shape[1]
+        if all(d.data_ptr() == base.data_ptr() + i * row for i, d in enumerate(datas)):
+            return base[: len(datas)]
+    return torch.from_numpy(np.stack([d.numpy() for d in datas]))
+
+
 def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
                      disk_offload_dir: str | None, block_size: int) -> TierChain | None:
     if cpu_offload_bytes <= 0 and disk_offload_bytes <= 0:
@@ -74,14 +91,18 @@ class TierConnector:
         self.runner = runner
         self.block_size = manager.block_size
         self._loads: dict[str, _PendingLoad] = {}
+        self._evict_buf: torch.Tensor | None = None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tier-load")
         manager.block_pool.on_evict_many = self.on_evict
 
     # -- eviction -------------------------------------------------------------------------
     def on_evict(self, blocks: list[KVCacheBlock]) -> None:
-        data = self.runner.read_blocks([b.block_id for b in blocks])  # one gather per layer
-        for i, block in enumerate(blocks):
-            self.chain.demote(block.block_hash, block.parent_hash, (), data[i])
+        # One gather per layer into a buffer kept across calls; the tiers copy the rows.
+        data = self.runner.read_blocks([b.block_id for b in blocks], self._evict_buf)
+        if self._evict_buf is None or data.shape[0] > self._evict_buf.shape[0]:
+            self._evict_buf = data
+        self.chain.demote_many([b.block_hash for b in blocks], [b.parent_hash for b in blocks],
+                               data)
 
     # -- reload ---------------------------------------------------------------------------
     def load_prefix(self, req: Request, hits: list, num_hit: int):
@@ -135,8 +156,7 @@ class TierConnector:
         return hits, num_hit, by_tier
 
     def _write_blocks(self, block_ids: list[int], datas: list) -> None:
-        # numpy's stack is a plain memcpy per block (no intra-op thread pool: see copy_block).
-        self.runner.write_blocks(block_ids, torch.from_numpy(np.stack([d.numpy() for d in datas])))
+        self.runner.write_blocks(block_ids, _as_rows(datas))
 
     def has_pending_loads(self) -> bool:
         return bool(self._loads)

@@ -121,6 +121,45 @@ class TierChain:
             node = _Node(parent_hash, tuple(token_ids), lora_id, "CPU")
             return self._place_locked(block_hash, node, data)
 
+    def demote_many(
+        self,
+        block_hashes: Sequence[bytes],
+        parent_hashes: Sequence[bytes | None],
+        rows: torch.Tensor,
+    ) -> None:
+        """`demote` for a batch evicted together ([n, block_bytes] rows): with DRAM, room is
+        made first (LRU victims move down one by one), then the new blocks land in one copy."""
+        dram = self.dram
+        if dram is None or len(block_hashes) > dram.num_slots:
+            for h, parent, row in zip(block_hashes, parent_hashes, rows, strict=True):
+                self.demote(h, parent, (), row)
+            return
+        with self._lock:
+            self._sync_ssd_locked()
+            fresh: list[int] = []
+            for i, h in enumerate(block_hashes):
+                node = self._nodes.get(h)
+                if node is not None:  # already below the pool: one copy is enough
+                    if node.medium == "CPU":
+                        dram.touch(h)
+                    continue
+                fresh.append(i)
+            if not fresh:
+                return
+            while dram.num_free_slots < len(fresh):
+                victim = dram.pop_lru()
+                if victim is None:
+                    break
+                self._move_dram_victim_locked(*victim)
+            t0 = time.perf_counter()
+            src = rows if len(fresh) == len(block_hashes) else rows[fresh]
+            dram.put_rows([block_hashes[i] for i in fresh], src)
+            self._c["pool_to_dram_seconds"] += time.perf_counter() - t0
+            self._c["pool_to_dram_bytes"] += src.numel()
+            self._c["demotions"] += len(fresh)
+            for i in fresh:
+                self._add_node(block_hashes[i], _Node(parent_hashes[i], (), None, "CPU"))
+
     def match_prefix(self, block_hashes: Sequence[bytes], start: int = 0) -> list[str]:
         """Media ("CPU"/"DISK") of the consecutive blocks from `start` held below the pool."""
         out: list[str] = []
@@ -168,6 +207,18 @@ class TierChain:
                 else:
                     break
             self._c["promote_misses"] += n - len(run)
+            if run and "DISK" not in run:
+                # All in DRAM (the common reload): one gather, no lock release in between.
+                assert self.dram is not None
+                t0 = time.perf_counter()
+                rows = self.dram.pop_many(block_hashes[: len(run)])
+                self._c["dram_to_pool_seconds"] += time.perf_counter() - t0
+                self._c["dram_to_pool_bytes"] += rows.numel()
+                self._c["promotions_dram"] += len(run)
+                for i in range(len(run)):
+                    out[i] = rows[i]
+                    self._left_tier_locked(block_hashes[i], "CPU")
+                return out
             disk = [i for i, medium in enumerate(run) if medium == "DISK"]
             # Until this call has dealt with them, the SSD's reports about these blocks are
             # ours to handle (a failed read is not a drop: see the module docstring).

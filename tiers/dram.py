@@ -95,6 +95,18 @@ class DramTier(Tier):
             self._free.append(slot)
             return out
 
+    def pop_many(self, block_hashes: Sequence[bytes]) -> torch.Tensor:
+        """Remove blocks that are all present; their data as one [n, block_bytes] tensor,
+        gathered in a single copy (a prefix reload takes many blocks at once)."""
+        with self._lock:
+            slots = [self._lru.pop(h) for h in block_hashes]
+            if self._slab.device.type == "cpu":
+                out = torch.from_numpy(self._slab.numpy()[slots])
+            else:
+                out = self._slab[torch.tensor(slots)].cpu()
+            self._free.extend(slots)
+            return out
+
     # --- updates -----------------------------------------------------------------------
     def put(
         self,
@@ -121,6 +133,20 @@ class DramTier(Tier):
             copy_block(self._slab[slot], src)  # synchronous, also from a CUDA tensor
             self._lru[block_hash] = slot
             return True
+
+    def put_rows(self, block_hashes: Sequence[bytes], rows: torch.Tensor) -> None:
+        """Store new blocks (absent, with enough free slots: the caller made room) from the
+        rows of one [n, block_bytes] tensor in a single scatter copy."""
+        with self._lock:
+            if len(block_hashes) > len(self._free):
+                raise ValueError(f"{len(block_hashes)} blocks but {len(self._free)} free slots")
+            slots = [self._free.pop() for _ in block_hashes]
+            if self._slab.device.type == "cpu" and rows.device.type == "cpu":
+                self._slab.numpy()[slots] = rows.numpy()
+            else:
+                self._slab[torch.tensor(slots)] = rows.to(self._slab.device)
+            for h, slot in zip(block_hashes, slots, strict=True):
+                self._lru[h] = slot
 
     def pop_lru(self) -> tuple[bytes, torch.Tensor] | None:
         """Remove the LRU block and return (hash, view of its slot).

@@ -155,21 +155,30 @@ class KVCache:
             _as_bytes(v[block_id]).copy_(flat[off + n : off + 2 * n])
             off += 2 * n
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """`read_block` for many blocks at once: [n, block_bytes] uint8 on CPU, one gather
-        per layer and K/V instead of one copy per block (tier demotion of a batch)."""
+        per layer and K/V instead of one copy per block (tier demotion of a batch).
+
+        `out` (uint8, at least n rows) is filled and its first n rows returned: a caller that
+        demotes often reuses one buffer instead of faulting in fresh pages each time.
+        """
         n = len(block_ids)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.key_caches[0].device)
         self._check_ids(idx)
         ids = idx.cpu().numpy()
-        out = torch.empty((n, self.spec.block_bytes), dtype=torch.uint8)
+        bb = self.spec.block_bytes
+        if out is None or out.shape[0] < n or out.shape[1] != bb or out.dtype != torch.uint8:
+            out = torch.empty((n, bb), dtype=torch.uint8)
+        out = out[:n]
         planes = out.view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes)
         cpu = idx.device.type == "cpu"
+        planes_np = planes.numpy() if cpu else None
         for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
             for plane, cache in ((0, k), (1, v)):
                 raw = cache.view(torch.uint8)
                 if cpu:  # numpy: one plain gather, no intra-op thread pool (see tiers.base)
-                    planes.numpy()[:, layer, plane] = raw.numpy()[ids].reshape(n, -1)
+                    flat = raw.numpy().reshape(raw.shape[0], -1)
+                    planes_np[:, layer, plane] = flat[ids]
                 else:
                     planes[:, layer, plane].copy_(raw[idx].reshape(n, -1))
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -236,3 +237,22 @@ def test_killed_pod_lease_expires(tmp_path):
     finally:
         cluster.stop()
         rp.close()
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    cluster = LocalCluster(nodes=1, run_dir=tmp_path, node_args=POD_ARGS,
+                           start_router=False).start()
+    try:
+        pod = cluster.pods[0]
+        with grpc.insecure_channel(pod.address) as ch:
+            stream = pb_grpc.GenerationStub(ch).GenerateStream(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=greedy(200)))
+            chunks = [next(stream)]
+            pod.proc.send_signal(signal.SIGTERM)  # mid-stream
+            chunks.extend(stream)
+        assert sum(len(c.token_ids) for c in chunks) == 200
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert pod.proc.wait(30) == 0
+        assert "draining in-flight requests" in pod.log_tail(50)
+    finally:
+        cluster.stop()

@@ -150,3 +150,34 @@ def test_request_hashed_for_another_block_size_is_rehashed():
     assert len(req.block_hashes) == 4
     KVCacheManager(16, block_size=32).get_computed_blocks(req)
     assert len(req.block_hashes) == 2
+
+
+def test_demote_many_equals_one_by_one(tmp_path):
+    from tiers.chain import TierChain
+    from tiers.dram import DramTier
+    from tiers.ssd import SsdTier
+
+    layout = {"num_layers": 1, "block_size": 16, "num_kv_heads": 1, "head_size": 64,
+              "dtype": "uint8"}
+
+    def chain(d):
+        return TierChain(DramTier(4 * 1024, 1024),
+                         SsdTier(tmp_path / d, 1 << 20, 1024, layout), block_size=16)
+
+    rows = torch.randint(0, 255, (7, 1024), dtype=torch.uint8)
+    hashes = [bytes([i]) * 32 for i in range(7)]
+    parents = [None] + hashes[:-1]
+    one, many = chain("one"), chain("many")
+    for h, p, r in zip(hashes[:3], parents[:3], rows[:3], strict=True):
+        one.demote(h, p, (), r)
+    many.demote_many(hashes[:3], parents[:3], rows[:3])
+    for h, p, r in zip(hashes, parents, rows, strict=True):  # 3 repeats + 4 new: 3 spill
+        one.demote(h, p, (), r)
+    many.demote_many(hashes, parents, rows)
+    assert one.full_state() == many.full_state()
+    assert {h: m for h, m in many.full_state().items()} == {
+        **dict.fromkeys(hashes[:3], "DISK"), **dict.fromkeys(hashes[3:], "CPU")}
+    for h, r in zip(hashes, rows, strict=True):
+        assert torch.equal(many.promote(h), r)
+    one.close()
+    many.close()
