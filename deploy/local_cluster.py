@@ -137,7 +137,7 @@ class LocalCluster:
         node_args = [a.format(pod_id=pod_id, run_dir=self.run_dir) for a in self.node_args]
         if not any(a.startswith("--num-threads") for a in node_args):
             # Pods sharing this host split its cores instead of oversubscribing them.
-            node_args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // self.nodes))]
+            node_args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(1, self.nodes)))]
         argv = pagekv_cmd(
             "node", "--model", self.model, "--host", self.host, "--port", str(port),
             "--metrics-port", str(mport), "--redis-url", self.redis_url, "--pod-id", pod_id,

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # Steps with at least this many tokens are prefill-dominated: their time per token estimates
 # the prefill cost (a decode-heavy step's fixed cost would swamp it).
 PREFILL_SAMPLE_MIN_TOKENS = 128
-PREFILL_WARMUP_STEPS = 2
+WARMUP_TOKENS = 256
 
 
 class RequestRejected(ValueError):
@@ -98,11 +98,26 @@ class Engine:
         self.num_steps = 0
         self.event_sinks: list = []  # callables receiving each step's KV events
         # Measured prefill cost, published to the router so it can weigh recompute against
-        # a reload: the median seconds per token of recent prefill-heavy steps, skipping the
-        # first ones (kernel loading and first-touch allocations inflate them several-fold).
+        # a reload: the median seconds per token of recent prefill-heavy steps, seeded by a
+        # warm-up pass at start-up (a first forward pass is several times slower: allocator
+        # and kernel warm-up, which would otherwise steer cold requests away from this pod).
         self._prefill_samples: deque[float] = deque(maxlen=32)
-        self._prefill_steps_seen = 0
+        self._warm_up()
         self.last_step_idle = False
+
+    def _warm_up(self) -> None:
+        """Two prefill passes over free pool blocks before serving: the first warms up the
+        allocator and kernels, the second measures the prefill cost per token."""
+        bs = self.args.block_size
+        n = min(WARMUP_TOKENS, self.max_model_len - 1, self.runner.num_blocks * bs)
+        if n < 1:
+            return
+        item = SeqBatchItem([0] * n, 0, list(range(-(-n // bs))))
+        self.runner.execute([item])
+        t0 = time.perf_counter()
+        self.runner.execute([item])
+        if n >= PREFILL_SAMPLE_MIN_TOKENS:
+            self._prefill_samples.append((time.perf_counter() - t0) / n)
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -204,10 +219,7 @@ class Engine:
         logits = self.runner.execute(batch)
         now = time.monotonic()
         if sched.num_batched_tokens >= PREFILL_SAMPLE_MIN_TOKENS:
-            self._prefill_steps_seen += 1
-            if self._prefill_steps_seen > PREFILL_WARMUP_STEPS:
-                self._prefill_samples.append(
-                    (time.perf_counter() - t0) / sched.num_batched_tokens)
+            self._prefill_samples.append((time.perf_counter() - t0) / sched.num_batched_tokens)
 
         rows: list[int] = []
         sampling_seqs: list[Sequence] = []
