@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = RouterConfig()
     c = DEFAULT_COSTS
-    parser.add_argument("--host", default="0.0.0.0", help="gRPC bind address")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="gRPC (and metrics) bind address; 0.0.0.0 to serve other hosts")
     parser.add_argument("--port", type=int, default=50050, help="gRPC port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=9100,
                         help="Prometheus /metrics port (0: not served)")
@@ -81,7 +82,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
 async def _serve(args: argparse.Namespace, config: RouterConfig) -> None:
     server = RouterServer(config, host=args.host, port=args.port,
                           metrics_port=args.metrics_port,
-                          metrics_host="127.0.0.1" if args.host == "127.0.0.1" else "0.0.0.0")
+                          metrics_host=args.host)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
