@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from kvnode.engine import Engine
+from kvnode.engine import DuplicateRequestId, Engine
 from kvnode.outputs import RequestOutput
 from kvnode.sampling_params import SamplingParams
 
@@ -93,7 +93,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+            raise DuplicateRequestId(f"request id {request_id!r} is already in flight")
         self._streams[request_id] = stream
         arrival = time.monotonic()
         admitted = loop.create_future()

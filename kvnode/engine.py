@@ -41,6 +41,10 @@ class RequestRejected(ValueError):
     """A request that can never be served as asked (maps to INVALID_ARGUMENT)."""
 
 
+class DuplicateRequestId(RequestRejected):
+    """A request id that is already in flight (maps to ALREADY_EXISTS)."""
+
+
 class Engine:
     def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
         args = args or EngineArgs(**kwargs)
@@ -163,7 +167,7 @@ class Engine:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
+            raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
@@ -180,10 +184,8 @@ class Engine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        if self.tiers is not None:
-            self.tiers.forget(request_id)
         for seq in group.seqs:
-            self.scheduler.remove(seq)
+            self._release(seq)
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
         group.forked = True
@@ -281,7 +283,13 @@ class Engine:
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            self.scheduler.remove(seq)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """A sequence is done (finished or aborted): its blocks and tier loads go back."""
+        self.scheduler.remove(seq)
+        if self.tiers is not None:
+            self.tiers.forget(seq.req.request_id)
 
     def _delta(self, group: SequenceGroup, now: float) -> RequestOutput:
         completions = []

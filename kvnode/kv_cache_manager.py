@@ -145,7 +145,8 @@ class KVCacheManager:
         for b in hits:  # hits sitting in the free queue stop counting as free once touched
             if b.ref_cnt == 0:
                 num_revived += 1
-        reserve = self.watermark_blocks if admitting else 0
+        # The reserve protects running requests; with none running it would only stall.
+        reserve = self.watermark_blocks if admitting and self.req_to_blocks else 0
         if num_new_blocks + (cow_block is not None) + num_revived > num_free - reserve:
             return None
 
@@ -210,10 +211,10 @@ class KVCacheManager:
             hashes = request.block_hashes
             pool.cache_full_blocks(pinned + blocks, hashes, start, start + n,
                                    request.all_token_ids)
-            pool.free_blocks(blocks)
+            pinned = pinned + blocks
             return n
         finally:
-            pool.free_blocks(reversed(pinned))
+            pool.free_blocks(reversed(pinned))  # tail first, as free(): the head stays longest
 
     def free(self, request: Request | str) -> None:
         """Release a request's blocks, tail first, so its prompt's head is evicted last."""
@@ -243,11 +244,8 @@ class KVCacheManager:
             child.block_hashes = list(parent.block_hashes)
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.block_pool.reset_prefix_cache()
-        if ok:
-            for rid in self.num_cached_blocks:
-                self.num_cached_blocks[rid] = 0
-        else:
+        ok = self.block_pool.reset_prefix_cache()  # only succeeds with no request holding blocks
+        if not ok:
             logger.warning("reset_prefix_cache refused: %d blocks are in use",
                            self.num_blocks - self.block_pool.get_num_free_blocks())
         return ok

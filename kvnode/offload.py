@@ -35,6 +35,7 @@ class _PendingLoad:
     hashes: list[bytes]
     media: list[str]
     future: Future
+    parent: bytes | None  # the pool block these continue (their chain's parent)
 
 
 def _as_rows(datas: list[torch.Tensor]) -> torch.Tensor:
@@ -92,6 +93,7 @@ class TierConnector:
         self.block_size = manager.block_size
         self._loads: dict[str, _PendingLoad] = {}
         self._evict_buf: torch.Tensor | None = None
+        self._loaded: dict[str, dict[str, int]] = {}  # request -> tokens reloaded, per tier
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tier-load")
         manager.block_pool.on_evict_many = self.on_evict
 
@@ -111,26 +113,27 @@ class TierConnector:
         Returns (hits, num_hit_tokens, tokens_by_tier), or None while an SSD load runs.
         """
         bs = self.block_size
-        pending = self._loads.get(req.request_id)
+        rid = req.request_id
+        pending = self._loads.get(rid)
         if pending is None:
             max_blocks = (req.num_tokens - 1) // bs
             start = len(hits)
-            if start >= max_blocks:
-                return hits, num_hit, {"GPU": num_hit}
-            media = self.chain.match_prefix(req.block_hashes[:max_blocks], start)
+            media = (self.chain.match_prefix(req.block_hashes[:max_blocks], start)
+                     if start < max_blocks else [])
             if not media:
-                return hits, num_hit, {"GPU": num_hit}
+                return hits, num_hit, self._by_tier(rid, num_hit)
             todo = list(req.block_hashes[start : start + len(media)])
+            parent = req.block_hashes[start - 1] if start else None
             if "DISK" in media:
                 future = self._loader.submit(self.chain.promote_many, todo)
-                self._loads[req.request_id] = _PendingLoad(start, todo, media, future)
+                self._loads[rid] = _PendingLoad(start, todo, media, future, parent)
                 return None
             datas = self.chain.promote_many(todo)
         else:
             if not pending.future.done():
                 return None
-            del self._loads[req.request_id]
-            start, todo, media = pending.start, pending.hashes, pending.media
+            del self._loads[rid]
+            start, todo, media, parent = pending.start, pending.hashes, pending.media, pending.parent
             try:
                 datas = pending.future.result()
             except Exception:
@@ -143,17 +146,28 @@ class TierConnector:
             run += 1
         loads = list(zip(todo[:run], datas[:run], strict=True))
         n = self.manager.load_cached_blocks(req, start, loads, self._write_blocks)
-        for h, data in loads[n:]:  # no room in the pool: keep them below instead of losing them
-            self.chain.demote(h, todo[todo.index(h) - 1] if todo.index(h) else None, (), data)
-        hits, num_hit = self.manager.get_computed_blocks(req)
-        by_tier = {"GPU": 0, "CPU": 0, "DISK": 0}
-        loaded_tokens = {"CPU": 0, "DISK": 0}
+        if n < run:  # no room in the pool: keep the rest below instead of losing it
+            self._demote_run(todo[n:run], datas[n:run], todo[n - 1] if n else parent)
+        # Remember where the loaded tokens came from: if admission fails now, the next try
+        # finds them as pool hits but must still report them as DRAM / SSD hits.
+        counts = self._loaded.setdefault(rid, {"CPU": 0, "DISK": 0})
         for m in media[:n]:
-            loaded_tokens[m] += bs
-        by_tier["CPU"] = min(loaded_tokens["CPU"], num_hit)
-        by_tier["DISK"] = min(loaded_tokens["DISK"], num_hit - by_tier["CPU"])
-        by_tier["GPU"] = num_hit - by_tier["CPU"] - by_tier["DISK"]
-        return hits, num_hit, by_tier
+            counts[m] += bs
+        hits, num_hit = self.manager.get_computed_blocks(req)
+        return hits, num_hit, self._by_tier(rid, num_hit)
+
+    def _by_tier(self, rid: str, num_hit: int) -> dict[str, int]:
+        loaded = self._loaded.get(rid, {"CPU": 0, "DISK": 0})
+        cpu = min(loaded["CPU"], num_hit)
+        disk = min(loaded["DISK"], num_hit - cpu)
+        return {"GPU": num_hit - cpu - disk, "CPU": cpu, "DISK": disk}
+
+    def _demote_run(self, hashes: list[bytes], datas: list, parent: bytes | None) -> None:
+        """Put consecutive blocks of one chain back below the pool, each under its parent."""
+        for h, data in zip(hashes, datas, strict=True):
+            if data is not None:
+                self.chain.demote(h, parent, (), data)
+            parent = h
 
     def _write_blocks(self, block_ids: list[int], datas: list) -> None:
         self.runner.write_blocks(block_ids, _as_rows(datas))
@@ -167,7 +181,9 @@ class TierConnector:
             wait([p.future for p in self._loads.values()], timeout, FIRST_COMPLETED)
 
     def forget(self, request_id: str) -> None:
-        """An aborted request's in-flight load: its blocks go back below when it finishes."""
+        """A request left (finished, aborted): drop its bookkeeping; an in-flight load's
+        blocks go back below the pool when it completes."""
+        self._loaded.pop(request_id, None)
         pending = self._loads.pop(request_id, None)
         if pending is not None:
             pending.future.add_done_callback(lambda f, p=pending: self._put_back(p, f))
@@ -177,11 +193,7 @@ class TierConnector:
             datas = future.result()
         except Exception:
             return
-        parent = None
-        for h, data in zip(pending.hashes, datas, strict=True):
-            if data is not None:
-                self.chain.demote(h, parent, (), data)
-            parent = h
+        self._demote_run(pending.hashes, datas, pending.parent)
 
     # -- state ----------------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:

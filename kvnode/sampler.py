@@ -39,7 +39,9 @@ def sample(
             continue
         row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=generators[i])
+        # Noise is drawn on CPU (where the generators live) so a seed gives the same sample
+        # on every device.
+        noise = torch.empty(probs.shape).exponential_(generator=generators[i]).to(probs.device)
         out[i] = int((probs / noise).argmax())
     return out
 

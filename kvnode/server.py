@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
-import time
+import socket
 import uuid
 
 import grpc
@@ -24,7 +25,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvnode.async_engine import AsyncEngine, QueueFull
 from kvnode.config import EngineArgs
-from kvnode.engine import Engine, RequestRejected
+from kvnode.engine import DuplicateRequestId, Engine, RequestRejected
 from kvnode.index_publisher import IndexPublisher
 from kvnode.index_schema import IndexSchema
 from kvnode.prom import EngineCollector, RequestMetricsExporter
@@ -86,14 +87,28 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         return rid, tokens, params, request.cache_salt or None, lora
 
     async def _stream(self, request, context):
+        """The request's deltas; every failure becomes a gRPC status, never a stack trace."""
+        pod = self.pod
+        if pod.aengine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is starting")
+        rid = request.request_id
         try:
             rid, tokens, params, salt, lora = self._parse(request)
-            async for delta in self.pod.aengine.generate(rid, tokens, params, salt, lora):
-                yield rid, tokens, delta
-        except (BadRequest, RequestRejected, ValueError) as e:
+            # aclosing: a cancelled call aborts its request now, not when collected.
+            async with contextlib.aclosing(
+                pod.aengine.generate(rid, tokens, params, salt, lora)
+            ) as deltas:
+                async for delta in deltas:
+                    yield rid, tokens, delta
+        except DuplicateRequestId as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except (BadRequest, RequestRejected) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Exception:
+            logger.exception("request %s failed", rid)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {rid})")
 
     def _usage(self, tokens: list[int], delta, completion_tokens: int) -> pb.Usage:
         by = delta.cached_tokens_by_tier
@@ -108,16 +123,21 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
 
     async def Generate(self, request, context):
         completions: dict[int, pb.Completion] = {}
+        texts: dict[int, list[str]] = {}
         rid, tokens, last = request.request_id, [], None
-        async for out_rid, out_tokens, delta in self._stream(request, context):
-            for c in delta.outputs:
-                comp = completions.setdefault(c.index, pb.Completion(index=c.index))
-                comp.token_ids.extend(c.token_ids)
-                comp.text += c.text
-                comp.finish_reason = FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
-            rid, tokens, last = out_rid, out_tokens, delta
+        async with contextlib.aclosing(self._stream(request, context)) as stream:
+            async for out_rid, out_tokens, delta in stream:
+                for c in delta.outputs:
+                    comp = completions.setdefault(c.index, pb.Completion(index=c.index))
+                    comp.token_ids.extend(c.token_ids)
+                    texts.setdefault(c.index, []).append(c.text)
+                    comp.finish_reason = FINISH.get(c.finish_reason,
+                                                    pb.FINISH_REASON_UNSPECIFIED)
+                rid, tokens, last = out_rid, out_tokens, delta
         if last is None:
             await context.abort(grpc.StatusCode.INTERNAL, "request produced no output")
+        for i, comp in completions.items():
+            comp.text = "".join(texts[i])
         self.pod.request_metrics.observe(last)
         n_out = sum(len(c.token_ids) for c in completions.values())
         return pb.GenerateResponse(
@@ -129,23 +149,30 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
 
     async def GenerateStream(self, request, context):
         n_out = 0
-        async for rid, tokens, delta in self._stream(request, context):
-            chunks = []
-            for c in delta.outputs:
-                if c.token_ids or c.text or c.finish_reason:
-                    n_out += len(c.token_ids)
-                    chunks.append(pb.GenerateChunk(
-                        request_id=rid, index=c.index, token_ids=c.token_ids, text=c.text,
-                        finish_reason=FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                    ))
-            if delta.finished:
-                self.pod.request_metrics.observe(delta)
-                if not chunks:
-                    chunks.append(pb.GenerateChunk(request_id=rid))
-                chunks[-1].usage.CopyFrom(self._usage(tokens, delta, n_out))
-                chunks[-1].served_by = self.pod.pod_id
-            for chunk in chunks:
-                yield chunk
+        async with contextlib.aclosing(self._stream(request, context)) as stream:
+            async for rid, tokens, delta in stream:
+                for chunk in self._chunks(rid, tokens, delta, n_out):
+                    n_out += len(chunk.token_ids)
+                    yield chunk
+
+    def _chunks(self, rid: str, tokens: list[int], delta, n_out: int) -> list[pb.GenerateChunk]:
+        """One step's delta as stream chunks (`n_out`: tokens sent before it); the request's
+        last chunk carries the usage and the pod id."""
+        chunks = []
+        for c in delta.outputs:
+            if c.token_ids or c.text or c.finish_reason:
+                n_out += len(c.token_ids)
+                chunks.append(pb.GenerateChunk(
+                    request_id=rid, index=c.index, token_ids=c.token_ids, text=c.text,
+                    finish_reason=FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                ))
+        if delta.finished:
+            self.pod.request_metrics.observe(delta)
+            if not chunks:
+                chunks.append(pb.GenerateChunk(request_id=rid))
+            chunks[-1].usage.CopyFrom(self._usage(tokens, delta, n_out))
+            chunks[-1].served_by = self.pod.pod_id
+        return chunks
 
     async def Stats(self, request, context):
         return await asyncio.to_thread(self.pod.stats_response)
@@ -191,11 +218,6 @@ class PodServer:
         self.request_metrics = RequestMetricsExporter(self.registry, {"pod": pod_id})
         self.schema: IndexSchema | None = None
 
-    def hash_config(self) -> dict[str, str]:
-        a = self.args
-        return {"model": a.model, "block_size": str(a.block_size), "hash_algo": a.hash_algo,
-                "hash_seed": a.hash_seed}
-
     def load(self) -> dict[str, float]:
         eng = self.engine
         return {"waiting": len(eng.scheduler.waiting), "running": len(eng.scheduler.running),
@@ -237,37 +259,14 @@ class PodServer:
         )
 
     async def start(self) -> None:
-        # Building the engine loads weights: keep the event loop free meanwhile.
-        self.engine = await asyncio.to_thread(Engine, self.args)
-        self.aengine = AsyncEngine(self.engine, self.max_queue)
-        if self.redis_url:
-            self.schema = IndexSchema(self.args.model, self.args.block_size,
-                                      self.args.hash_algo, self.args.hash_seed)
-            self.publisher = IndexPublisher(
-                self.redis_url, self.schema, self.pod_id, self.address, self.hash_config(),
-                self.load, lambda: self.aengine.call(self.engine.full_state), self.tier_costs,
-                lease_ttl_s=self.lease_ttl_s,
-            )
-            self.engine.event_sinks.append(self.publisher.submit)
-        self.aengine.start()
-        if self.publisher is not None and not self.publisher.start():
-            logger.warning("Redis index at %s unreachable; serving anyway, will retry",
-                           self.redis_url)
-        if self.metrics_port is not None:
-            self.registry.register(EngineCollector(
-                self.engine, {"pod": self.pod_id},
-                self.publisher.stats if self.publisher else None,
-            ))
-            start_http_server(self.metrics_port, addr=self.host, registry=self.registry)
-            logger.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)
-
+        """Listen first (health NOT_SERVING while the model loads), then join the index, then
+        report SERVING: the router never sees an address that refuses connections."""
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         servicer = PodServicer(self)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         pb_grpc.add_KVNodeServicer_to_server(servicer, self.server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
-        self.health = health_servicer
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
             pb.DESCRIPTOR.services_by_name["Generation"].full_name,
             pb.DESCRIPTOR.services_by_name["KVNode"].full_name,
@@ -279,22 +278,58 @@ class PodServer:
         if bound == 0:
             raise RuntimeError(f"cannot bind {self.host}:{self.port}")
         self.port = bound
-        await self.server.start()
+        if self.advertise_address is None:
+            self.address = f"{self.host}:{self.port}"
         for name in ("", *names[:2]):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        try:
+            await self._start_engine()
+        except BaseException:
+            await self.stop(0.0)  # no registration or half-started threads left behind
+            raise
+        for name in ("", *names[:2]):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("pod %s serving gRPC on %s:%d", self.pod_id, self.host, self.port)
 
+    async def _start_engine(self) -> None:
+        # Building the engine loads weights: keep the event loop free meanwhile.
+        engine = await asyncio.to_thread(Engine, self.args)
+        self.engine = engine
+        aengine = AsyncEngine(engine, self.max_queue)
+        if self.redis_url:
+            self.schema = IndexSchema(self.args.model, self.args.block_size,
+                                      self.args.hash_algo, self.args.hash_seed)
+            self.publisher = IndexPublisher(
+                self.redis_url, self.schema, self.pod_id, self.address,
+                self.schema.hash_config(), self.load,
+                lambda: aengine.call(engine.full_state), self.tier_costs,
+                lease_ttl_s=self.lease_ttl_s,
+            )
+            engine.event_sinks.append(self.publisher.submit)
+        aengine.start()
+        self.aengine = aengine
+        if self.metrics_port is not None:
+            self.registry.register(EngineCollector(
+                engine, {"pod": self.pod_id},
+                self.publisher.stats if self.publisher else None,
+            ))
+            start_http_server(self.metrics_port, addr=self.host, registry=self.registry)
+            logger.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)
+        if self.publisher is not None and not await asyncio.to_thread(self.publisher.start):
+            logger.warning("Redis index at %s unreachable; serving anyway, will retry",
+                           self.redis_url)
+
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
-        """Stop taking requests, let in-flight ones finish, then leave the index."""
+        """Leave the index first (routers stop sending here), then stop the gRPC server:
+        new calls get UNAVAILABLE — a router retries them elsewhere — while in-flight
+        requests finish within the drain timeout."""
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
-        deadline = time.monotonic() + drain_timeout_s
-        while self.aengine is not None and self.aengine.num_pending and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.server is not None:
-            await self.server.stop(grace=max(0.0, deadline - time.monotonic()))
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.stop, True)
+        if self.server is not None:
+            await self.server.stop(grace=drain_timeout_s)
         if self.aengine is not None:
             self.aengine.shutdown()
         logger.info("pod %s stopped", self.pod_id)
@@ -307,7 +342,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     p.add_argument("--redis-url", default=None, help="Redis index, e.g. redis://127.0.0.1:6380/0")
-    p.add_argument("--pod-id", default=None, help="default: node-<random>")
+    p.add_argument("--pod-id", default=None, help="default: <hostname>-<port>")
     p.add_argument("--advertise-address", default=None,
                    help="host:port the router dials (default: host:port)")
     p.add_argument("--max-queue", type=int, default=1024,
@@ -320,18 +355,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from kvnode.cli import engine_args_from
 
+    # A stable default id: a restarted pod replaces its own registration (new epoch)
+    # instead of leaving a dead pod id in the index.
+    pod_id = args.pod_id or f"{socket.gethostname()}-{args.port}"
     pod = PodServer(
-        engine_args_from(args), args.pod_id or f"node-{uuid.uuid4().hex[:6]}", args.host,
-        args.port, args.metrics_port, args.redis_url, args.advertise_address, args.max_queue,
-        args.lease_ttl_s,
+        engine_args_from(args), pod_id, args.host, args.port, args.metrics_port,
+        args.redis_url, args.advertise_address, args.max_queue, args.lease_ttl_s,
     )
 
     async def run() -> None:
-        await pod.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stop.set)  # also while the model is loading
+        starting = asyncio.create_task(pod.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            logger.info("stopped while starting")
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            await pod.stop(0.0)
+            return
+        starting.result()  # a failed start raises here (it already cleaned up)
         await stop.wait()
         logger.info("shutting down: draining in-flight requests")
         await pod.stop(args.drain_timeout_s)

@@ -227,7 +227,13 @@ class TierChain:
         ssd_seconds = 0.0
         if disk and self.ssd is not None:
             t0 = time.perf_counter()
-            read = dict(zip(disk, self.ssd.pop_many([block_hashes[i] for i in disk]), strict=True))
+            try:
+                read = dict(zip(disk, self.ssd.pop_many([block_hashes[i] for i in disk]),
+                                strict=True))
+            except BaseException:
+                with self._lock:  # the SSD's drop reports about them are ours again
+                    self._promoting.difference_update(block_hashes[i] for i in disk)
+                raise
             ssd_seconds = time.perf_counter() - t0
         with self._lock:
             self._promoting.difference_update(block_hashes[i] for i in disk)

@@ -184,3 +184,15 @@ def test_prefix_caching_on_off_and_second_run_same_tokens():
     assert tokens[0] == tokens[1] == tokens[2]
     assert all(o.num_cached_tokens == 64 for o in second)
     assert all(o.num_cached_tokens == 0 for o in off)
+
+
+def test_large_prompt_admitted_when_only_the_watermark_would_block_it():
+    # 150 + 5 tokens need 10 of 10 blocks; the 2-block watermark must not hold it forever.
+    eng = Engine(model="pagekv-tiny", num_gpu_blocks=10, max_model_len=160, watermark=0.2)
+    eng.add_request("big", [(k % 250) + 1 for k in range(150)],
+                    SamplingParams(max_tokens=5, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished() and steps < 50:
+        eng.step()
+        steps += 1
+    assert not eng.has_unfinished()
