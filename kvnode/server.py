@@ -206,6 +206,7 @@ class PodServer:
         self.port = port
         self.metrics_port = metrics_port
         self.redis_url = redis_url
+        self.advertise_address = advertise_address
         self.address = advertise_address or f"{host}:{port}"
         self.max_queue = max_queue
         self.lease_ttl_s = lease_ttl_s
