@@ -9,6 +9,7 @@ with SIGTERM (then SIGKILL after a grace period), so Ctrl-C leaves no orphan beh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -162,10 +163,17 @@ class LocalCluster:
         self.router = child
         return child
 
-    def stop(self) -> None:
-        # Router first (no new traffic), then pods (they drain), then Redis.
-        for child in sorted(self.children, key=lambda c: c.name != "router"):
-            stop_child(child)
+    def stop(self, grace: float = 45.0) -> None:
+        # Router first (no new traffic), then every pod at once (they drain in parallel,
+        # within the pods' own drain timeout), then Redis.
+        if self.router is not None and self.router in self.children:
+            stop_child(self.router, grace)
+        pods = [c for c in self.children if c is not self.router and c.proc.poll() is None]
+        for child in pods:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGTERM)
+        for child in pods:
+            stop_child(child, grace)
         self.children.clear()
         if self.redis is not None:
             self.redis.stop()

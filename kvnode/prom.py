@@ -21,17 +21,25 @@ from prometheus_client.registry import Collector
 from kvnode.metrics import Histogram as PlainHistogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Monotonic index-publisher statistics (exported as counters; the rest are gauges).
+INDEX_COUNTERS = frozenset({
+    "events_submitted", "events_published", "events_dropped", "batches", "errors",
+    "reconnects", "republishes", "lease_renewals",
+})
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-def _histogram_family(name: str, doc: str, h: PlainHistogram) -> HistogramMetricFamily:
+def _histogram_family(name: str, doc: str, h: PlainHistogram, label_names: list[str],
+                      label_values: list[str]) -> HistogramMetricFamily:
     cumulative = []
     running = 0
     for bound, count in zip(h.buckets, h.counts, strict=False):
         running += count
         cumulative.append((repr(float(bound)), running))
     cumulative.append(("+Inf", running + h.counts[-1]))
-    return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=h.total)
+    fam = HistogramMetricFamily(name, doc, labels=label_names)
+    fam.add_metric(label_values, cumulative, h.total)
+    return fam
 
 
 class EngineCollector(Collector):
@@ -89,13 +97,17 @@ class EngineCollector(Collector):
             ("pagekv_kv_block_reuse_gap_seconds", "Block last free to prefix hit (sampled)",
              m.block_reuse_gap_seconds),
         ):
-            yield _histogram_family(name, doc, h)
+            yield _histogram_family(name, doc, h, self.label_names, self.label_values)
         tiers = getattr(eng, "tiers", None)
         if tiers is not None:
             yield from self._tier_metrics(tiers.stats())
         if self.extra is not None:
             for key, value in self.extra().items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if isinstance(value, bool):  # connected, superseded: health as 0/1
+                    yield self._gauge(f"pagekv_index_{key}", f"Index publisher: {key}", value)
+                elif key in INDEX_COUNTERS:
+                    yield self._counter(f"pagekv_index_{key}", f"Index publisher: {key}", value)
+                elif isinstance(value, (int, float)):
                     yield self._gauge(f"pagekv_index_{key}", f"Index publisher: {key}", value)
 
     def _tier_metrics(self, stats: dict) -> Iterable:
