@@ -76,6 +76,10 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         except ValueError as exc:  # hashing rejected a field (e.g. a salt it cannot encode)
             self.metrics.failures.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}")
+        except Exception:  # a bug must not reach the client as a stack trace
+            logger.exception("routing failed for request %r", request.request_id)
+            self.metrics.failures.labels(code="INTERNAL").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, "internal router error")
         decision = await self.router.decide(prepared)
         if not decision.order:
             # Maybe pods joined since the last refresh (a router just started): look once.
