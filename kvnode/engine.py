@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 # Steps with at least this many tokens are prefill-dominated: their time per token estimates
 # the prefill cost (a decode-heavy step's fixed cost would swamp it).
 PREFILL_SAMPLE_MIN_TOKENS = 128
-WARMUP_TOKENS = 256
 
 
 class RequestRejected(ValueError):
@@ -102,26 +101,22 @@ class Engine:
         self.num_steps = 0
         self.event_sinks: list = []  # callables receiving each step's KV events
         # Measured prefill cost, published to the router so it can weigh recompute against
-        # a reload: the median seconds per token of recent prefill-heavy steps, seeded by a
-        # warm-up pass at start-up (a first forward pass is several times slower: allocator
-        # and kernel warm-up, which would otherwise steer cold requests away from this pod).
+        # a reload: the median seconds per token of recent prefill-heavy steps. A warm-up pass
+        # at start-up keeps the first real step from being several times slower (allocator
+        # and kernel warm-up), which would steer cold requests away from this pod. It is not
+        # timed: pods starting together on one host would measure each other's start-up.
         self._prefill_samples: deque[float] = deque(maxlen=32)
         self._warm_up()
         self.last_step_idle = False
 
     def _warm_up(self) -> None:
-        """Two prefill passes over free pool blocks before serving: the first warms up the
-        allocator and kernels, the second measures the prefill cost per token."""
+        """One prefill pass of a full step's tokens over free pool blocks before serving, so
+        the largest activations are allocated and the kernels loaded before real traffic."""
         bs = self.args.block_size
-        n = min(WARMUP_TOKENS, self.max_model_len - 1, self.runner.num_blocks * bs)
-        if n < 1:
-            return
-        item = SeqBatchItem([0] * n, 0, list(range(-(-n // bs))))
-        self.runner.execute([item])
-        t0 = time.perf_counter()
-        self.runner.execute([item])
-        if n >= PREFILL_SAMPLE_MIN_TOKENS:
-            self._prefill_samples.append((time.perf_counter() - t0) / n)
+        n = min(self.args.max_num_batched_tokens, self.max_model_len - 1,
+                self.runner.num_blocks * bs)
+        if n >= 1:
+            self.runner.execute([SeqBatchItem([0] * n, 0, list(range(-(-n // bs))))])
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
