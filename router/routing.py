@@ -205,7 +205,8 @@ class Router:
         pods = reg.eligible()
         speeds = settle_prefill_costs(
             {p.pod_id: p.info.tier_costs["prefill"] for p in pods
-             if "prefill" in p.info.tier_costs}, self.config.costs.speed_band)
+             if "prefill" in p.info.tier_costs}, self.config.costs.speed_band,
+            [p.pod_id for p in pods if "prefill" not in p.info.tier_costs])
         scores: list[Score] = []
         for p in pods:
             match = matches.get(p.pod_id)

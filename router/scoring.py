@@ -154,11 +154,16 @@ def _pod_cost(published: Mapping[str, float], key: str, default: float) -> float
     return float(value)
 
 
-def settle_prefill_costs(published: Mapping[str, float], band: float) -> dict[str, float]:
+def settle_prefill_costs(published: Mapping[str, float], band: float,
+                         unmeasured: Sequence[str] = ()) -> dict[str, float]:
     """Pod id -> the prefill s/token to score it with, from the pods' published figures.
 
     Figures within `band` times of their median become the median; the others stay.
-    Pods that published nothing (or nonsense) are left out: they get the configured cost.
+    Pods that published nothing (or nonsense) are left out — they get the configured cost —
+    except those named in `unmeasured` (live pods that have not served a prefill yet): while
+    peers have measured, they are scored at the peers' median. Otherwise a pod that starts
+    without a figure would look slower than every measured peer, never win a cold request,
+    and so never measure anything.
     """
     valid = {pod: v for pod, v in published.items() if math.isfinite(v) and v > 0}
     if not valid:
@@ -166,8 +171,11 @@ def settle_prefill_costs(published: Mapping[str, float], band: float) -> dict[st
     ordered = sorted(valid.values())
     mid = len(ordered) // 2
     median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return {pod: median if max(v / median, median / v) <= band else v
-            for pod, v in valid.items()}
+    settled = {pod: median if max(v / median, median / v) <= band else v
+               for pod, v in valid.items()}
+    for pod in unmeasured:
+        settled.setdefault(pod, median)
+    return settled
 
 
 def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostModel) -> Score:

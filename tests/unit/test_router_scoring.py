@@ -333,6 +333,9 @@ def test_speeds_within_the_band_count_as_the_median() -> None:
     assert "e" not in settled
     assert settle_prefill_costs(published, band=1.0)["a"] == 160e-6
     assert settle_prefill_costs({}, 2.0) == {}
+    # A live pod that has not measured yet is scored like its measured peers, not slower.
+    assert settle_prefill_costs(published, 2.0, ["new"])["new"] == pytest.approx(median)
+    assert settle_prefill_costs({}, 2.0, ["new"]) == {}
 
 
 def test_queue_cost_scales_with_the_pods_speed() -> None:
