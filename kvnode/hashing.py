@@ -437,6 +437,15 @@ class RequestBlockHasher:
         return stop - start
 
 
+def lora_key(lora_name: object | None, lora_path: str | None = None) -> tuple[str, str] | None:
+    """The (name, path) pair a LoRA adapter adds to every block's extra keys; None without
+    one. The pods (by request) and the router (by gRPC field) both derive it here, so they
+    cannot hash an adapter differently."""
+    if lora_name is None or lora_name == "":
+        return None
+    return (str(lora_name), lora_path or "")
+
+
 def hash_prompt(
     config: HashConfig,
     block_size: int,

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from kvnode.block_pool import BlockPool, EvictHook, KVCacheBlock
-from kvnode.hashing import DEFAULT_HASH_SEED, HashConfig, RequestBlockHasher
+from kvnode.hashing import DEFAULT_HASH_SEED, HashConfig, RequestBlockHasher, lora_key
 from kvnode.kv_events import KVEvent
 from kvnode.metrics import KVCacheMetrics
 from kvnode.request import Request
@@ -63,7 +63,7 @@ class KVCacheManager:
         request was hashed for another block size or hash configuration)."""
         h = request.hasher
         if h is None or h.block_size != self.block_size or h.config != self.hash_config:
-            lora = (request.lora_id, request.lora_path or "") if request.lora_id else None
+            lora = lora_key(request.lora_id, request.lora_path)
             request.hasher = RequestBlockHasher(
                 self.hash_config, self.block_size, request.cache_salt, lora, request.mm_inputs
             )

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnode.hashing import HashConfig, RequestBlockHasher
+from kvnode.hashing import HashConfig, RequestBlockHasher, lora_key
 from kvnode.index_schema import IndexSchema, PodMatch, lookup_prefix_async
 from proto.pagekv.v1 import pagekv_pb2
 from router.burst import BurstTracker
@@ -115,7 +115,7 @@ class Router:
         # The pods' rules (kvnode.kv_cache_manager / request): an empty salt is no salt, and
         # a LoRA adapter enters every block's hash as (str(id), path) with an empty path.
         salt = request.cache_salt or None
-        lora = (str(request.lora_id), "") if request.HasField("lora_id") else None
+        lora = lora_key(request.lora_id if request.HasField("lora_id") else None)
         ids = list(token_ids)
         hashes: list[bytes] = []
         RequestBlockHasher(self.hash_config, self.config.block_size, salt, lora).extend(
