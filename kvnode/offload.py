@@ -36,6 +36,7 @@ class _PendingLoad:
     media: list[str]
     future: Future
     parent: bytes | None  # the pool block these continue (their chain's parent)
+    pinned: list[KVCacheBlock]  # that pool prefix, referenced until the load is consumed
 
 
 def _as_rows(datas: list[torch.Tensor]) -> torch.Tensor:
@@ -94,6 +95,7 @@ class TierConnector:
         self._loads: dict[str, _PendingLoad] = {}
         self._evict_buf: torch.Tensor | None = None
         self._loaded: dict[str, dict[str, int]] = {}  # request -> tokens reloaded, per tier
+        self._inflight: dict[bytes, str] = {}  # block hash -> request whose SSD load has it
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tier-load")
         manager.block_pool.on_evict_many = self.on_evict
 
@@ -115,9 +117,12 @@ class TierConnector:
         bs = self.block_size
         rid = req.request_id
         pending = self._loads.get(rid)
+        unpin: _PendingLoad | None = None
         if pending is None:
             max_blocks = (req.num_tokens - 1) // bs
             start = len(hits)
+            if start < max_blocks and req.block_hashes[start] in self._inflight:
+                return None  # another request is loading this prefix: hit it in the pool next
             media = (self.chain.match_prefix(req.block_hashes[:max_blocks], start)
                      if start < max_blocks else [])
             if not media:
@@ -125,8 +130,11 @@ class TierConnector:
             todo = list(req.block_hashes[start : start + len(media)])
             parent = req.block_hashes[start - 1] if start else None
             if "DISK" in media:
+                # Pin the pool prefix these blocks continue, or it could be evicted meanwhile.
+                self.manager.block_pool.touch(hits)
                 future = self._loader.submit(self.chain.promote_many, todo)
-                self._loads[rid] = _PendingLoad(start, todo, media, future, parent)
+                self._loads[rid] = _PendingLoad(start, todo, media, future, parent, hits)
+                self._inflight.update(dict.fromkeys(todo, rid))
                 return None
             datas = self.chain.promote_many(todo)
         else:
@@ -139,6 +147,7 @@ class TierConnector:
             except Exception:
                 logger.exception("tier load failed; recomputing")
                 datas = [None] * len(todo)
+            unpin = pending
 
         # The leading run that came back (a checksum failure ends it: recompute from there).
         run = 0
@@ -148,6 +157,8 @@ class TierConnector:
         n = self.manager.load_cached_blocks(req, start, loads, self._write_blocks)
         if n < run:  # no room in the pool: keep the rest below instead of losing it
             self._demote_run(todo[n:run], datas[n:run], todo[n - 1] if n else parent)
+        if unpin is not None:
+            self._end_load(unpin)
         # Remember where the loaded tokens came from: if admission fails now, the next try
         # finds them as pool hits but must still report them as DRAM / SSD hits.
         counts = self._loaded.setdefault(rid, {"CPU": 0, "DISK": 0})
@@ -180,20 +191,30 @@ class TierConnector:
         if self._loads:
             wait([p.future for p in self._loads.values()], timeout, FIRST_COMPLETED)
 
+    def _end_load(self, pending: _PendingLoad) -> None:
+        """Unpin the prefix an SSD load continued; its blocks are no longer in flight."""
+        self.manager.block_pool.free_blocks(reversed(pending.pinned))
+        for h in pending.hashes:
+            self._inflight.pop(h, None)
+
     def forget(self, request_id: str) -> None:
         """A request left (finished, aborted): drop its bookkeeping; an in-flight load's
         blocks go back below the pool when it completes."""
         self._loaded.pop(request_id, None)
         pending = self._loads.pop(request_id, None)
         if pending is not None:
+            self.manager.block_pool.free_blocks(reversed(pending.pinned))
+            pending.pinned = []
             pending.future.add_done_callback(lambda f, p=pending: self._put_back(p, f))
 
     def _put_back(self, pending: _PendingLoad, future: Future) -> None:
         try:
             datas = future.result()
         except Exception:
-            return
+            datas = [None] * len(pending.hashes)
         self._demote_run(pending.hashes, datas, pending.parent)
+        for h in pending.hashes:  # below the pool again: others may load them now
+            self._inflight.pop(h, None)
 
     # -- state ----------------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:

@@ -181,3 +181,21 @@ def test_demote_many_equals_one_by_one(tmp_path):
         assert torch.equal(many.promote(h), r)
     one.close()
     many.close()
+
+
+def test_two_requests_for_one_ssd_prefix_share_a_single_load(tmp_path, cold_tokens):
+    llm = small_llm(disk_offload_bytes=16 << 20, disk_offload_dir=str(tmp_path))
+    run(llm, [TARGET, *FILLERS])  # TARGET's prefix now sits on SSD
+    loads = []
+    chain = llm.engine.tiers.chain
+    real = chain.promote_many
+    chain.promote_many = lambda hashes: (loads.append(len(hashes)), real(hashes))[1]
+    outs = llm.generate([TARGET, TARGET], P)
+    assert len(loads) == 1  # the second request waited for the first one's load
+    assert [o.outputs[0].token_ids for o in outs] == [cold_tokens, cold_tokens]
+    assert outs[0].cached_tokens_by_tier["DISK"] > 0
+    assert outs[1].num_cached_tokens >= outs[0].num_cached_tokens  # no recompute
+    eng = llm.engine
+    assert eng.kv_manager.get_num_free_blocks() == 26  # pins released
+    assert eng.tiers._inflight == {}
+    eng.close()
