@@ -21,6 +21,7 @@ import time
 from collections import deque
 
 from bench.machine import machine_info
+from bench.stats import pct
 from bench.trace import TraceRequest, make_trace
 from kvnode.kv_cache_manager import KVCacheManager
 from kvnode.request import Request
@@ -30,10 +31,6 @@ BS = 16
 # (from the issue; vLLM is not installable here without a CUDA build).
 VLLM_ANCHOR_US = {"admit": 280.0, "decode": 7.8, "finish": 32.0}
 
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def replay(

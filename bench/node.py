@@ -21,6 +21,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.machine import machine_info
+from bench.stats import pct
 from deploy.local_cluster import LocalCluster
 from kvnode.llm import LLM
 from kvnode.sampling_params import SamplingParams
@@ -41,10 +42,6 @@ def workload(n: int, seed: int = 0):
         reqs.append((prompt, rng.randint(32, 64)))
     return reqs
 
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def drive(address: str, reqs, concurrency: int) -> dict:

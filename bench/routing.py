@@ -43,6 +43,7 @@ import grpc  # noqa: E402
 import redis  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
+from bench.stats import pct  # noqa: E402
 from deploy.local_cluster import Child, pagekv_cmd, spawn, stop_child, wait_healthy  # noqa: E402
 from kvnode.index_schema import IndexSchema, list_live_pods  # noqa: E402
 from kvnode.redis_server import RedisProcess, free_port  # noqa: E402
@@ -324,10 +325,6 @@ def published_costs(redis_url: str, model: str) -> dict[str, dict[str, float]]:
     return {p.pod_id: p.tier_costs
             for p in list_live_pods(redis.Redis.from_url(redis_url), schema)}
 
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def summarize(results: list[Result], wall_s: float) -> dict:

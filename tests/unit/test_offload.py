@@ -7,6 +7,7 @@ import torch
 
 from kvnode.kv_events import BlockRemoved, BlockStored
 from kvnode.llm import LLM
+from kvnode.request import Request
 from kvnode.sampling_params import SamplingParams
 
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -73,8 +74,7 @@ def test_overflow_lands_on_ssd_and_survives_restart(tmp_path, cold_tokens):
     state = llm.engine.tiers.full_state()
     on_disk = {h for h, m in state.items() if m == "DISK"}
     assert on_disk, state
-    target_hashes = set(llm.engine.kv_manager._hashes(
-        __import__("kvnode.request", fromlist=["Request"]).Request("x", TARGET)))
+    target_hashes = set(llm.engine.kv_manager._hashes(Request("x", TARGET)))
     assert target_hashes & on_disk
     llm.engine.close()  # flush the SSD writer, as a pod does on SIGTERM
 
@@ -143,7 +143,6 @@ def test_unwritable_ssd_dir_disables_the_tier_and_keeps_serving(tmp_path, cold_t
 
 def test_request_hashed_for_another_block_size_is_rehashed():
     from kvnode.kv_cache_manager import KVCacheManager
-    from kvnode.request import Request
 
     req = Request("r", list(range(1, 70)))
     KVCacheManager(16, block_size=16).get_computed_blocks(req)
