@@ -107,6 +107,7 @@ class PodActor:
         _actor_logging()
         # Imported here: the driver (and the router actor) never load torch.
         from kvnode.config import EngineArgs
+        from kvnode.heap import freeze_startup_heap
         from kvnode.redis_server import free_port
         from kvnode.server import PodServer
 
@@ -132,6 +133,7 @@ class PodActor:
                     raise
                 logger.warning("pod %s: %s; retrying on other ports", pod_id, exc)
                 self._loop.run(self.server.stop(0.0), 60.0)
+        freeze_startup_heap(logger)
         logger.info("pod actor %s (pid %d) serving on %s, epoch %s", pod_id, os.getpid(),
                     self.address(), self.epoch())
 
@@ -165,6 +167,7 @@ class RouterActor:
                  port: int = 50050, metrics_port: int = 0,
                  advertise_host: str | None = None) -> None:
         _actor_logging()
+        from kvnode.heap import freeze_startup_heap
         from router.config import RouterConfig
         from router.scoring import CostModel
         from router.server import RouterServer
@@ -183,6 +186,7 @@ class RouterActor:
                                    metrics_port=metrics_port, metrics_host=metrics_host)
         self._loop = _LoopThread("router")
         self.port = self._loop.run(self.server.start(), 60.0)
+        freeze_startup_heap(logger)
         logger.info("router actor (pid %d) serving on %s", os.getpid(), self.address())
 
     def address(self) -> str:

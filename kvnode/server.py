@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvnode.async_engine import AsyncEngine, QueueFull
 from kvnode.config import EngineArgs
 from kvnode.engine import DuplicateRequestId, Engine, RequestRejected
+from kvnode.heap import freeze_startup_heap
 from kvnode.index_publisher import IndexPublisher
 from kvnode.index_schema import IndexSchema
 from kvnode.prom import EngineCollector, RequestMetricsExporter
@@ -380,6 +381,7 @@ def main(args: argparse.Namespace) -> int:
             await pod.stop(0.0)
             return
         starting.result()  # a failed start raises here (it already cleaned up)
+        freeze_startup_heap(logger)
         await stop.wait()
         logger.info("shutting down: draining in-flight requests")
         await pod.stop(args.drain_timeout_s)

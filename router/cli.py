@@ -8,6 +8,7 @@ import logging
 import signal
 
 from kvnode.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
+from kvnode.heap import freeze_startup_heap
 from router.config import DEFAULT_COSTS, POLICIES, RouterConfig
 from router.scoring import CostModel
 from router.server import RouterServer
@@ -84,6 +85,7 @@ async def _serve(args: argparse.Namespace, config: RouterConfig) -> None:
                           metrics_port=args.metrics_port,
                           metrics_host=args.host)
     await server.start()
+    freeze_startup_heap(logger)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
