@@ -29,11 +29,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
@@ -71,6 +72,7 @@ class Workload:
     message_tokens: int  # each later user message
     max_tokens: int
     concurrency: int
+    sweep: tuple[int, ...] = ()  # prompts per group for the groups-workload sweep
 
 
 QUICK = Workload(groups=12, prompts_per_group=6, prefix_tokens=1024, suffix_tokens=48,
@@ -78,7 +80,7 @@ QUICK = Workload(groups=12, prompts_per_group=6, prefix_tokens=1024, suffix_toke
                  max_tokens=8, concurrency=8)
 FULL = Workload(groups=16, prompts_per_group=8, prefix_tokens=1024, suffix_tokens=48,
                 conversations=12, turns=5, context_tokens=512, message_tokens=64,
-                max_tokens=8, concurrency=8)
+                max_tokens=8, concurrency=8, sweep=(2, 3, 4, 8, 16))
 
 
 def pool_blocks(w: Workload) -> int:
@@ -121,6 +123,16 @@ def group_oracle(w: Workload) -> float:
     prompt = w.prefix_tokens + w.suffix_tokens
     hit = min(w.prefix_tokens // BS, (prompt - 1) // BS) * BS
     return (w.prompts_per_group - 1) * hit / (w.prompts_per_group * prompt)
+
+
+def scatter_bound(w: Workload, pods: int) -> float:
+    """Best hit rate of any policy that sends each prompt to a uniformly random pod (what
+    round-robin does to interleaved groups), even with unbounded pools: a group's first
+    prompt on each pod it visits misses. With D the distinct pods among P visits,
+    E[D] = pods * (1 - (1 - 1/pods)^P), and P - E[D] prompts can hit."""
+    p = w.prompts_per_group
+    distinct = pods * (1 - (1 - 1 / pods) ** p)
+    return group_oracle(w) * (p - distinct) / (p - 1) if p > 1 else 0.0
 
 
 def multiturn_oracle(w: Workload) -> float:
@@ -262,8 +274,12 @@ async def sequential_overhead(stub: pb_grpc.GenerationStub, n: int, seed: int
 # -- the cluster -----------------------------------------------------------------------------
 
 def start_cluster(run_dir: Path, redis_url: str, model: str, n_pods: int, blocks: int,
-                  pod_args: list[str], nice: int) -> tuple[list[Child], dict[str, Child]]:
+                  pod_args: list[str], nice: int, pin: tuple[set[int], set[int]] | None
+                  ) -> tuple[list[Child], dict[str, Child]]:
     env = {"OMP_NUM_THREADS": "1"}  # N pods on a few cores: no thread oversubscription
+    own = os.sched_getaffinity(0)
+    if pin:  # children inherit this process's CPU set at fork
+        os.sched_setaffinity(0, pin[1])
     # The pods stand in for GPU machines; at a lower priority they do not starve the router
     # and Redis of the CPU, which in a real cluster they would not share.
     prio = ["nice", "-n", str(nice)] if nice else []
@@ -277,6 +293,8 @@ def start_cluster(run_dir: Path, redis_url: str, model: str, n_pods: int, blocks
         child = spawn(f"node-{chr(ord('a') + i)}", argv, run_dir, env)
         child.address = f"127.0.0.1:{port}"
         pods.append(child)
+    if pin:
+        os.sched_setaffinity(0, pin[0])
     routers = {}
     for policy in POLICIES:
         port = free_port()
@@ -286,6 +304,8 @@ def start_cluster(run_dir: Path, redis_url: str, model: str, n_pods: int, blocks
         child = spawn(f"router-{policy}", argv, run_dir)
         child.address = f"127.0.0.1:{port}"
         routers[policy] = child
+    # This client is load, not part of the router host: it runs beside the pods.
+    os.sched_setaffinity(0, pin[1] if pin else own)
     for child in [*pods, *routers.values()]:
         wait_healthy(child.address, 300, child.proc)
     schema = IndexSchema(model, BS, "sha256", "vllm-none-hash")
@@ -363,6 +383,15 @@ async def run_phases(routers: dict[str, Child], pods: list[Child], redis_url: st
                 results = await runner(stubs[policy], w, seed)
                 out[workload][policy] = summarize(results, time.perf_counter() - start)
                 logger.info("%s / %s: %s", workload, policy, out[workload][policy])
+        out["sweep"] = {}
+        for p in w.sweep:  # the groups workload with fewer or more prompts per group
+            wp = replace(w, prompts_per_group=p)
+            for policy in ("round_robin", "prefix"):
+                await asyncio.to_thread(reset_pods, pods, redis_url, model)
+                start = time.perf_counter()
+                results = await run_groups(stubs[policy], wp, seed)
+                out["sweep"].setdefault(p, {})[policy] = summarize(
+                    results, time.perf_counter() - start)
         await asyncio.to_thread(reset_pods, pods, redis_url, model)
         seq = await sequential_overhead(stubs["prefix"], 100, seed)
         ms = [r.overhead_us / 1e3 for r in seq if r.overhead_us >= 0]
@@ -385,6 +414,7 @@ def print_report(res: dict, w: Workload, args: argparse.Namespace) -> None:
     print(f"routing: {args.pods} pods × {args.model}, block size {BS}, "
           f"pool {res['pool_blocks']} blocks/pod ({res['pool_blocks'] * BS} tokens), "
           f"concurrency {w.concurrency}, Redis on loopback, pods at nice {args.pod_nice}")
+    print(f"cores: {res['placement']}")
     print(f"machine: {machine_info()}")
     print(f"groups/bursts: {w.groups} × {w.prompts_per_group} prompts, prefix {w.prefix_tokens} + "
           f"suffix {w.suffix_tokens} tokens (prefixes = 150% of one pool); multi-turn: "
@@ -406,6 +436,21 @@ def print_report(res: dict, w: Workload, args: argparse.Namespace) -> None:
                   f"{r['overhead_p99_ms']:>6.2f}ms  "
                   + " ".join(f"{k[-1]}:{v}" for k, v in r["per_pod"].items()))
         print(f"{workload:<11} {'oracle':<12} {oracles[workload]:>8.1%}")
+    if res["sweep"]:
+        print(f"groups workload, {w.groups} groups, same pools, prompts per group swept "
+              "(x RR = prefix / round_robin hit rate; scatter bound = best any random-pod "
+              "policy can do with unbounded pools):")
+        print(f"{'P':>3} {'requests':>8} {'prefix':>7} {'/oracle':>8} {'rr':>6} {'x RR':>5} "
+              f"{'oracle':>7} {'oracle x bound':>14} {'bound':>6} {'TTFT p50 prefix/rr':>19}")
+        for p, r in res["sweep"].items():
+            wp = replace(w, prompts_per_group=int(p))
+            oracle, bound = group_oracle(wp), scatter_bound(wp, args.pods)
+            pre, rr = r["prefix"], r["round_robin"]
+            print(f"{p:>3} {pre['requests']:>8} {pre['hit_rate']:>7.1%} "
+                  f"{pre['hit_rate'] / oracle:>8.1%} {rr['hit_rate']:>6.1%} "
+                  f"{pre['hit_rate'] / rr['hit_rate'] if rr['hit_rate'] else float('inf'):>4.1f}x"
+                  f" {oracle:>7.1%} {oracle / bound if bound else float('inf'):>13.1f}x "
+                  f"{bound:>6.1%} {pre['ttft_p50_ms']:>9.0f}/{rr['ttft_p50_ms']:.0f} ms")
     for pod, costs in res["published_costs"].items():
         print(f"published by {pod}: " + ", ".join(
             f"{k} {v * 1e6:.1f} us/token" for k, v in sorted(costs.items())))
@@ -438,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra flag for every pod, e.g. --pod-arg=--cpu-offload-bytes=64MiB")
     ap.add_argument("--pod-nice", type=int, default=10,
                     help="run the pods at this nice level (0: same priority as the router)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="router and Redis on core 0, the pods and this client on the other "
+                         "cores (a router host of its own; needs >= 2 cores)")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING,
@@ -446,16 +494,22 @@ def main(argv: list[str] | None = None) -> int:
     blocks = pool_blocks(w)
     run_dir = Path(tempfile.mkdtemp(prefix="pagekv-bench-routing-"))
     pod_args = [a for arg in args.pod_arg for a in arg.split("=", 1)]
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ({cpus[0]}, set(cpus[1:])) if args.pin and len(cpus) >= 2 else None
+    if pin:
+        os.sched_setaffinity(0, pin[0])  # Redis, started next, inherits it
     rp = RedisProcess(data_dir=run_dir / "redis").start()
     pods: list[Child] = []
     routers: dict[str, Child] = {}
     t0 = time.perf_counter()
     try:
         pods, routers = start_cluster(run_dir, rp.url, args.model, args.pods, blocks, pod_args,
-                                      args.pod_nice)
+                                      args.pod_nice, pin)
         startup = time.perf_counter() - t0
         res = asyncio.run(run_phases(routers, pods, rp.url, args.model, w, args.seed))
         res["pool_blocks"] = blocks
+        res["placement"] = (f"router and Redis on cores {sorted(pin[0])}; pods and the client "
+                            f"on cores {sorted(pin[1])}" if pin else "all processes share all cores")
         res["published_costs"] = published_costs(rp.url, args.model)
         res["startup_s"] = startup
     except BaseException:
