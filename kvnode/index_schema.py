@@ -242,6 +242,43 @@ return out
 """
 
 
+# ARGV[1]: the namespace base. Reply: flat [pod, registered epoch or ""] for every pod id in
+# the pods set whose lease is gone: crashed or cut off, or mid-restart.
+DEAD_PODS_LUA = """
+local base = ARGV[1]
+local out = {}
+for _, pod in ipairs(redis.call('SMEMBERS', base .. 'pods')) do
+  if redis.call('EXISTS', base .. 'l:' .. pod) == 0 then
+    out[#out + 1] = pod
+    out[#out + 1] = redis.call('HGET', base .. 'p:' .. pod, 'epoch') or ''
+  end
+end
+return out
+"""
+
+# ARGV: base, pod, the epoch seen dead ("" = no registration), batch size. Removes up to
+# `batch` of the pod's claims, but only while the pod id is still lease-less under that same
+# epoch: a restarted instance (new lease and epoch, written in one MULTI) is left alone.
+# Reply: -1 refused (it came back), else {claims removed, 1 when nothing of it is left}.
+REAP_POD_LUA = """
+local base, pod, epoch, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+if redis.call('EXISTS', base .. 'l:' .. pod) == 1 then return -1 end
+if (redis.call('HGET', base .. 'p:' .. pod, 'epoch') or '') ~= epoch then return -1 end
+local set = base .. 'pb:' .. pod
+local members = redis.call('SPOP', set, n)
+local removed = 0
+for _, h in ipairs(members) do
+  removed = removed + redis.call('HDEL', base .. 'b:' .. h, pod)
+end
+if #members < n then
+  redis.call('DEL', base .. 'p:' .. pod, set)
+  redis.call('SREM', base .. 'pods', pod)
+  return {removed, 1}
+end
+return {removed, 0}
+"""
+
+
 @dataclass(slots=True)
 class _Script:
     """A Lua script run by EVALSHA; loaded with SCRIPT LOAD only when the server lacks it."""
@@ -269,6 +306,8 @@ class _Script:
 
 LOOKUP_SCRIPT = _Script(LOOKUP_LUA)
 LIVE_PODS_SCRIPT = _Script(LIVE_PODS_LUA)
+DEAD_PODS_SCRIPT = _Script(DEAD_PODS_LUA)
+REAP_POD_SCRIPT = _Script(REAP_POD_LUA)
 
 
 def register_scripts(redis_client: Any) -> None:
@@ -356,6 +395,29 @@ def list_live_pods(redis_client: Any, schema: IndexSchema) -> list[PodInfo]:
 async def list_live_pods_async(redis_client: Any, schema: IndexSchema) -> list[PodInfo]:
     """list_live_pods for a `redis.asyncio` client."""
     return _parse_pods(await LIVE_PODS_SCRIPT.call_async(redis_client, (), (schema.base,)))
+
+
+async def dead_pods_async(redis_client: Any, schema: IndexSchema) -> dict[str, str]:
+    """Pod ids registered in this namespace without a lease, with their registered epoch
+    ("" when even the registration is gone)."""
+    flat = await DEAD_PODS_SCRIPT.call_async(redis_client, (), (schema.base,))
+    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+async def reap_pod_async(redis_client: Any, schema: IndexSchema, pod_id: str, epoch: str,
+                         batch: int = 1000) -> int | None:
+    """Remove a dead pod's claims and registration, `batch` claims per script call so
+    Redis is never blocked for long. Returns the claims removed, or None when the pod id
+    came back (a lease, or another epoch) before it was gone."""
+    removed = 0
+    while True:
+        reply = await REAP_POD_SCRIPT.call_async(
+            redis_client, (), (schema.base, pod_id, epoch, batch))
+        if reply == -1:
+            return None
+        removed += int(reply[0])
+        if int(reply[1]):
+            return removed
 
 
 def list_namespaces(redis_client: Any, prefix: str = "pagekv") -> dict[str, dict[str, str]]:

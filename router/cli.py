@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how long a routed request counts as a predicted hit")
     group.add_argument("--refresh-interval-s", type=float, default=d.refresh_interval_s,
                        help="how often the live pod list is re-read")
+    group.add_argument("--reap-dead-after-s", type=float, default=d.reap_dead_after_s,
+                       help="remove a pod's block claims and registration from the index once "
+                            "it has had no lease this long (crashed, never restarted); 0: never")
     group.add_argument("--max-attempts", type=int, default=d.max_attempts,
                        help="pods tried per request when earlier ones are UNAVAILABLE")
     group.add_argument("--redis-timeout-s", type=float, default=d.redis_timeout_s)
@@ -76,6 +79,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         hash_algo=args.hash_algo, hash_seed=args.hash_seed, index_prefix=args.index_prefix,
         policy=args.policy, costs=costs, burst_ttl_s=args.burst_ttl_s,
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
+        reap_dead_after_s=args.reap_dead_after_s,
         redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,
     )
 

@@ -47,6 +47,7 @@ class RouterConfig:
     burst_ttl_s: float = 2.0
     refresh_interval_s: float = 0.5
     namespace_check_interval_s: float = 2.0
+    reap_dead_after_s: float = 60.0   # drop a lease-less pod's index entries after this; 0: never
     redis_timeout_s: float = 0.25     # per Redis command; a slow index must not stall routing
     max_attempts: int = 3             # pods tried per request when earlier ones are UNAVAILABLE
     unavailable_cooldown_s: float = 2.0  # a pod that was UNAVAILABLE is tried last this long
@@ -62,6 +63,8 @@ class RouterConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.reap_dead_after_s < 0:
+            raise ValueError(f"reap_dead_after_s must be >= 0, got {self.reap_dead_after_s}")
         if self.burst_ttl_s < 0 or self.refresh_interval_s <= 0 or self.redis_timeout_s <= 0:
             raise ValueError("burst_ttl_s must be >= 0; refresh_interval_s and "
                              "redis_timeout_s must be positive")

@@ -55,6 +55,13 @@ class RouterMetrics:
         self.index_errors = Counter(
             "pagekv_router_index_errors_total", "Failed Redis operations, by operation",
             ["op"], registry=r)
+        self.reaped_pods = Counter(
+            "pagekv_router_reaped_pods_total",
+            "Dead pod ids (no lease for --reap-dead-after-s) removed from the index",
+            registry=r)
+        self.reaped_claims = Counter(
+            "pagekv_router_reaped_claims_total",
+            "Block claims removed from the index with dead pods", registry=r)
         self.fallbacks = Counter(
             "pagekv_router_fallback_routes_total",
             "Requests routed without prefix knowledge, by cause", ["cause"], registry=r)

@@ -29,7 +29,9 @@ from kvnode.index_schema import (
     IndexSchema,
     PodInfo,
     config_mismatch,
+    dead_pods_async,
     list_live_pods_async,
+    reap_pod_async,
 )
 from proto.pagekv.v1 import pagekv_pb2_grpc
 from router.metrics import RouterMetrics
@@ -112,8 +114,8 @@ class _Channel:
 
 class PodRegistry:
     def __init__(self, redis_client: Any, schema: IndexSchema, metrics: RouterMetrics,
-                 refresh_interval_s: float = 0.5, namespace_check_interval_s: float = 2.0
-                 ) -> None:
+                 refresh_interval_s: float = 0.5, namespace_check_interval_s: float = 2.0,
+                 reap_dead_after_s: float = 60.0) -> None:
         self.redis = redis_client
         self.schema = schema
         self.metrics = metrics
@@ -127,6 +129,8 @@ class PodRegistry:
         self._warned: set[tuple[str, str]] = set()
         self._down_since = 0.0
         self._next_ns_check = 0.0
+        self.reap_dead_after_s = reap_dead_after_s  # 0: never
+        self._dead_since: dict[tuple[str, str], float] = {}  # (pod, epoch) -> first seen
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -200,6 +204,8 @@ class PodRegistry:
             if now >= self._next_ns_check:
                 self._next_ns_check = now + self.namespace_check_interval_s
                 await self._check_namespaces()
+                if self.reap_dead_after_s > 0:
+                    await self._reap_dead(now)
         except REDIS_ERRORS as exc:
             self.index_failed("list_pods", exc)
             return False
@@ -286,6 +292,28 @@ class PodRegistry:
                     "%s: %s (router vs pod); it is never routed to", pod.pod_id, pod.address,
                     pod.namespace, s.namespace, pod.reason)
         self.foreign = foreign
+
+    async def _reap_dead(self, now: float) -> None:
+        """Remove the claims and registration of pod ids that have had no lease for
+        `reap_dead_after_s` (by this router's clock). A pod that stops cleanly removes its
+        own; one that crashed and never came back under the same id would otherwise leave
+        them in Redis for good. Several routers may reap at once: each step is conditional."""
+        dead = await dead_pods_async(self.redis, self.schema)
+        seen = set(dead.items())
+        self._dead_since = {k: t for k, t in self._dead_since.items() if k in seen}
+        for pod_id, epoch in dead.items():
+            since = self._dead_since.setdefault((pod_id, epoch), now)
+            if now - since < self.reap_dead_after_s:
+                continue
+            removed = await reap_pod_async(self.redis, self.schema, pod_id, epoch)
+            del self._dead_since[(pod_id, epoch)]
+            if removed is None:
+                continue  # it came back meanwhile
+            self.metrics.reaped_pods.inc()
+            self.metrics.reaped_claims.inc(removed)
+            logger.warning("pod %s (epoch %s) has had no lease for %.0fs: removed its %d block "
+                           "claims and its registration from the index", pod_id,
+                           epoch or "unregistered", now - since, removed)
 
     # -- channels --------------------------------------------------------------------------
     def _channel(self, address: str, now: float) -> _Channel:

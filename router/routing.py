@@ -90,7 +90,8 @@ class Router:
                                   config.hash_seed, prefix=config.index_prefix)
         self.hash_config = HashConfig(config.hash_algo, config.hash_seed)
         self.registry = PodRegistry(redis_client, self.schema, metrics,
-                                    config.refresh_interval_s, config.namespace_check_interval_s)
+                                    config.refresh_interval_s, config.namespace_check_interval_s,
+                                    config.reap_dead_after_s)
         self.burst = BurstTracker(config.burst_ttl_s)
         self._counter = 0
         self._rng = random.Random(config.random_seed)

@@ -15,9 +15,11 @@ from kvnode.index_schema import (
     IndexSchema,
     PodMatch,
     config_mismatch,
+    dead_pods_async,
     list_live_pods,
     list_namespaces,
     lookup_prefix,
+    reap_pod_async,
     register_scripts,
 )
 from kvnode.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -269,6 +271,55 @@ def test_stop_clear_removes_exactly_its_keys(make_pod, client):
     mine.pub.stop(clear=True)
     assert dump(client) == before
     assert lookup_prefix(client, SCHEMA, blocks) == {"pod-b": PodMatch(3, ["GPU"] * 3)}
+
+
+def _run(coro_fn: Callable[..., object], url: str, *args: object) -> object:
+    """Run one index coroutine on a fresh asyncio client (the router's kind)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    async def go() -> object:
+        r = aioredis.Redis.from_url(url)
+        try:
+            return await coro_fn(r, *args)  # type: ignore[misc]
+        finally:
+            await r.aclose()
+
+    return asyncio.run(go())
+
+
+def test_dead_pod_is_reaped_in_batches_leaving_others_exactly(make_pod, client, redis_server):
+    other = make_pod("pod-b")
+    blocks = chain(25)
+    other.store(blocks[:10])
+    assert other.pub.flush()
+    before = dump(client)
+    dead = make_pod("pod-a", lease_ttl_s=0.3)
+    dead.store(blocks)
+    assert dead.pub.flush()
+    epoch = dead.pub.epoch
+    dead.pub.stop(clear=False)  # a crash
+    wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
+    assert _run(dead_pods_async, redis_server.url, SCHEMA) == {"pod-a": epoch}
+    removed = _run(reap_pod_async, redis_server.url, SCHEMA, "pod-a", epoch, 7)
+    assert removed == 25
+    assert dump(client) == before  # every key of pod-a gone, pod-b's untouched
+    assert _run(dead_pods_async, redis_server.url, SCHEMA) == {}
+
+
+def test_reap_is_refused_once_the_pod_id_is_back(make_pod, client, redis_server):
+    dead = make_pod("pod-a", lease_ttl_s=0.3)
+    dead.store(chain(3))
+    assert dead.pub.flush()
+    epoch = dead.pub.epoch
+    dead.pub.stop(clear=False)
+    wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
+    back = make_pod("pod-a")  # restarted under the same id before the reaper ran
+    back.store(chain(2))
+    assert back.pub.flush()
+    assert _run(reap_pod_async, redis_server.url, SCHEMA, "pod-a", epoch) is None
+    assert lookup_prefix(client, SCHEMA, chain(3))["pod-a"].depth == 2
 
 
 def test_config_mismatch_messages():

@@ -374,6 +374,34 @@ def test_mismatched_pod_config_is_refused_once(redis_server, fake_pods, make_rou
     assert not c.eligible and "hash_seed" in c.excluded_reason
 
 
+def test_dead_pod_is_reaped_from_the_index(redis_server, fake_pods, make_router,
+                                           caplog) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    router = make_router(redis_server.url, reap_dead_after_s=0.5)
+    router.wait_pods(3)
+    for i in range(6):  # spread some prefixes over the pods
+        router.stub.Generate(tokens_req(list(range(i * 50, i * 50 + 48))))
+    for pod in fake_pods:
+        assert pod.publisher.flush(5)
+    crashed = fake_pods[0]
+    claims = client.scard(SCHEMA.pod_blocks_key(crashed.pod_id))
+    assert claims > 0
+    with caplog.at_level(logging.WARNING, logger="router.pods"):
+        crashed.publisher.stop(clear=False)  # a crash: its keys stay, its lease runs out
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and client.sismember(SCHEMA.pods_key,
+                                                               crashed.pod_id):
+            time.sleep(0.1)
+    assert not client.exists(SCHEMA.pod_key(crashed.pod_id),
+                             SCHEMA.pod_blocks_key(crashed.pod_id))
+    assert not any(client.hexists(k, crashed.pod_id) for k in client.scan_iter("*:b:*"))
+    assert client.scard(SCHEMA.pod_blocks_key(fake_pods[1].pod_id)) > 0  # the others stay
+    assert router.metric("pagekv_router_reaped_pods_total") == 1
+    assert router.metric("pagekv_router_reaped_claims_total") == claims
+    lines = [r.getMessage() for r in caplog.records if "no lease" in r.getMessage()]
+    assert len(lines) == 1 and f"removed its {claims} block claims" in lines[0]
+
+
 def test_policies_round_robin_and_random(redis_server, fake_pods, make_router) -> None:
     rr = make_router(redis_server.url, policy="round_robin")
     rr.wait_pods(3)
