@@ -50,5 +50,7 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     if seed is None:
         return None
     g = torch.Generator()
-    g.manual_seed(seed)
+    # Wrap into torch's range: sample i of an n>1 request uses seed + i, which overflows for a
+    # uint64 seed near 2**64 (and the error failed the whole engine step, every request in it).
+    g.manual_seed(seed % (1 << 64) if seed >= 1 << 64 else seed)
     return g
