@@ -48,6 +48,66 @@ class BadRequest(ValueError):
     pass
 
 
+def engine_request_id(rid: str) -> str:
+    """The engine's id for a client's request id. The engine names the extra samples of an
+    n>1 request `<id>#<i>`, so a client id such as "x#1" would share block tables with the
+    second sample of request "x" (and corrupt both): escape '#' (and '%', to stay one-to-one)
+    so that no client id can take that form."""
+    if "#" in rid or "%" in rid:
+        return rid.replace("%", "%25").replace("#", "%23")
+    return rid
+
+
+class Completions:
+    """One request's engine deltas turned into what a client sees, the same for Generate and
+    GenerateStream:
+    - each completion's finish_reason exactly once: the engine repeats an n>1 request's
+      finished completions, with no new tokens, in every later delta of the request;
+    - a completion that ends with STOP (EOS or a stop token) keeps that token in token_ids
+      but not its text, as vLLM does."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: dict[int, list[int]] = {}
+        self.texts: dict[int, list[str]] = {}
+        self.finish: dict[int, int] = {}
+
+    def pieces(self, delta) -> list[tuple[int, list[int], str, int]]:
+        """(index, new token ids, new text, finish reason) for each completion that moved."""
+        out = []
+        for c in delta.outputs:
+            if c.index in self.finish:
+                continue
+            tokens = self.tokens.setdefault(c.index, [])
+            texts = self.texts.setdefault(c.index, [])
+            tokens.extend(c.token_ids)
+            text = c.text
+            if c.finish_reason == "stop" and tokens:
+                text = self._text_without_last(tokens, "".join(texts))
+            if not (c.token_ids or text or c.finish_reason):
+                continue
+            reason = FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+            if c.finish_reason is not None:
+                self.finish[c.index] = reason
+            texts.append(text)
+            out.append((c.index, list(c.token_ids), text, reason))
+        return out
+
+    def _text_without_last(self, tokens: list[int], sent: str) -> str:
+        """The rest of the text up to, not including, the stopping token (one decode of the
+        completion, once, when it finishes)."""
+        want = self.tokenizer.decode(tokens[:-1])
+        return want[len(sent):] if want.startswith(sent) else ""
+
+    def completion(self, index: int) -> pb.Completion:
+        return pb.Completion(index=index, token_ids=self.tokens.get(index, []),
+                             text="".join(self.texts.get(index, [])),
+                             finish_reason=self.finish.get(index, pb.FINISH_REASON_UNSPECIFIED))
+
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+
 def to_sampling_params(sp: pb.SamplingParams, room: int) -> SamplingParams:
     """Proto → engine parameters; unset fields take the server defaults."""
     try:
@@ -97,12 +157,14 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
             rid, tokens, params, salt, lora = self._parse(request)
             # aclosing: a cancelled call aborts its request now, not when collected.
             async with contextlib.aclosing(
-                pod.aengine.generate(rid, tokens, params, salt, lora)
+                pod.aengine.generate(engine_request_id(rid), tokens, params, salt, lora)
             ) as deltas:
                 async for delta in deltas:
                     yield rid, tokens, delta
-        except DuplicateRequestId as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except DuplicateRequestId:
+            # The client's id, not the engine's escaped one (the router says the same).
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request id {rid!r} is already in flight")
         except (BadRequest, RequestRejected) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
@@ -123,55 +185,41 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         )
 
     async def Generate(self, request, context):
-        completions: dict[int, pb.Completion] = {}
-        texts: dict[int, list[str]] = {}
+        done = Completions(self.pod.engine.tokenizer if self.pod.engine else None)
         rid, tokens, last = request.request_id, [], None
         async with contextlib.aclosing(self._stream(request, context)) as stream:
             async for out_rid, out_tokens, delta in stream:
-                for c in delta.outputs:
-                    comp = completions.setdefault(c.index, pb.Completion(index=c.index))
-                    comp.token_ids.extend(c.token_ids)
-                    texts.setdefault(c.index, []).append(c.text)
-                    comp.finish_reason = FINISH.get(c.finish_reason,
-                                                    pb.FINISH_REASON_UNSPECIFIED)
+                done.pieces(delta)
                 rid, tokens, last = out_rid, out_tokens, delta
         if last is None:
             await context.abort(grpc.StatusCode.INTERNAL, "request produced no output")
-        for i, comp in completions.items():
-            comp.text = "".join(texts[i])
         self.pod.request_metrics.observe(last)
-        n_out = sum(len(c.token_ids) for c in completions.values())
         return pb.GenerateResponse(
             request_id=rid,
-            completions=[completions[i] for i in sorted(completions)],
-            usage=self._usage(tokens, last, n_out),
+            completions=[done.completion(i) for i in sorted(done.tokens)],
+            usage=self._usage(tokens, last, done.num_tokens()),
             served_by=self.pod.pod_id,
         )
 
     async def GenerateStream(self, request, context):
-        n_out = 0
+        done = Completions(self.pod.engine.tokenizer if self.pod.engine else None)
         async with contextlib.aclosing(self._stream(request, context)) as stream:
             async for rid, tokens, delta in stream:
-                for chunk in self._chunks(rid, tokens, delta, n_out):
-                    n_out += len(chunk.token_ids)
+                for chunk in self._chunks(rid, tokens, delta, done):
                     yield chunk
 
-    def _chunks(self, rid: str, tokens: list[int], delta, n_out: int) -> list[pb.GenerateChunk]:
-        """One step's delta as stream chunks (`n_out`: tokens sent before it); the request's
-        last chunk carries the usage and the pod id."""
-        chunks = []
-        for c in delta.outputs:
-            if c.token_ids or c.text or c.finish_reason:
-                n_out += len(c.token_ids)
-                chunks.append(pb.GenerateChunk(
-                    request_id=rid, index=c.index, token_ids=c.token_ids, text=c.text,
-                    finish_reason=FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                ))
+    def _chunks(self, rid: str, tokens: list[int], delta,
+                done: Completions) -> list[pb.GenerateChunk]:
+        """One step's delta as stream chunks; the request's last chunk carries the usage and
+        the pod id."""
+        chunks = [pb.GenerateChunk(request_id=rid, index=i, token_ids=ids, text=text,
+                                   finish_reason=reason)
+                  for i, ids, text, reason in done.pieces(delta)]
         if delta.finished:
             self.pod.request_metrics.observe(delta)
             if not chunks:
                 chunks.append(pb.GenerateChunk(request_id=rid))
-            chunks[-1].usage.CopyFrom(self._usage(tokens, delta, n_out))
+            chunks[-1].usage.CopyFrom(self._usage(tokens, delta, done.num_tokens()))
             chunks[-1].served_by = self.pod.pod_id
         return chunks
 
