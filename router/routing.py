@@ -98,17 +98,20 @@ class Router:
 
     # -- request preparation ---------------------------------------------------------------
     def prepare(self, request: pagekv_pb2.GenerateRequest) -> Prepared:
+        # The pods' messages, word for word (kvnode.server): a client cannot tell who answered.
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
                 raise BadRequest("prompt text is empty")
             token_ids: Sequence[int] = self.tokenizer.encode(request.text)
+            if not token_ids:  # e.g. whitespace a tokenizer without BOS drops
+                raise BadRequest("prompt is empty: at least one token is required")
         elif kind == "token_ids":
             token_ids = request.token_ids.ids
+            if len(token_ids) == 0:
+                raise BadRequest("prompt token_ids is empty")
         else:
-            raise BadRequest("request has no prompt: set text or token_ids")
-        if len(token_ids) == 0:
-            raise BadRequest("prompt must contain at least one token")
+            raise BadRequest("prompt is required: set exactly one of text or token_ids")
         forward = pagekv_pb2.GenerateRequest()
         forward.CopyFrom(request)
         if kind == "text":

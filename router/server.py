@@ -14,6 +14,7 @@ client that cancels cancels the upstream call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -64,6 +66,23 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router, metrics: RouterMetrics) -> None:
         self.router = router
         self.metrics = metrics
+        # Client request ids in flight through this router. A pod refuses an id it is already
+        # serving, but two calls with one id may be routed to different pods: refuse here too.
+        self.inflight_ids: set[str] = set()
+
+    async def _claim_id(self, request: pagekv_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext) -> str:
+        """Reserve the request's id (release it with `inflight_ids.discard`); '' when the
+        client left it empty (the pod generates one)."""
+        rid = request.request_id
+        if rid:
+            if rid in self.inflight_ids:
+                self.metrics.failures.labels(code="ALREADY_EXISTS").inc()
+                # The pod's words (kvnode.server), so the two cannot be told apart.
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"request id {rid!r} is already in flight")
+            self.inflight_ids.add(rid)
+        return rid
 
     # -- shared steps ----------------------------------------------------------------------
     async def _route(self, request: pagekv_pb2.GenerateRequest,
@@ -141,6 +160,14 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                        context: grpc.aio.ServicerContext) -> pagekv_pb2.GenerateResponse:
         t0 = time.perf_counter()
         prepared, decision = await self._route(request, context)
+        rid = await self._claim_id(request, context)
+        try:
+            return await self._generate(context, prepared, decision, t0)
+        finally:
+            self.inflight_ids.discard(rid)
+
+    async def _generate(self, context: grpc.aio.ServicerContext, prepared: Prepared,
+                        decision: Decision, t0: float) -> pagekv_pb2.GenerateResponse:
         attempts = decision.order[:self.router.config.max_attempts]
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
         for i, score in enumerate(attempts):
@@ -178,6 +205,19 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                              ) -> AsyncIterator[pagekv_pb2.GenerateChunk]:
         t0 = time.perf_counter()
         prepared, decision = await self._route(request, context)
+        rid = await self._claim_id(request, context)
+        try:
+            # aclosing: a client that goes away cancels the pod call now, not when collected.
+            async with contextlib.aclosing(
+                    self._generate_stream(context, prepared, decision, t0)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.inflight_ids.discard(rid)
+
+    async def _generate_stream(self, context: grpc.aio.ServicerContext, prepared: Prepared,
+                               decision: Decision, t0: float
+                               ) -> AsyncIterator[pagekv_pb2.GenerateChunk]:
         attempts = decision.order[:self.router.config.max_attempts]
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
         for i, score in enumerate(attempts):
@@ -260,6 +300,9 @@ class RouterServer:
         pagekv_pb2_grpc.add_GenerationServicer_to_server(RouterService(router, self.metrics),
                                                          server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        # Like a pod: grpcurl-style clients discover the API by reflection.
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = server.add_insecure_port(f"{self.host}:{self.port}")
