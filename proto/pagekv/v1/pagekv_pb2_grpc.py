@@ -26,7 +26,16 @@ if _version_not_supported:
 
 
 class GenerationStub:
-    """Served identically by every pod and by the router, so a client can point at either.
+    """Served identically by every pod and by the router, so a client can point at either: the
+    same tokens, text, status codes and messages (the router adds `routing`). Errors:
+    - INVALID_ARGUMENT: a request that can never be served; the message names the field or
+    the limit (empty prompt, token id outside the vocabulary, prompt + max_tokens over
+    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n).
+    - ALREADY_EXISTS: request_id is already in flight.
+    - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue).
+    - UNAVAILABLE: no pod can serve it (router), or the pod is starting or stopping.
+    - DEADLINE_EXCEEDED, CANCELLED: the client's deadline or cancel also aborts the request
+    on the pod, which frees its KV blocks.
     """
 
     def __init__(self, channel):
@@ -48,18 +57,30 @@ class GenerationStub:
 
 
 class GenerationServicer:
-    """Served identically by every pod and by the router, so a client can point at either.
+    """Served identically by every pod and by the router, so a client can point at either: the
+    same tokens, text, status codes and messages (the router adds `routing`). Errors:
+    - INVALID_ARGUMENT: a request that can never be served; the message names the field or
+    the limit (empty prompt, token id outside the vocabulary, prompt + max_tokens over
+    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n).
+    - ALREADY_EXISTS: request_id is already in flight.
+    - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue).
+    - UNAVAILABLE: no pod can serve it (router), or the pod is starting or stopping.
+    - DEADLINE_EXCEEDED, CANCELLED: the client's deadline or cancel also aborts the request
+    on the pod, which frees its KV blocks.
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The whole result at once: the same tokens and text as GenerateStream's chunks joined.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """One chunk per engine step that produced tokens for a completion; the last chunk of each
-        completion carries finish_reason, and the very last chunk carries usage and served_by.
+        """One chunk per engine step that produced tokens for a completion (its text may be empty
+        while a multi-byte character is incomplete); the last chunk of each completion, and only
+        that one, carries finish_reason; the very last chunk of the stream carries usage and
+        served_by (and routing, through a router).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,7 +108,16 @@ def add_GenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Generation:
-    """Served identically by every pod and by the router, so a client can point at either.
+    """Served identically by every pod and by the router, so a client can point at either: the
+    same tokens, text, status codes and messages (the router adds `routing`). Errors:
+    - INVALID_ARGUMENT: a request that can never be served; the message names the field or
+    the limit (empty prompt, token id outside the vocabulary, prompt + max_tokens over
+    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n).
+    - ALREADY_EXISTS: request_id is already in flight.
+    - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue).
+    - UNAVAILABLE: no pod can serve it (router), or the pod is starting or stopping.
+    - DEADLINE_EXCEEDED, CANCELLED: the client's deadline or cancel also aborts the request
+    on the pod, which frees its KV blocks.
     """
 
     @staticmethod
