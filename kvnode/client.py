@@ -14,10 +14,15 @@ from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     sp = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, n=args.n,
-                           ignore_eos=args.ignore_eos)
+                           ignore_eos=args.ignore_eos, stop_token_ids=args.stop_token_ids)
     if args.seed is not None:
         sp.seed = args.seed
-    req = pb.GenerateRequest(sampling=sp, cache_salt=args.cache_salt or "")
+    if args.top_p is not None:
+        sp.top_p = args.top_p
+    if args.top_k is not None:
+        sp.top_k = args.top_k
+    req = pb.GenerateRequest(sampling=sp, cache_salt=args.cache_salt or "",
+                             request_id=args.request_id or "")
     if args.token_ids:
         req.token_ids.ids.extend(int(t) for t in args.prompt.split(","))
     else:
@@ -31,7 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-token-ids", type=lambda v: [int(t) for t in v.split(",") if t],
+                   default=[], help="comma-separated token ids that end a completion")
+    p.add_argument("--request-id", default=None, help="default: the server makes one")
     p.add_argument("-n", type=int, default=1)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--cache-salt", default=None)
@@ -49,11 +59,17 @@ def main(args: argparse.Namespace) -> int:
         try:
             if args.stream:
                 last = None
+                later: dict[int, list[str]] = {}  # n > 1: completions 1.. print at the end
                 for chunk in stub.GenerateStream(req, timeout=args.timeout):
-                    sys.stdout.write(chunk.text)
-                    sys.stdout.flush()
+                    if chunk.index == 0:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+                    else:
+                        later.setdefault(chunk.index, []).append(chunk.text)
                     last = chunk
                 print()
+                for i in sorted(later):
+                    print("".join(later[i]))
                 if last is not None:
                     u = last.usage
                     print(f"[served_by={last.served_by} prompt={u.prompt_tokens} "
