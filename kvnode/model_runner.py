@@ -118,20 +118,9 @@ class ModelRunner:
         return -(-self.max_model_len // self.block_size)
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
-        cfg = self.model_config
-        limit, why = cfg.max_position_embeddings, "max_position_embeddings"
-        if cfg.sliding_window is not None and cfg.sliding_window < limit:
-            # Sliding-window attention is not implemented; within the window full attention
-            # is exact, so the context is capped there rather than silently wrong beyond it.
-            limit, why = cfg.sliding_window, "sliding_window (not implemented beyond it)"
-        if requested is None:
-            return limit
-        if not 0 < requested <= limit:
-            raise ValueError(
-                f"max_model_len={requested} is out of range for {cfg.name or cfg.architecture}: "
-                f"must be in [1, {limit}] ({why})"
-            )
-        return requested
+        # The model's limit (max_position_embeddings, RoPE scaling, sliding window) and the
+        # ValueError beyond it live with the config: ModelConfig.resolve_max_model_len.
+        return self.model_config.resolve_max_model_len(requested)
 
     # ---- the forward step ------------------------------------------------------------------
     @torch.inference_mode()

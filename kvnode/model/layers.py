@@ -60,12 +60,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies (fp32, [head_dim/2]) including ``linear`` / ``llama3`` scaling."""
+    """Inverse frequencies (fp32, [head_dim/2]) for every supported ``rope_type``, computed
+    as transformers' ``modeling_rope_utils`` does so that logits match to fp32 rounding."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv / rope.factor
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope)
     if rope.rope_type != "llama3":
+        # default, and dynamic: transformers only rescales dynamic RoPE past
+        # max_position_embeddings, which ModelConfig.max_len_limit never lets us reach.
         return inv
     # Llama 3.1: long wavelengths are slowed by ``factor``, short ones kept, and the band in
     # between interpolated linearly in 1/wavelength.
@@ -82,6 +87,29 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(mid_band, blended, scaled)
 
 
+def _yarn_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than ``beta_slow`` times over the original context
+    are interpolated (divided by ``factor``), those turning more than ``beta_fast`` times
+    kept, with a linear ramp between. (The attention temperature is applied to cos/sin.)"""
+    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (rope.factor * pos_freqs)
+
+    def dim_for(rotations: float) -> float:
+        ctx = rope.original_max_position_embeddings
+        return head_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_for(rope.beta_fast), dim_for(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid dividing by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved ("rotate half") RoPE; cos/sin computed once per step for the batch's
     positions and shared by all layers."""
@@ -89,10 +117,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rope: RopeConfig, device: torch.device) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope).to(device), persistent=False)
+        self.attention_factor = rope.attention_factor
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
+        if self.attention_factor != 1.0:  # yarn scales q.k through both rotated operands
+            return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return emb.cos(), emb.sin()
 
 

@@ -81,7 +81,10 @@ def _checkpoint_files(path: Path) -> list[Path]:
         for f in files:
             _require(f, f"shard listed in {_INDEX_FILE}")
         return files
-    files = sorted(path.glob("*.safetensors"))
+    # A lone model.safetensors is the checkpoint even when other files sit next to it
+    # (Mistral releases also ship consolidated.safetensors, the same weights renamed).
+    single = path / "model.safetensors"
+    files = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
         other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found {', '.join(other)}; only safetensors is supported)" if other else ""
@@ -128,24 +131,27 @@ def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
     targets = weight_targets(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
+    stored_head: torch.Tensor | None = None
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for raw_name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 name = raw_name if raw_name in targets else _normalise(raw_name)
                 target = targets.get(name)
+                if target is None and name == "lm_head.weight":
+                    # Tied, yet the file stores a head: settled once everything is loaded.
+                    stored_head = _checked(f.get_tensor(raw_name), model.embed_tokens, raw_name,
+                                           file)
+                    continue
                 if target is None:
-                    if not (_IGNORED.search(raw_name) or name == "lm_head.weight"):
+                    if not _IGNORED.search(raw_name):
                         unexpected.append(raw_name)
                     continue
-                tensor = f.get_tensor(raw_name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ModelLoadError(
-                        f"tensor {raw_name!r} in {file.name} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(target.shape)} from config.json"
-                    )
+                tensor = _checked(f.get_tensor(raw_name), target, raw_name, file)
                 with torch.no_grad():
                     target.copy_(tensor.to(target.dtype))
                 loaded.add(name)
+    if stored_head is not None:
+        _settle_tied_head(model, stored_head, loaded)
     missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -153,6 +159,31 @@ def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
     if unexpected:
         logger.warning("ignored %d unexpected checkpoint tensors, e.g. %s",
                        len(unexpected), unexpected[:3])
+
+
+def _checked(tensor: torch.Tensor, target: torch.Tensor, name: str, file: Path) -> torch.Tensor:
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ModelLoadError(
+            f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(target.shape)} from config.json"
+        )
+    return tensor
+
+
+def _settle_tied_head(model: LlamaForCausalLM, head: torch.Tensor, loaded: set[str]) -> None:
+    """tie_word_embeddings, and the file has an lm_head anyway: do what transformers 5 does.
+    No embedding stored: the head fills it. Both stored and equal: tied. Both stored and
+    different: the config is wrong about the file, so they are used untied."""
+    embed = "model.embed_tokens.weight"
+    head = head.to(device=model.embed_tokens.device, dtype=model.dtype)
+    with torch.no_grad():
+        if embed not in loaded:
+            model.embed_tokens.copy_(head)
+            loaded.add(embed)
+        elif not torch.equal(head, model.embed_tokens):
+            logger.warning("tie_word_embeddings is set but the checkpoint stores a different "
+                           "lm_head.weight: using it untied, as transformers does")
+            model.lm_head = torch.nn.Parameter(head, requires_grad=False)
 
 
 def _normalise(name: str) -> str:
