@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvnode.attention import AttentionBackend, get_attention_backend
+from kvnode.attention import ENV_VAR as ATTENTION_ENV_VAR
+from kvnode.attention import REFERENCE_BACKEND, AttentionBackend, get_attention_backend
 from kvnode.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_dtype
 from kvnode.memory_planning import GiB, MemoryPlan, plan_kv_cache
 from kvnode.model.config import ModelConfig
@@ -97,6 +99,17 @@ class ModelRunner:
         self.attention: AttentionBackend = get_attention_backend(
             attention_backend, str(self.device)
         )
+        if self.model.serve_up_to(self.max_model_len) and self.attention.name != "torch":
+            # The C++ kernel has no sliding window; the reference does.
+            if (attention_backend or os.environ.get(ATTENTION_ENV_VAR, "")).lower() == "cpp":
+                raise ValueError(
+                    f"attention backend 'cpp' has no sliding-window attention, which "
+                    f"{cfg.name or cfg.architecture} needs beyond {cfg.sliding_window} tokens "
+                    f"(sliding_window): use 'torch' or max_model_len <= {cfg.sliding_window}"
+                )
+            logger.info("sliding_window=%d < max_model_len=%d: torch attention backend",
+                        cfg.sliding_window, self.max_model_len)
+            self.attention = REFERENCE_BACKEND
         logger.debug("attention backend: %s", self.attention.name)
 
     # ---- sizes -----------------------------------------------------------------------------

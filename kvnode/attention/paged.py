@@ -89,6 +89,7 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over their sequence's whole context, read through the block
     table.
@@ -102,6 +103,8 @@ def paged_attention(
     Sequence ``i``'s new tokens sit at positions ``seq_lens[i] - query_len .. seq_lens[i]-1``
     and attend causally to everything before them (cached prefix included). A decode is
     ``query_len == 1``. Returns ``[num_tokens, num_heads, head_size]`` float32.
+    ``sliding_window`` (Mistral, Qwen2): the query at position p sees keys p - window < j <= p,
+    as transformers masks it.
     """
     num_tokens, num_heads, head_size = query.shape
     out = torch.empty(num_tokens, num_heads, head_size, dtype=torch.float32, device=query.device)
@@ -124,12 +127,13 @@ def paged_attention(
             decodes.append(i)
             continue
         out[q0:q1] = _prefill_one(
-            q[q0:q1], key_cache, value_cache, block_tables[i], ctx, scale, k_scale, v_scale
+            q[q0:q1], key_cache, value_cache, block_tables[i], ctx, scale, k_scale, v_scale,
+            sliding_window,
         )
     if decodes:
         _decode_batch(
             q, out, decodes, starts, lens, key_cache, value_cache, block_tables,
-            scale, k_scale, v_scale,
+            scale, k_scale, v_scale, sliding_window,
         )
     return out
 
@@ -151,6 +155,7 @@ def _prefill_one(
     scale: float,
     k_scale: float,
     v_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     qlen, num_heads, _ = q.shape
     k = _gather_seq(key_cache, table, ctx, k_scale)
@@ -159,7 +164,9 @@ def _prefill_one(
     # 4-D [1, heads, tokens, dim]: SDPA's fused CPU (flash) kernel only takes batched input;
     # 3-D falls back to the unfused math path, several times slower.
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if qlen == ctx:
+    if window is not None and window >= ctx:
+        window = None  # every key is inside every query's window
+    if qlen == ctx and window is None:
         # No cached prefix: top-left causal is the right mask and takes SDPA's fast path.
         o = F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=kvh != num_heads
@@ -167,7 +174,10 @@ def _prefill_one(
     else:
         # Query i sits at absolute position ctx - qlen + i and sees keys 0..that position.
         qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+        kpos = torch.arange(ctx, device=q.device)[None, :]
+        mask = kpos <= qpos[:, None]
+        if window is not None:
+            mask &= kpos > qpos[:, None] - window
         o = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=kvh != num_heads
         )
@@ -186,6 +196,7 @@ def _decode_batch(
     scale: float,
     k_scale: float,
     v_scale: float,
+    window: int | None = None,
 ) -> None:
     """All single-token queries at once: gather each sequence's padded context, mask the
     padding. Sorted by length and chunked so padding and temporary memory stay small."""
@@ -212,7 +223,10 @@ def _decode_batch(
         v = _load(value_cache[table].flatten(1, 2), v_scale)
         tok = torch.tensor([starts[i] for i in chunk], device=dev, dtype=torch.long)
         ctx = torch.tensor([lens[i] for i in chunk], device=dev)
-        valid = torch.arange(nblk * bs, device=dev)[None, :] < ctx[:, None]  # [n, T]
+        kpos = torch.arange(nblk * bs, device=dev)[None, :]
+        valid = kpos < ctx[:, None]  # [n, T]
+        if window is not None and max_ctx > window:
+            valid &= kpos >= ctx[:, None] - window  # the query sits at ctx - 1
         # SDPA (fused kernel) over [n, heads, 1, T] with the padding masked out: about twice
         # as fast on CPU as explicit matmul + softmax + matmul.
         o = F.scaled_dot_product_attention(

@@ -89,6 +89,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] = ()  # the layers it applies to
     name: str = ""
 
     @property
@@ -139,12 +140,10 @@ class ModelConfig:
         """The longest context this model serves exactly: (tokens, why, may_override).
 
         Like vLLM: ``max_position_embeddings``, times ``factor`` for ``linear``, and
-        ``original_max_position_embeddings * factor`` for ``yarn``; ``PAGEKV_ALLOW_LONG_MAX_MODEL_LEN=1``
-        lifts that limit. Two limits are hard, because beyond them we would not match
-        transformers: ``dynamic`` RoPE (transformers re-derives the base for the whole
-        sequence past ``max_position_embeddings``, which cached keys cannot follow; below it
-        dynamic equals default) and a sliding window (not implemented; full attention is
-        exact within it)."""
+        ``original_max_position_embeddings * factor`` for ``yarn``;
+        ``PAGEKV_ALLOW_LONG_MAX_MODEL_LEN=1`` lifts that limit. ``dynamic`` RoPE's limit is
+        hard: past ``max_position_embeddings`` transformers re-derives the base for the whole
+        sequence, which cached keys cannot follow (below it, dynamic equals default)."""
         rope = self.rope
         limit, why = self.max_position_embeddings, "max_position_embeddings"
         if rope.rope_type == "linear":
@@ -156,17 +155,16 @@ class ModelConfig:
         hard = rope.rope_type == "dynamic"
         if hard:
             why = "max_position_embeddings (dynamic RoPE rescales beyond it)"
-        if self.sliding_window is not None and self.sliding_window < limit:
-            limit, why, hard = self.sliding_window, "sliding_window (not implemented beyond it)", True
         return limit, why, not hard
 
     def resolve_max_model_len(self, requested: int | None) -> int:
-        """``requested`` checked against ``max_len_limit`` (ValueError), or the limit."""
+        """``requested`` checked against ``max_len_limit`` (ModelLoadError, a ValueError),
+        or the limit when None."""
         limit, why, may_override = self.max_len_limit()
         if requested is None:
             return limit
         if requested <= 0:
-            raise ValueError(f"max_model_len={requested} must be positive")
+            raise ModelLoadError(f"max_model_len={requested} must be positive")
         if requested <= limit:
             return requested
         if may_override and os.environ.get(ALLOW_LONG_ENV, "").lower() in ("1", "true"):
@@ -174,7 +172,7 @@ class ModelConfig:
                            requested, limit, why, ALLOW_LONG_ENV)
             return requested
         hint = f"; set {ALLOW_LONG_ENV}=1 to allow it anyway" if may_override else ""
-        raise ValueError(
+        raise ModelLoadError(
             f"max_model_len={requested} is out of range for {self.name or self.architecture}: "
             f"must be in [1, {limit}] ({why}){hint}"
         )
@@ -241,26 +239,26 @@ def _parse_rope(raw: dict[str, Any], max_pos: int) -> RopeConfig:
     return rope
 
 
-def _sliding_window(raw: dict[str, Any], arch: str, defaults: dict[str, Any]) -> int | None:
-    """The window transformers would apply, or None. Llama has none; Mistral applies its
-    window to every layer; Qwen2 only with use_sliding_window, to the layers layer_types
-    (default: those from max_window_layers on) marks as sliding."""
-    if arch == "LlamaForCausalLM":
-        return None
-    window = raw.get("sliding_window", defaults["sliding_window"])
+def _sliding_window(raw: dict[str, Any], arch: str, defaults: dict[str, Any]
+                    ) -> tuple[int | None, tuple[int, ...]]:
+    """The window transformers would apply and the layers it applies to. Llama has none;
+    Mistral applies its window to every layer; Qwen2 only with use_sliding_window, to the
+    layers layer_types (default: those from max_window_layers on) marks as sliding."""
+    window = None if arch == "LlamaForCausalLM" else raw.get("sliding_window",
+                                                             defaults["sliding_window"])
     if window is None:
-        return None
+        return None, ()
+    layers = int(raw["num_hidden_layers"])
+    sliding = tuple(range(layers))
     if arch == "Qwen2ForCausalLM":
         if not raw.get("use_sliding_window", defaults["use_sliding_window"]):
-            return None
-        layers = int(raw["num_hidden_layers"])
+            return None, ()
         first = int(raw.get("max_window_layers", defaults["max_window_layers"]))
         types = raw.get("layer_types") or [
             "sliding_attention" if i >= first else "full_attention" for i in range(layers)
         ]
-        if "sliding_attention" not in types:
-            return None
-    return int(window)
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (int(window), sliding) if sliding else (None, ())
 
 
 def config_from_hf_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
@@ -324,9 +322,9 @@ def config_from_hf_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
             bos_token_id=raw["bos_token_id"] if "bos_token_id" in raw else defaults["bos_token_id"],
             eos_token_ids=_as_id_list(raw["eos_token_id"] if "eos_token_id" in raw
                                       else defaults["eos_token_id"]),
-            sliding_window=_sliding_window(raw, arch, defaults),
             name=name,
         )
+        cfg.sliding_window, cfg.sliding_window_layers = _sliding_window(raw, arch, defaults)
     except KeyError as exc:
         raise ModelLoadError(f"config.json is missing required field {exc.args[0]!r}") from exc
     cfg.validate()

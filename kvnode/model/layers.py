@@ -159,6 +159,8 @@ class PagedSelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
+        # Keys this layer may look back over; None = all (see LlamaForCausalLM.serve_up_to).
+        self.sliding_window = cfg.sliding_window if layer_idx in cfg.sliding_window_layers else None
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias,
                                dtype, device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, device)
@@ -183,9 +185,10 @@ class PagedSelfAttention(nn.Module):
         # Write first, then attend through the cache: new tokens see exactly what later
         # steps (and prefix hits) will read back, quantisation included.
         backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        window = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
         out = backend.paged_attention(
             q.float(), k_cache, v_cache, meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, self.scale, k_scale, v_scale,
+            meta.query_start_loc, self.scale, k_scale, v_scale, **window,
         )
         return self.o_proj(out.to(x.dtype).reshape(n, self.q_size))
 

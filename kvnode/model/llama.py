@@ -1,8 +1,7 @@
 """The Llama-family causal LM (Llama, Mistral, Qwen2) over the paged KV pool.
 
-The three architectures differ only in configuration: Qwen2 adds q/k/v biases, Mistral adds a
-sliding window (we cap the context at it, see ``ModelRunner``), Llama 3.1 uses ``llama3`` RoPE
-scaling. Inputs are the flattened new tokens of every sequence in the batch (no padding).
+The three architectures differ only in configuration: Qwen2 adds q/k/v biases, Mistral (and
+Qwen2 optionally) a sliding window, Llama 3.1 uses ``llama3`` RoPE scaling. Inputs are the flattened new tokens of every sequence in the batch (no padding).
 """
 
 from __future__ import annotations
@@ -36,6 +35,18 @@ class LlamaForCausalLM(nn.Module):
                 torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
                 requires_grad=False,
             )
+
+    def serve_up_to(self, max_model_len: int) -> bool:
+        """Drop the sliding windows no sequence of ``max_model_len`` tokens can exceed (full
+        attention is the same there, and every backend has it). True if one remains: then
+        the attention backend must implement ``sliding_window`` (the torch reference does)."""
+        remaining = False
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.sliding_window is not None and attn.sliding_window >= max_model_len:
+                attn.sliding_window = None
+            remaining |= attn.sliding_window is not None
+        return remaining
 
     @property
     def dtype(self) -> torch.dtype:

@@ -86,17 +86,16 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "llama_fp16": ("llama", {}, {"dtype": torch.float16}),
     "llama_bf16_tied": ("llama", {"tie_word_embeddings": True}, {"dtype": torch.bfloat16}),
     "mistral_no_window": ("mistral", {"sliding_window": None}, {}),
-    "mistral_window_48": ("mistral", {"sliding_window": 48, "head_dim": 32}, {"max_model_len": None}),
+    "mistral_window_48": ("mistral", {"sliding_window": 48, "head_dim": 32}, {}),
+    "mistral_window_12": ("mistral", {"sliding_window": 12}, {}),  # shorter than the prompts
     "mistral_bias_keys_ignored": ("mistral", {"sliding_window": 4096}, {
         "edit": lambda c: c.update(attention_bias=True, mlp_bias=True)}),
     "qwen2": ("qwen2", {}, {}),
     "qwen2_tied_bf16": ("qwen2", {"tie_word_embeddings": True}, {"dtype": torch.bfloat16}),
     "qwen2_yarn_mqa": ("qwen2", {"num_key_value_heads": 1, "rope_scaling": dict(_YARN)}, {}),
-    "qwen2_sliding_upper_layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 48,
-                                            "max_window_layers": 1}, {"max_model_len": None}),
+    "qwen2_window_12_upper_layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 12,
+                                              "max_window_layers": 1}, {}),
 }
-# The limit max_model_len=None resolves to, where a case leaves it to the model.
-EXPECTED_LIMIT = {"mistral_window_48": 48, "qwen2_sliding_upper_layer": 48}
 
 
 def _write_tokenizer(path: Path) -> None:
@@ -213,10 +212,7 @@ def test_checkpoint_matches_transformers(saved, case):
 
         with safe_open(str(path / "model.safetensors"), "pt") as f:
             assert "lm_head.weight" not in set(f.keys())  # tied: the head is not stored
-    r = runner(path, max_model_len=opts.get("max_model_len", 64))
-    if case in EXPECTED_LIMIT:
-        assert r.max_model_len == EXPECTED_LIMIT[case]
-    assert_matches_hf(reference(path), r)
+    assert_matches_hf(reference(path), runner(path))
 
 
 @pytest.mark.parametrize("case", ["llama_head_dim_32", "llama_gqa_8_to_2", "qwen2_yarn_mqa"])
@@ -229,16 +225,16 @@ def test_cpp_kernel_matches_transformers(saved, case):
     assert_matches_hf(reference(path), runner(path, backend="cpp"))
 
 
-def test_offline_llm_matches_transformers_and_prefix_hits(saved):
-    """Through the engine (scheduler, prefix cache): greedy tokens equal HF's, and a
-    second pass served from cached blocks gives the same tokens."""
+@pytest.mark.parametrize("case", ["qwen2_yarn_mqa", "mistral_window_12"])
+def test_offline_llm_matches_transformers_and_prefix_hits(saved, case):
+    """Through the engine (scheduler, prefix cache, default attention backend): greedy
+    tokens equal HF's, and a second pass that continues cached blocks gives the same."""
     from kvnode.llm import LLM
     from kvnode.sampling_params import SamplingParams
 
-    path = saved("qwen2_yarn_mqa")
+    path = saved(case)
     hf = reference(path)
-    llm = LLM(str(path), block_size=BLOCK, num_gpu_blocks=40, max_model_len=64, device="cpu",
-              attention_backend="torch")
+    llm = LLM(str(path), block_size=BLOCK, num_gpu_blocks=40, max_model_len=64, device="cpu")
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     first = llm.generate(PROMPTS, params)
     again = llm.generate(PROMPTS, params)
@@ -393,15 +389,41 @@ def test_max_model_len_beyond_max_position_embeddings(saved, monkeypatch):
     assert runner(path, max_model_len=300).max_model_len == 300
 
 
-@pytest.mark.parametrize("case, limit, why", [
-    ("llama_rope_dynamic", 256, "dynamic"),
-    ("mistral_window_48", 48, "sliding_window"),
-])
-def test_hard_limits_cannot_be_overridden(saved, monkeypatch, case, limit, why):
-    """Past these we would not match transformers, so even the override is refused."""
+def test_dynamic_rope_limit_cannot_be_overridden(saved, monkeypatch):
+    """Past max_position_embeddings dynamic RoPE would not match transformers."""
     monkeypatch.setenv(ALLOW_LONG_ENV, "1")
-    with pytest.raises(ValueError, match=rf"\[1, {limit}\].*{why}"):
-        runner(saved(case), max_model_len=limit + 8)
+    with pytest.raises(ValueError, match=r"\[1, 256\].*dynamic"):
+        runner(saved("llama_rope_dynamic"), max_model_len=264)
+
+
+def test_chunked_prefill_inside_a_sliding_window(saved):
+    """Prompt chunks on top of their own cached prefix, window shorter than the context:
+    HF's logits at each chunk's last position."""
+    path = saved("mistral_window_12")
+    hf = reference(path)
+    r = runner(path)
+    p = PROMPTS[2]
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0].float()
+    table, done = [7, 3, 11, 0], 0
+    for size in (3, 7, 1, 9, 1):
+        logits = r.execute([SeqBatchItem(p[done : done + size], done, table)])
+        done += size
+        torch.testing.assert_close(logits[0], ref[done - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_picks_a_backend_that_has_it(saved, monkeypatch):
+    from kvnode.attention import cpu_kernel
+
+    if not cpu_kernel.available():
+        pytest.skip("C++ attention kernel unavailable")
+    monkeypatch.delenv("PAGEKV_ATTENTION_BACKEND", raising=False)
+    path = saved("mistral_window_12")
+    assert runner(path, backend="auto").attention.name == "torch"  # window < max_model_len
+    with pytest.raises(ValueError, match=r"'cpp' has no sliding-window.*sliding_window"):
+        runner(path, backend="cpp")
+    # Within the window full attention is the same, so the kernel serves it.
+    assert runner(path, max_model_len=12, backend="cpp").attention.name == "cpp"
 
 
 @pytest.mark.parametrize("stored", ["different_head", "head_only"])
