@@ -131,7 +131,7 @@ class ModelRunner:
         return -(-self.max_model_len // self.block_size)
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
-        # The model's limit (max_position_embeddings, RoPE scaling, sliding window) and the
+        # The model's limit (max_position_embeddings, RoPE scaling) and the
         # ValueError beyond it live with the config: ModelConfig.resolve_max_model_len.
         return self.model_config.resolve_max_model_len(requested)
 
