@@ -7,14 +7,13 @@
 - a failed allocation touches nothing.
 """
 
-from collections import Counter
-
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvnode.kv_cache_manager import KVCacheManager
 from kvnode.request import Request
+from tests.kv_invariants import check_lookup, check_manager
 
 BS = 8
 NUM_BLOCKS = 24
@@ -50,9 +49,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def admit(self, prefix, tail, cut):
         tokens = (prefix[:cut] + tail) or [0]
         req = Request(self._new_id(), tokens)
+        check_lookup(self.mgr, req)
         hits, n = self.mgr.get_computed_blocks(req)
-        assert n <= req.num_tokens - 1
-        assert n == len(hits) * BS
         for i, b in enumerate(hits):  # a hit is the same content, not only the same hash
             assert b.block_hash == req.block_hashes[i]
             assert self.hash_tokens[b.block_hash] == tuple(req.all_token_ids[: (i + 1) * BS])
@@ -111,38 +109,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.mgr.take_block_copies()
 
     @invariant()
-    def ref_counts_match_tables(self):
-        refs = Counter()
-        for blocks in self.mgr.req_to_blocks.values():
-            for b in blocks:
-                refs[b.block_id] += 1
-        for b in self.mgr.block_pool.blocks:
-            assert b.ref_cnt == refs[b.block_id], b
-
-    @invariant()
-    def free_queue_consistent(self):
-        q = self.mgr.block_pool.free_block_queue
-        free = q.get_all_free_blocks()
-        assert len(free) == q.num_free_blocks
-        assert len({b.block_id for b in free}) == len(free)
-        prev = q._head
-        for b in free:
-            assert b.prev_free_block is prev and prev.next_free_block is b
-            prev = b
-        assert prev.next_free_block is q._tail and q._tail.prev_free_block is prev
-        assert {b.block_id for b in free} == {
-            b.block_id for b in self.mgr.block_pool.blocks if b.ref_cnt == 0
-        }
-        for b in self.mgr.block_pool.blocks:
-            if b.ref_cnt > 0:
-                assert b.prev_free_block is None and b.next_free_block is None
-
-    @invariant()
-    def hash_map_consistent(self):
-        for h, b in self.mgr.block_pool.cached_block_hash_to_block.items():
-            assert b.block_hash == h
-        hashed = [b for b in self.mgr.block_pool.blocks if b.block_hash is not None]
-        assert len(hashed) == len(self.mgr.block_pool.cached_block_hash_to_block)
+    def manager_consistent(self):
+        check_manager(self.mgr)
 
     @invariant()
     def tables_cover_computed_tokens(self):
