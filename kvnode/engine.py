@@ -191,6 +191,8 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.tiers is not None:
+            self.tiers.finish_loads()  # finished SSD loads release their pins before scheduling
         sched = self.scheduler.schedule()
         self.num_steps += 1
         self.last_step_idle = not sched.scheduled

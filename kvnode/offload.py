@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _PendingLoad:
+    req: Request
     start: int
     hashes: list[bytes]
     media: list[str]
@@ -117,8 +118,11 @@ class TierConnector:
         bs = self.block_size
         rid = req.request_id
         pending = self._loads.get(rid)
-        unpin: _PendingLoad | None = None
-        if pending is None:
+        if pending is not None:
+            if not pending.future.done():
+                return None
+            self._land(pending)
+        else:
             max_blocks = (req.num_tokens - 1) // bs
             start = len(hits)
             if start < max_blocks and req.block_hashes[start] in self._inflight:
@@ -133,22 +137,40 @@ class TierConnector:
                 # Pin the pool prefix these blocks continue, or it could be evicted meanwhile.
                 self.manager.block_pool.touch(hits)
                 future = self._loader.submit(self.chain.promote_many, todo)
-                self._loads[rid] = _PendingLoad(start, todo, media, future, parent, hits)
+                self._loads[rid] = _PendingLoad(req, start, todo, media, future, parent, hits)
                 self._inflight.update(dict.fromkeys(todo, rid))
                 return None
-            datas = self.chain.promote_many(todo)
-        else:
-            if not pending.future.done():
-                return None
-            del self._loads[rid]
-            start, todo, media, parent = pending.start, pending.hashes, pending.media, pending.parent
-            try:
-                datas = pending.future.result()
-            except Exception:
-                logger.exception("tier load failed; recomputing")
-                datas = [None] * len(todo)
-            unpin = pending
+            self._store(req, start, todo, media, self.chain.promote_many(todo), parent)
+        hits, num_hit = self.manager.get_computed_blocks(req)
+        return hits, num_hit, self._by_tier(rid, num_hit)
 
+    def finish_loads(self) -> None:
+        """Land every finished SSD load in the pool now (as free cached blocks), whether or not
+        its request is admitted this step, and release the prefix it pinned.
+
+        A finished load used to be landed only when the scheduler reached its request; behind
+        a waiting request that could not fit (FCFS stops there), the pinned prefix could be
+        exactly the blocks that request needed: nothing ran again (deadlock).
+        """
+        for pending in [p for p in self._loads.values() if p.future.done()]:
+            self._land(pending)
+
+    def _land(self, pending: _PendingLoad) -> None:
+        """A finished SSD load: its blocks into the pool, the pinned prefix released."""
+        del self._loads[pending.req.request_id]
+        try:
+            datas = pending.future.result()
+        except Exception:
+            logger.exception("tier load failed; recomputing")
+            datas = [None] * len(pending.hashes)
+        self._store(pending.req, pending.start, pending.hashes, pending.media, datas,
+                    pending.parent)
+        self._end_load(pending)
+
+    def _store(self, req: Request, start: int, todo: list[bytes], media: list[str],
+               datas: list, parent: bytes | None) -> None:
+        """Write promoted blocks into the pool as cached blocks continuing the request's
+        pool prefix at block `start`; what does not fit goes back below the pool."""
         # The leading run that came back (a checksum failure ends it: recompute from there).
         run = 0
         while run < len(datas) and datas[run] is not None:
@@ -157,15 +179,11 @@ class TierConnector:
         n = self.manager.load_cached_blocks(req, start, loads, self._write_blocks)
         if n < run:  # no room in the pool: keep the rest below instead of losing it
             self._demote_run(todo[n:run], datas[n:run], todo[n - 1] if n else parent)
-        if unpin is not None:
-            self._end_load(unpin)
         # Remember where the loaded tokens came from: if admission fails now, the next try
         # finds them as pool hits but must still report them as DRAM / SSD hits.
-        counts = self._loaded.setdefault(rid, {"CPU": 0, "DISK": 0})
+        counts = self._loaded.setdefault(req.request_id, {"CPU": 0, "DISK": 0})
         for m in media[:n]:
-            counts[m] += bs
-        hits, num_hit = self.manager.get_computed_blocks(req)
-        return hits, num_hit, self._by_tier(rid, num_hit)
+            counts[m] += self.block_size
 
     def _by_tier(self, rid: str, num_hit: int) -> dict[str, int]:
         loaded = self._loaded.get(rid, {"CPU": 0, "DISK": 0})

@@ -1,5 +1,6 @@
 """Offload tiers wired into the engine: evicted blocks come back from DRAM and SSD."""
 
+import random
 from pathlib import Path
 
 import pytest
@@ -197,4 +198,42 @@ def test_two_requests_for_one_ssd_prefix_share_a_single_load(tmp_path, cold_toke
     eng = llm.engine
     assert eng.kv_manager.get_num_free_blocks() == 26  # pins released
     assert eng.tiers._inflight == {}
+    eng.close()
+
+
+def test_finished_ssd_load_releases_its_pins_behind_a_request_that_cannot_fit(tmp_path):
+    # r holds 4 of 6 blocks; b's SSD load pins the other 2 (b's pool prefix). r then needs a
+    # 5th block and is preempted to the head of the queue, where it no longer fits while the
+    # pins are held. b's load used to be landed (and its pins released) only when the
+    # scheduler reached b, which FCFS never did behind r: no step ran anything again.
+    rng = random.Random(5)
+    x = [rng.randint(1, 200) for _ in range(25)]  # 3 full blocks of 8 + 1 token
+    r = [rng.randint(1, 200) for _ in range(25)]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    kw = dict(block_size=8, num_gpu_blocks=6, max_model_len=48, max_num_batched_tokens=48)
+    cold = LLM("pagekv-tiny", enable_prefix_caching=False, **kw).generate([r, x], greedy)
+    eng = LLM("pagekv-tiny", disk_offload_bytes=16 << 20, disk_offload_dir=str(tmp_path),
+              **kw).engine
+    got: dict[str, list[int]] = {"x": [], "r": [], "b": []}
+
+    def step():
+        for d in eng.step():
+            got[d.request_id].extend(d.outputs[0].token_ids)
+
+    eng.add_request("x", x, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished():
+        step()
+    eng.add_request("r", r, greedy)  # evicts x's third block to SSD
+    for _ in range(7):  # r's prefill and decodes until its 4 blocks are full
+        step()
+    eng.add_request("b", x, greedy)
+    step()  # b's SSD load starts, pinning x's first two blocks: no block is free
+    assert "b" in eng.tiers._loads and eng.kv_manager.get_num_free_blocks() == 0
+    steps = 0
+    while eng.has_unfinished():
+        step()
+        steps += 1
+        assert steps < 200, "no progress"
+    assert eng.kv_manager.get_num_free_blocks() == 6
+    assert [got["r"], got["b"]] == [o.outputs[0].token_ids for o in cold]
     eng.close()
