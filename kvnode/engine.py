@@ -97,6 +97,9 @@ class Engine:
             if chain.ssd is not None and chain.full_state():
                 logger.info("warm restart: %d blocks found on SSD", len(chain.full_state()))
         self.groups: dict[str, SequenceGroup] = {}
+        # Ids of the live extra samples of n>1 requests ("<id>#<i>"): the block tables and tier
+        # loads are keyed by sequence id, so a client id must never equal one of them.
+        self._child_ids: set[str] = set()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.num_steps = 0
         self.event_sinks: list = []  # callables receiving each step's KV events
@@ -161,7 +164,7 @@ class Engine:
     ) -> str:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.groups:
+        if request_id in self.groups or request_id in self._child_ids:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
@@ -180,8 +183,8 @@ class Engine:
         if group is None:
             return None
         for seq in group.seqs:
-            self._release(seq)
-            if seq.finish_reason is None:
+            if seq.finish_reason is None:  # a finished one was released (its id may be reused)
+                self._release(seq)
                 seq.finish_reason = "abort"
         group.forked = True
         return self._delta(group, time.monotonic())
@@ -254,9 +257,12 @@ class Engine:
         group = parent.group
         base_seed = group.params.seed
         for i in range(1, group.params.n):
+            cid = f"{group.request_id}#{i}"
+            if cid in self.groups or cid in self._child_ids:  # a client's request has this id
+                cid = f"{cid}#{uuid.uuid4().hex}"
+            self._child_ids.add(cid)
             child_req = Request(
-                f"{group.request_id}#{i}", group.prompt_token_ids,
-                cache_salt=group.cache_salt, lora_id=group.lora_id,
+                cid, group.prompt_token_ids, cache_salt=group.cache_salt, lora_id=group.lora_id,
             )
             gen = make_generator(None if base_seed is None else base_seed + i)
             child = Sequence(child_req, group, i, gen)
@@ -285,6 +291,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         """A sequence is done (finished or aborted): its blocks and tier loads go back."""
         self.scheduler.remove(seq)
+        self._child_ids.discard(seq.req.request_id)
         if self.tiers is not None:
             self.tiers.forget(seq.req.request_id)
 

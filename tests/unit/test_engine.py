@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvnode.engine import Engine, RequestRejected
+from kvnode.engine import DuplicateRequestId, Engine, RequestRejected
 from kvnode.llm import LLM
 from kvnode.sampling_params import SamplingParams
 
@@ -196,3 +196,65 @@ def test_large_prompt_admitted_when_only_the_watermark_would_block_it():
         eng.step()
         steps += 1
     assert not eng.has_unfinished()
+
+
+def _run_to_end(eng, outs=None):
+    outs = {} if outs is None else outs
+    while eng.has_unfinished():
+        for d in eng.step():
+            for c in d.outputs:
+                outs.setdefault((d.request_id, c.index), []).extend(c.token_ids)
+    return outs
+
+
+def test_client_id_shaped_like_a_sample_never_shares_its_blocks():
+    # The engine names the second sample of request "a" "a#1" (its block table's key). A client
+    # request with that id used to crash fork() (ValueError out of step()) when it came first,
+    # and to write into the sample's block table when it came second.
+    two = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2)
+    one = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    a, b = [1, 2, 3], [5, 6, 7, 8]
+    alone = LLM("pagekv-tiny", num_gpu_blocks=32, max_model_len=256).generate([a, b], [two, one])
+    want = {("a", 0): alone[0].outputs[0].token_ids, ("a", 1): alone[0].outputs[1].token_ids,
+            ("a#1", 0): alone[1].outputs[0].token_ids}
+
+    eng = Engine(model="pagekv-tiny", num_gpu_blocks=32, max_model_len=256)
+    eng.add_request("a#1", b, one)
+    outs = {}
+    for d in eng.step():
+        outs.setdefault((d.request_id, 0), []).extend(d.outputs[0].token_ids)
+    eng.add_request("a", a, two)  # its second sample cannot be named "a#1" now
+    assert _run_to_end(eng, outs) == want
+    assert eng.kv_manager.get_num_free_blocks() == 32
+
+    eng = Engine(model="pagekv-tiny", num_gpu_blocks=32, max_model_len=256)
+    eng.add_request("a", a, two)
+    outs = {}
+    for d in eng.step():
+        for c in d.outputs:
+            outs.setdefault(("a", c.index), []).extend(c.token_ids)
+    with pytest.raises(DuplicateRequestId):
+        eng.add_request("a#1", b, one)  # taken by a live sample
+    assert _run_to_end(eng, outs) == {k: v for k, v in want.items() if k[0] == "a"}
+    assert eng.kv_manager.get_num_free_blocks() == 32
+
+
+def test_abort_leaves_a_reused_id_of_a_finished_sample_alone():
+    # Sample 1 of "a" stops at its first token; a client then reuses the id "a#1". Aborting
+    # "a" used to release every sample by id again, freeing the new request's blocks.
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=2, ignore_eos=True)
+    first = LLM("pagekv-tiny", num_gpu_blocks=32, max_model_len=256).generate([[1, 2, 3]], seeded)
+    t0, t1 = (c.token_ids[0] for c in first[0].outputs)
+    assert t0 != t1
+    stop = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=2, ignore_eos=True,
+                          stop_token_ids=[t1])
+    eng = Engine(model="pagekv-tiny", num_gpu_blocks=32, max_model_len=256)
+    eng.add_request("a", [1, 2, 3], stop)
+    eng.step()  # prefill, fork; sample 1 draws t1 and stops
+    eng.add_request("a#1", [5, 6, 7, 8], GREEDY)
+    eng.step()
+    eng.abort("a")
+    assert eng.kv_manager.get_blocks("a#1")  # untouched
+    outs = _run_to_end(eng)
+    assert len(outs[("a#1", 0)]) == GREEDY.max_tokens - 1  # one token came in the step above
+    assert eng.kv_manager.get_num_free_blocks() == 32
