@@ -203,7 +203,10 @@ class KVCacheManager:
             return 0  # the pool-resident prefix changed meanwhile: the chain is broken
         pool.touch(pinned)  # making room must not evict the prefix these blocks extend
         try:
-            n = min(len(loads), pool.get_num_free_blocks() - self.watermark_blocks)
+            # The reserve protects running requests, as at admission: with none running it
+            # only turned reloadable blocks into recompute.
+            reserve = self.watermark_blocks if self.req_to_blocks else 0
+            n = min(len(loads), pool.get_num_free_blocks() - reserve)
             if n <= 0:
                 return 0
             blocks = pool.get_new_blocks(n)

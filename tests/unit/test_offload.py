@@ -237,3 +237,24 @@ def test_finished_ssd_load_releases_its_pins_behind_a_request_that_cannot_fit(tm
     assert eng.kv_manager.get_num_free_blocks() == 6
     assert [got["r"], got["b"]] == [o.outputs[0].token_ids for o in cold]
     eng.close()
+
+
+def test_reload_with_nothing_running_is_not_cut_by_the_watermark():
+    # 9 of the prompt's blocks sit in DRAM; the pool has 10 and a 2-block watermark. With no
+    # request running, the reserve used to cut the reload to 8 blocks (the 9th recomputed).
+    bs, n = 8, 10
+    rng = random.Random(1)
+    prompt = [rng.randint(1, 200) for _ in range(9 * bs + 1)]
+    flush = [rng.randint(201, 255) for _ in range(n * bs - 1)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm = LLM("pagekv-tiny", block_size=bs, num_gpu_blocks=n, max_model_len=n * bs,
+              watermark=0.2, cpu_offload_bytes=n * llm_block_bytes(bs))
+    cold = llm.generate([prompt], one)[0]
+    llm.generate([flush], one)  # every pool block evicted to DRAM
+    warm = llm.generate([prompt], one)[0]
+    assert warm.cached_tokens_by_tier == {"GPU": 0, "CPU": 9 * bs, "DISK": 0}
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def llm_block_bytes(bs: int) -> int:
+    return 512 * bs  # pagekv-tiny in fp32: 2 layers x (K, V) x 2 KV heads x 16 dims x 4 B
