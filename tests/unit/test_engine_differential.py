@@ -49,6 +49,10 @@ class Req:
     wait_steps: int = 0  # engine steps between the previous arrival and this one
     abort_after: int | None = None  # steps after arrival (0: before its first step)
     salt: str | None = None  # cache_salt: must never share blocks with another salt
+    # A next turn: the prompt is `prompt` + the output of request `follows` (its first
+    # sample, once it finished) + `suffix`, as a chat client sends it.
+    follows: str | None = None
+    suffix: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Workload:
     chunked: bool
     budget: int
     max_num_seqs: int
+    watermark: float
     ssd_dram_blocks: int  # DRAM slots in front of the SSD (0: SSD alone)
     tight_dram_blocks: int  # the "tight" engine: a few DRAM slots over a tiny SSD,
     tight_ssd_bytes: int  # so both drop blocks (orphans, SSD evictions, segment deletion)
@@ -78,6 +83,7 @@ class Workload:
     def __repr__(self) -> str:
         lines = [f"Workload(bs={self.block_size}, blocks={self.num_blocks}, "
                  f"chunked={self.chunked}, budget={self.budget}, seqs={self.max_num_seqs}, "
+                 f"watermark={self.watermark}, "
                  f"ssd_dram_blocks={self.ssd_dram_blocks}, tight={self.tight_dram_blocks}"
                  f"/{self.tight_ssd_bytes >> 10}KiB, probe_len={len(self.probe)})"]
         for e in self.events:
@@ -85,7 +91,7 @@ class Workload:
                 p = e.params
                 lines.append(
                     f"  {e.rid}: len={len(e.prompt)} head={e.prompt[:4]} wait={e.wait_steps} "
-                    f"abort={e.abort_after} salt={e.salt} max_tokens={p.max_tokens} n={p.n} "
+                    f"abort={e.abort_after} salt={e.salt} follows={e.follows} max_tokens={p.max_tokens} n={p.n} "
                     f"T={p.temperature} seed={p.seed} stop={p.stop_token_ids} "
                     f"ignore_eos={p.ignore_eos}")
             else:
@@ -132,7 +138,16 @@ def workloads(draw) -> Workload:
     for i in range(draw(st.integers(2, 14))):
         if i and draw(st.integers(0, 9)) == 0:
             events.append(Reset(draw(st.booleans()), draw(st.booleans())))
-        if prompts and draw(st.integers(0, 4)) == 0:  # the same prompt again: all cached
+        turns = [e for e in events if isinstance(e, Req) and e.abort_after is None
+                 and "#" not in e.rid and e.follows is None]  # finishes everywhere
+        follows, suffix, extra = None, [], 0
+        salt = draw(st.sampled_from((None, None, None, "s")))
+        if turns and draw(st.integers(0, 4)) == 0:  # the next turn of a conversation
+            prev = draw(st.sampled_from(turns))
+            follows, salt, prompt = prev.rid, prev.salt, list(prev.prompt)
+            suffix = toks(draw(st.integers(1, bs)))
+            extra = prev.params.max_tokens + len(suffix)
+        elif prompts and draw(st.integers(0, 4)) == 0:  # the same prompt again: all cached
             prompt = list(draw(st.sampled_from(prompts)))
         else:
             which = draw(st.integers(-1, len(prefixes) - 1))
@@ -151,15 +166,15 @@ def workloads(draw) -> Workload:
             ignore_eos=draw(st.booleans()),
         )
         abort = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 6)))
-        salt = draw(st.sampled_from((None, None, None, "s")))
         # Sometimes an id shaped like the engine's name for a sample of an earlier request.
         rid = f"r{i}"
         if i and draw(st.integers(0, 5)) == 0:
             rid = f"r{draw(st.integers(0, i - 1))}#{draw(st.integers(1, 2))}"
             if any(isinstance(e, Req) and e.rid == rid for e in events):
                 rid = f"r{i}"
-        events.append(Req(rid, prompt, params, draw(st.integers(0, 4)), abort, salt))
-        need = max(need, blocks_needed(len(prompt) + params.max_tokens, bs))
+        events.append(Req(rid, prompt, params, draw(st.integers(0, 4)), abort, salt, follows,
+                          suffix))
+        need = max(need, blocks_needed(len(prompt) + extra + params.max_tokens, bs))
 
     # The probe: long enough for three full blocks, so a 2-slot DRAM cannot hold all of it.
     probe = prefixes[0] + toks(max(1, 3 * bs + 1 - len(prefixes[0])) + draw(st.integers(0, bs)))
@@ -177,10 +192,11 @@ def workloads(draw) -> Workload:
                Req("probe2", probe, probe_params), Drain(), flush("flush2"), Drain()]
     chunked = draw(st.booleans())
     if chunked:
-        budget = draw(st.sampled_from((bs, 2 * bs + 3, 4 * bs, 2048)))
+        budget = draw(st.sampled_from((3, bs // 2 + 1, bs, 2 * bs + 3, 4 * bs, 2048)))
     else:
         budget = draw(st.sampled_from((max_len, 2048)))
-    return Workload(bs, num_blocks, chunked, budget, draw(st.sampled_from((2, 3, 64))),
+    return Workload(bs, num_blocks, chunked, budget, draw(st.sampled_from((1, 2, 3, 64))),
+                    draw(st.sampled_from((0.0, 0.01, 0.2))),
                     draw(st.sampled_from((0, 2))), draw(st.integers(0, 3)),
                     draw(st.sampled_from((48 << 10, 96 << 10))), events, probe)
 
@@ -273,10 +289,14 @@ def drive(eng: Engine, events: list, aborts: bool = True) -> dict[str, Result]:
 
     for ev in events:
         if isinstance(ev, Req):
+            prompt = ev.prompt
+            if ev.follows is not None:
+                drain()  # the previous turn's answer is part of this prompt
+                prompt = ev.prompt + results[ev.follows].tokens.get(0, []) + ev.suffix
             for _ in range(ev.wait_steps):
                 step()
             try:
-                eng.add_request(ev.rid, ev.prompt, ev.params, cache_salt=ev.salt)
+                eng.add_request(ev.rid, prompt, ev.params, cache_salt=ev.salt)
             except DuplicateRequestId:
                 assert ev.rid in eng._child_ids  # a live sample of another request has this id
                 results[ev.rid] = Result(rejected=True)
@@ -308,7 +328,8 @@ def drive(eng: Engine, events: list, aborts: bool = True) -> dict[str, Result]:
 def make_engine(w: Workload, **kw) -> Engine:
     args = dict(model=MODEL, block_size=w.block_size, max_model_len=w.num_blocks * w.block_size,
                 num_gpu_blocks=w.num_blocks, enable_chunked_prefill=w.chunked,
-                max_num_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs)
+                max_num_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
+                watermark=w.watermark)
     args.update(kw)
     eng = Engine(**args)
     assert eng.runner.block_bytes == KV_BYTES_PER_TOKEN * w.block_size
@@ -439,7 +460,7 @@ def test_reset_prefix_cache_between_requests():
     flush = [rng.randint(201, 255) for _ in range(n_blocks * bs - 1)]
     params = SamplingParams(max_tokens=5, temperature=0.8, seed=11, n=2, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    w = Workload(bs, n_blocks, True, 2048, 64, 0, 0, 0, [], prompt)
+    w = Workload(bs, n_blocks, True, 2048, 64, 0.01, 0, 0, 0, [], prompt)
     ref = _run_one(make_engine(w, enable_prefix_caching=False), "p", prompt, params)
     eng = make_engine(w, cpu_offload_bytes=n_blocks * KV_BYTES_PER_TOKEN * bs)
     full = 3 * bs
