@@ -38,7 +38,7 @@ KV_BYTES_PER_TOKEN = 512  # pagekv-tiny in fp32: 2 layers x (K, V) x 2 KV heads 
 STOP_CANDIDATES = (19, 27, 109, 113, 193, 228)  # tokens the tiny model often produces
 REF_BLOCKS = 512
 MAX_STEPS = 5000
-EXAMPLES = int(os.environ.get("PAGEKV_DIFF_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("PAGEKV_DIFF_EXAMPLES", "20"))
 
 
 @dataclass
