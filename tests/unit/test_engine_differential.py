@@ -1,21 +1,28 @@
 """Differential, property-based end-to-end test of the engine's cache paths.
 
 A random workload (shared prefixes of random lengths, including exact block multiples and
-prefixes shorter than one block; random suffixes; max_tokens 1..20; n in 1..3, greedy or
-seeded; stop tokens; aborts after k steps; arrivals spread over steps; prefix-cache resets
-between requests) runs through
+prefixes shorter than one block; random suffixes; repeated prompts; conversation turns whose
+prompt holds the previous answer; max_tokens 1..20; n in 1..3, greedy or seeded; stop tokens;
+cache salts; aborts after k steps; arrivals spread over steps; prefix-cache resets between
+requests, and refused ones while busy; client ids shaped like the engine's sample ids) runs
+through
 
 - a reference engine: prefix caching off, a pool big enough for everything;
-- engines with prefix caching on and a small pool (eviction, preemption), without tiers,
-  with a DRAM tier, and with an SSD tier (behind a 2-slot DRAM, or alone), chunked prefill
-  on or off, block size 8 or 16.
+- engines with prefix caching on and a small pool (eviction, preemption): without tiers,
+  with a DRAM tier, with an SSD tier (behind a 2-slot DRAM, or alone), and with a few DRAM
+  slots over a tiny SSD (drops, SSD evictions); chunked prefill on or off, with budgets down
+  to 3 tokens; block size 8 or 16; watermark; batches of one sequence or more.
 
-Every request must produce the reference's tokens (an aborted one: a prefix of them). After
-every step the manager's invariants hold; at the end every pool block is free and the tiers'
-books agree. Each workload ends with a probe that cannot pass vacuously: a prompt P, a flush
-prompt that needs the whole pool (so every cached block is evicted), P again — which must be
-served entirely from the tiers, from SSD where the DRAM is too small to hold it — and
-another flush. The SSD engine is then restarted on its directory and serves P again.
+Every request must produce the reference's tokens (an aborted one: a prefix of them). Every
+admission keeps its hits below the last token; after every step the manager's invariants
+hold (tests/kv_invariants.py); at the end every pool block is free, the tiers' books agree and
+the per-tier hit metrics equal the sum of the requests' counts. Each workload ends with a
+probe that cannot pass vacuously: a prompt P, a flush prompt that needs the whole pool (so
+every cached block is evicted), P again — which must be served entirely from the tiers, from
+SSD where the DRAM is too small to hold it — and another flush. The SSD engine is then
+restarted on its directory and serves P again from disk.
+
+PAGEKV_DIFF_EXAMPLES=500 runs a longer hunt.
 """
 
 from __future__ import annotations
