@@ -298,10 +298,13 @@ class Engine:
     def _delta(self, group: SequenceGroup, now: float) -> RequestOutput:
         completions = []
         for seq in group.seqs:
+            if seq.sent_finish:
+                continue  # an n>1 sibling that finished earlier: nothing new to say
             out = seq.req.output_token_ids
             new_tokens = out[seq.sent_tokens :]
             seq.sent_tokens = len(out)
-            text = self.tokenizer.decode(out)
+            # EOS or a stop token stays the last token id but not in the text, as in vLLM.
+            text = self.tokenizer.decode(out[:-1] if seq.finish_reason == "stop" else out)
             # Hold back a trailing partial UTF-8 character until it completes.
             if seq.finish_reason is None and text.endswith("\ufffd"):
                 text = text.rstrip("\ufffd")
@@ -310,6 +313,7 @@ class Engine:
                 new_text = text[len(seq.sent_text) :]
                 seq.sent_text = text
             completions.append(CompletionOutput(seq.index, new_tokens, new_text, seq.finish_reason))
+            seq.sent_finish = seq.finish_reason is not None
         finished = group.finished
         if finished:
             group.metrics.finished_time = now

@@ -60,6 +60,7 @@ class Sequence:
     # Streaming state: how much of the output was already handed out.
     sent_tokens: int = 0
     sent_text: str = ""
+    sent_finish: bool = False  # its finish_reason was handed out: later deltas skip it
 
 
 @dataclass(slots=True)

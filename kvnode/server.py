@@ -60,14 +60,10 @@ def engine_request_id(rid: str) -> str:
 
 class Completions:
     """One request's engine deltas turned into what a client sees, the same for Generate and
-    GenerateStream:
-    - each completion's finish_reason exactly once: the engine repeats an n>1 request's
-      finished completions, with no new tokens, in every later delta of the request;
-    - a completion that ends with STOP (EOS or a stop token) keeps that token in token_ids
-      but not its text, as vLLM does."""
+    GenerateStream. The engine already leaves a stop token's text out and reports each
+    completion's finish_reason once."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self) -> None:
         self.tokens: dict[int, list[int]] = {}
         self.texts: dict[int, list[str]] = {}
         self.finish: dict[int, int] = {}
@@ -76,28 +72,15 @@ class Completions:
         """(index, new token ids, new text, finish reason) for each completion that moved."""
         out = []
         for c in delta.outputs:
-            if c.index in self.finish:
+            if not (c.token_ids or c.text or c.finish_reason):
                 continue
-            tokens = self.tokens.setdefault(c.index, [])
-            texts = self.texts.setdefault(c.index, [])
-            tokens.extend(c.token_ids)
-            text = c.text
-            if c.finish_reason == "stop" and tokens:
-                text = self._text_without_last(tokens, "".join(texts))
-            if not (c.token_ids or text or c.finish_reason):
-                continue
+            self.tokens.setdefault(c.index, []).extend(c.token_ids)
+            self.texts.setdefault(c.index, []).append(c.text)
             reason = FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
             if c.finish_reason is not None:
                 self.finish[c.index] = reason
-            texts.append(text)
-            out.append((c.index, list(c.token_ids), text, reason))
+            out.append((c.index, list(c.token_ids), c.text, reason))
         return out
-
-    def _text_without_last(self, tokens: list[int], sent: str) -> str:
-        """The rest of the text up to, not including, the stopping token (one decode of the
-        completion, once, when it finishes)."""
-        want = self.tokenizer.decode(tokens[:-1])
-        return want[len(sent):] if want.startswith(sent) else ""
 
     def completion(self, index: int) -> pb.Completion:
         return pb.Completion(index=index, token_ids=self.tokens.get(index, []),
@@ -185,7 +168,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         )
 
     async def Generate(self, request, context):
-        done = Completions(self.pod.engine.tokenizer if self.pod.engine else None)
+        done = Completions()
         rid, tokens, last = request.request_id, [], None
         async with contextlib.aclosing(self._stream(request, context)) as stream:
             async for out_rid, out_tokens, delta in stream:
@@ -202,7 +185,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         )
 
     async def GenerateStream(self, request, context):
-        done = Completions(self.pod.engine.tokenizer if self.pod.engine else None)
+        done = Completions()
         async with contextlib.aclosing(self._stream(request, context)) as stream:
             async for rid, tokens, delta in stream:
                 for chunk in self._chunks(rid, tokens, delta, done):

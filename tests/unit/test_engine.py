@@ -119,6 +119,30 @@ def test_stop_token_and_eos():
                                                     stop_token_ids=[stop_at]))[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == free_run[: free_run.index(stop_at) + 1]
+    # The stop token ends the ids but not the text (vLLM's rule; the pod says the same).
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_finished_sample_is_reported_once():
+    engine = LLM("pagekv-tiny", num_gpu_blocks=64, max_model_len=256).engine
+    staggered = 0
+    for seed in range(12):
+        # Half the vocabulary stops: the two samples usually finish at different steps.
+        params = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=seed,
+                                stop_token_ids=list(range(0, 256, 2)))
+        engine.add_request(f"r{seed}", [3, 4, 5], params)
+        finished_at: dict[int, int] = {}
+        step = 0
+        while engine.has_unfinished():
+            step += 1
+            for delta in engine.step():
+                for c in delta.outputs:
+                    assert c.index not in finished_at, "a finished completion came back"
+                    if c.finish_reason is not None:
+                        finished_at[c.index] = step
+        assert sorted(finished_at) == [0, 1]
+        staggered += finished_at[0] != finished_at[1]
+    assert staggered, "no seed finished the two samples at different steps"
 
 
 def test_soak_random_requests_small_pool():
