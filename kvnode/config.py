@@ -29,6 +29,7 @@ class EngineArgs:
     cpu_offload_bytes: int = 0
     disk_offload_bytes: int = 0
     disk_offload_dir: str | None = None
+    disk_offload_persist: bool = True
     block_metrics_sample_rate: float = 0.01
 
     @classmethod
@@ -62,5 +63,7 @@ HELP: dict[str, str] = {
     "cpu_offload_bytes": "DRAM tier size; evicted blocks spill here (0: off)",
     "disk_offload_bytes": "SSD tier size; DRAM's evictions spill here (0: off)",
     "disk_offload_dir": "directory of the SSD tier (survives restarts)",
+    "disk_offload_persist": "on a clean shutdown, write the pool's cached blocks and the DRAM "
+                            "tier down to the SSD tier, so a restart finds the hot prefixes",
     "block_metrics_sample_rate": "fraction of blocks sampled for the lifecycle histograms",
 }

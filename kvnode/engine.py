@@ -376,4 +376,4 @@ class Engine:
     def close(self) -> None:
         """Flush and close the tiers (the SSD tier's manifest must be consistent on exit)."""
         if self.tiers is not None:
-            self.tiers.close()
+            self.tiers.close(persist=self.args.disk_offload_persist)

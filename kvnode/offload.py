@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -273,6 +274,25 @@ class TierConnector:
                 out[tier] = secs / nbytes * kv_bytes_per_token
         return out
 
-    def close(self) -> None:
+    def close(self, persist: bool = False) -> None:
         self._loader.shutdown(wait=True)
+        if persist and self.chain.ssd is not None:
+            self.persist()
         self.chain.close()
+
+    def persist(self, batch: int = 64) -> dict[str, int]:
+        """Write the pool's cached blocks that no request holds, and DRAM, down to the SSD."""
+        t0 = time.perf_counter()
+        cached = [b for b in self.manager.block_pool.free_block_queue.get_all_free_blocks()
+                  if b.block_hash is not None]  # least recently used first
+
+        def batches():  # read a batch at a time: no second copy of the whole pool in memory
+            for i in range(0, len(cached), batch):
+                part = cached[i:i + batch]
+                data = self.runner.read_blocks([b.block_id for b in part]).cpu()
+                yield [(b.block_hash, b.parent_hash, data[j]) for j, b in enumerate(part)]
+
+        written = self.chain.persist(batches())
+        logger.info("tiers: wrote %d pool and %d DRAM blocks to the SSD tier at shutdown in "
+                    "%.2fs", written["GPU"], written["CPU"], time.perf_counter() - t0)
+        return written

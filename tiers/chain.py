@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -317,6 +317,40 @@ class TierChain:
             out["checksum_failures"] = out.get("ssd_checksum_failures", 0)
             return out
 
+    def persist(self, pool_batches: Iterable[Sequence[tuple[bytes, bytes | None, torch.Tensor]]]
+                ) -> dict[str, int]:
+        """Shutdown: write DRAM (LRU first) and then the pool's cached blocks to the SSD.
+
+        Only the SSD survives a restart, and the hottest prefixes are the ones still in the pool
+        or DRAM; without this a restarted pod's lookup misses on a prefix's first block and never
+        reaches the rest of it on disk. `pool_batches` yield (hash, parent hash, row), least
+        recently used first. Returns the blocks written per source tier."""
+        written = {"GPU": 0, "CPU": 0}
+        ssd = self.ssd
+        if ssd is None or ssd.disabled:
+            return written
+        with self._lock:
+            self._sync_ssd_locked()
+            dram = self.dram
+            for block_hash in dram.keys() if dram is not None else ():
+                node = self._nodes.get(block_hash)
+                data = dram.get(block_hash) if node is not None else None
+                if data is None or not self._put_waiting_locked(block_hash, data, node.parent_hash):
+                    continue
+                dram.remove(block_hash)
+                self._events.append(BlockRemoved([block_hash], medium="CPU"))
+                node.medium = "DISK"
+                self._events.append(self._stored_event(block_hash, node))
+                written["CPU"] += 1
+            for batch in pool_batches:
+                for block_hash, parent_hash, row in batch:
+                    if block_hash in self._nodes:
+                        continue  # already below the pool: one copy is enough
+                    if self._put_waiting_locked(block_hash, row, parent_hash):
+                        written["GPU"] += 1
+        ssd.flush()
+        return written
+
     def close(self) -> None:
         if self.ssd is not None:
             self.ssd.close()
@@ -412,6 +446,14 @@ class TierChain:
             self._c["ssd_to_pool_seconds"] += time.perf_counter() - t0
             return data, "DISK"
         return data, "CPU"
+
+    def _put_waiting_locked(self, block_hash: bytes, data: BlockData, parent_hash: bytes | None) -> bool:
+        """`ssd.put`, waiting for the writer once when its backlog is full (shutdown only)."""
+        assert self.ssd is not None
+        if self.ssd.put(block_hash, data, parent_hash):
+            return True
+        self.ssd.flush()
+        return self.ssd.put(block_hash, data, parent_hash)
 
     def _ssd_has(self, block_hash: bytes) -> bool:
         return self.ssd is not None and self.ssd.contains(block_hash)

@@ -69,7 +69,7 @@ def test_eviction_events_carry_the_tier(tmp_path):
 
 def test_overflow_lands_on_ssd_and_survives_restart(tmp_path, cold_tokens):
     kw = {"cpu_offload_bytes": 3 * 8192, "disk_offload_bytes": 16 << 20,
-          "disk_offload_dir": str(tmp_path)}
+          "disk_offload_dir": str(tmp_path), "disk_offload_persist": False}
     llm = small_llm(**kw)
     run(llm, [TARGET, *FILLERS])
     state = llm.engine.tiers.full_state()
@@ -84,6 +84,32 @@ def test_overflow_lands_on_ssd_and_survives_restart(tmp_path, cold_tokens):
     out = restarted.generate([TARGET], P)[0]
     assert out.cached_tokens_by_tier["DISK"] > 0
     assert out.outputs[0].token_ids == cold_tokens
+    restarted.engine.close()
+
+
+@pytest.mark.parametrize("workload", ["pool_only", "pool_and_dram"])
+def test_clean_shutdown_persists_pool_and_dram_for_a_restart(tmp_path, cold_tokens, workload):
+    kw = {"cpu_offload_bytes": 3 * 8192, "disk_offload_bytes": 16 << 20,
+          "disk_offload_dir": str(tmp_path)}
+    llm = small_llm(**kw)
+    # Either every TARGET block is still in the pool, or they are spread over pool/DRAM/SSD.
+    run(llm, [TARGET] if workload == "pool_only" else [TARGET, *FILLERS])
+    llm.engine.close()
+    restarted = small_llm(**kw)
+    out = restarted.generate([TARGET], P)[0]
+    assert out.cached_tokens_by_tier == {"GPU": 0, "CPU": 0, "DISK": 192}  # 12 full blocks
+    assert out.outputs[0].token_ids == cold_tokens
+    restarted.engine.close()
+
+
+def test_shutdown_without_persist_loses_what_the_pool_held(tmp_path):
+    kw = {"disk_offload_bytes": 16 << 20, "disk_offload_dir": str(tmp_path),
+          "disk_offload_persist": False}
+    llm = small_llm(**kw)
+    run(llm, [TARGET])
+    llm.engine.close()
+    restarted = small_llm(**kw)
+    assert restarted.generate([TARGET], P)[0].num_cached_tokens == 0
     restarted.engine.close()
 
 
