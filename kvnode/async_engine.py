@@ -44,13 +44,49 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.step_hooks: list[Callable[[], None]] = []  # run on the loop thread after each step
         self.error: BaseException | None = None
+        self._go = threading.Event()  # build(): the loop starts once this is set
+
+    @classmethod
+    def build(cls, factory: Callable[[], Engine], max_queue: int = 1024) -> AsyncEngine:
+        """Construct the engine on the loop thread itself, then wait for `start()`.
+
+        The thread that builds the model must be the one that runs it: stepping an engine
+        built on another thread measured 20-25% fewer tokens/s on CPU (same process, same
+        work; an engine built and stepped on one thread, main or not, ran at full speed).
+        Blocks until the engine is built; re-raises what its construction raised."""
+        self = cls(None, max_queue)  # type: ignore[arg-type]
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def boot() -> None:
+            try:
+                self.engine = factory()
+            except BaseException as exc:  # handed to the caller below
+                failure.append(exc)
+                return
+            finally:
+                built.set()
+            self._go.wait()
+            self._run()
+
+        self._thread = threading.Thread(target=boot, name="engine-loop", daemon=True)
+        self._thread.start()
+        built.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
+        return self
 
     def start(self) -> None:
-        self._thread.start()
+        if self._thread.is_alive():  # built by build(): it waits for this
+            self._go.set()
+        else:
+            self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wake.set()
+        self._go.set()
         self._thread.join(timeout)
         self.engine.close()
 

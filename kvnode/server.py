@@ -326,10 +326,12 @@ class PodServer:
         logger.info("pod %s serving gRPC on %s:%d", self.pod_id, self.host, self.port)
 
     async def _start_engine(self) -> None:
-        # Building the engine loads weights: keep the event loop free meanwhile.
-        engine = await asyncio.to_thread(Engine, self.args)
-        self.engine = engine
-        aengine = AsyncEngine(engine, self.max_queue)
+        # Building the engine loads weights: keep the event loop free meanwhile. It is built
+        # on the thread that will step it (see AsyncEngine.build).
+        aengine = await asyncio.to_thread(AsyncEngine.build, lambda: Engine(self.args),
+                                          self.max_queue)
+        engine = self.engine = aengine.engine
+        self.aengine = aengine  # from here on stop() shuts it down, started or not
         if self.redis_url:
             self.schema = IndexSchema(self.args.model, self.args.block_size,
                                       self.args.hash_algo, self.args.hash_seed)
@@ -341,7 +343,6 @@ class PodServer:
             )
             engine.event_sinks.append(self.publisher.submit)
         aengine.start()
-        self.aengine = aengine
         if self.metrics_port is not None:
             self.registry.register(EngineCollector(
                 engine, {"pod": self.pod_id},

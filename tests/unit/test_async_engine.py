@@ -57,3 +57,33 @@ def test_rejection_reaches_caller(aengine):
 
     with pytest.raises(RequestRejected, match="empty"):
         asyncio.run(main())
+
+
+def test_build_constructs_the_engine_on_its_loop_thread():
+    import threading
+
+    built_on = []
+
+    def factory():
+        built_on.append(threading.current_thread().name)
+        return Engine(model="pagekv-tiny", num_gpu_blocks=64, max_model_len=256)
+
+    aengine = AsyncEngine.build(factory)
+    aengine.start()
+    try:
+        async def one():
+            return [t async for d in aengine.generate("b", [1, 2, 3], P)
+                    for t in d.outputs[0].token_ids]
+
+        assert len(asyncio.run(one())) == P.max_tokens
+        assert built_on == ["engine-loop"] and aengine._thread.name == "engine-loop"
+    finally:
+        aengine.shutdown()
+
+
+def test_build_reraises_a_failed_construction():
+    def factory():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build(factory)
