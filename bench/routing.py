@@ -375,6 +375,12 @@ async def run_phases(routers: dict[str, Child], pods: list[Child], redis_url: st
     stubs = {p: pb_grpc.GenerationStub(ch) for p, ch in channels.items()}
     out: dict = {name: {} for name in WORKLOADS}
     try:
+        # Warm-up, not measured: first calls through each router and pod (channels, lazy
+        # imports, first allocations) are start-up cost, not per-request overhead.
+        rng = random.Random(seed + 4)
+        for stub in stubs.values():
+            await asyncio.gather(*(generate(stub, [BOS] + rand_tokens(rng, 200), 2)
+                                   for _ in range(2 * len(pods))))
         for workload, runner in (("groups", run_groups), ("bursts", run_bursts),
                                  ("multi_turn", run_multiturn)):
             for policy in ("round_robin", "random", "prefix"):
