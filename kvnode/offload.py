@@ -277,6 +277,7 @@ class TierConnector:
     def close(self, persist: bool = False) -> None:
         self._loader.shutdown(wait=True)
         if persist and self.chain.ssd is not None:
+            self.finish_loads()  # SSD reads already taken off the disk: into the pool, then back
             self.persist()
         self.chain.close()
 
