@@ -44,14 +44,22 @@ def workload(n: int, seed: int = 0):
 
 
 
+def greedy_request(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def rates(num_requests: int, output_tokens: int, wall: float) -> dict:
+    return {"wall_s": wall, "requests_per_s": num_requests / wall,
+            "tokens_per_s": output_tokens / wall, "output_tokens": output_tokens}
+
+
 def drive(address: str, reqs, concurrency: int) -> dict:
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.GenerationStub(channel)
 
     def one(item):
-        prompt, out = item
-        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
-            max_tokens=out, temperature=0.0, ignore_eos=True))
+        req = greedy_request(*item)
         t0 = time.perf_counter()
         first = None
         n = 0
@@ -67,10 +75,8 @@ def drive(address: str, reqs, concurrency: int) -> dict:
     wall = time.perf_counter() - t0
     channel.close()
     ttfts = [r[0] for r in results]
-    n_out = sum(r[2] for r in results)
-    return {"wall_s": wall, "requests_per_s": len(reqs) / wall, "tokens_per_s": n_out / wall,
-            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
-            "output_tokens": n_out}
+    return {**rates(len(reqs), sum(r[2] for r in results), wall),
+            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99)}
 
 
 def drive_all_at_once(address: str, reqs) -> dict:
@@ -84,11 +90,7 @@ def drive_all_at_once(address: str, reqs) -> dict:
             stub = pb_grpc.GenerationStub(channel)
 
             async def one(item) -> tuple[float, float, int]:
-                prompt, out = item
-                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
-                                         sampling=pb.SamplingParams(max_tokens=out,
-                                                                    temperature=0.0,
-                                                                    ignore_eos=True))
+                req = greedy_request(*item)
                 t0 = time.perf_counter()
                 first, n = None, 0
                 async for chunk in stub.GenerateStream(req, timeout=600):
@@ -101,10 +103,7 @@ def drive_all_at_once(address: str, reqs) -> dict:
 
     t0 = time.perf_counter()
     results = asyncio.run(run())
-    wall = time.perf_counter() - t0
-    n_out = sum(r[2] for r in results)
-    return {"wall_s": wall, "requests_per_s": len(reqs) / wall, "tokens_per_s": n_out / wall,
-            "output_tokens": n_out}
+    return rates(len(reqs), sum(r[2] for r in results), time.perf_counter() - t0)
 
 
 def offline(reqs, concurrency: int) -> dict:
@@ -115,9 +114,8 @@ def offline(reqs, concurrency: int) -> dict:
     llm.engine.reset_prefix_cache()
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params)
-    wall = time.perf_counter() - t0
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"wall_s": wall, "requests_per_s": len(reqs) / wall, "tokens_per_s": n_out / wall}
+    return rates(len(reqs), sum(len(o.outputs[0].token_ids) for o in outs),
+                 time.perf_counter() - t0)
 
 
 def scrape(port: int) -> dict[str, float]:
