@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml | $(VPY)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m kvnode.cli bench-cluster --nodes 2
+	$(VPY) -m kvnode.pod.cli bench-cluster --nodes 2
 
 # pytest exit code 5 (no tests collected) is a failure, like any other non-zero code.
 test: $(STAMP)

@@ -9,8 +9,8 @@ cache through random, non-contiguous block tables, and as contiguous
               faster contiguous variant here: K/V pre-expanded to 8 heads read 4x the bytes
               and measured ~2x slower at batch 32;
 * ``gather``  the pure-torch paged path: gather the blocks into contiguous K/V, then SDPA;
-* ``ref``     ``kvnode.attention.paged.paged_attention`` (the fallback path), when present;
-* ``kernel``  ``kvnode.attention.cpu_kernel.paged_attention`` (reads blocks in place).
+* ``ref``     ``kvnode.model.attention.paged.paged_attention`` (the fallback path), when present;
+* ``kernel``  ``kvnode.model.attention.cpu_kernel.paged_attention`` (reads blocks in place).
 
 Usage: ``python -m bench.attention [--quick] [--json PATH] [--threads N]``.
 """
@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvnode.attention import cpu_kernel
+from kvnode.model.attention import cpu_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def main() -> None:
     if not cpu_kernel.available():
         raise SystemExit("C++ paged attention could not be built; nothing to compare")
     try:
-        ref_mod = importlib.import_module("kvnode.attention.paged")
+        ref_mod = importlib.import_module("kvnode.model.attention.paged")
         ref_fn = getattr(ref_mod, "paged_attention", None)
     except ImportError:
         ref_fn = None

@@ -1,4 +1,4 @@
-"""Cost of chained block hashing: PageKV's kvnode.hashing vs vLLM's reference functions.
+"""Cost of chained block hashing: PageKV's proto.hashing vs vLLM's reference functions.
 
 Per algorithm, the µs per 16-token block of a chained prompt hash (parent = previous block's
 hash), for our code (hash_prompt, the path pods and the router use) and for the reference
@@ -29,7 +29,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvnode.hashing import (  # noqa: E402
+from proto.hashing import (  # noqa: E402
     DEFAULT_HASH_SEED,
     HASH_ALGOS,
     HashConfig,

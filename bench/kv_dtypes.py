@@ -11,7 +11,7 @@ For each KV dtype (fp32 = ``auto`` on CPU, fp16, bf16, fp8 = E4M3, fp8_e5m2):
     (isolates per-step error from divergence after a first different token);
   - ``max |dlogit|`` / ``mean |dlogit|``: logit error vs fp32 KV, teacher-forced.
 
-Scales are the fixed default 1.0 (see ``kvnode.attention.kv_cache``).
+Scales are the fixed default 1.0 (see ``kvnode.model.attention.kv_cache``).
 
 Usage: ``python -m bench.kv_dtypes [--quick] [--json PATH]``.
 """
@@ -32,9 +32,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
-from kvnode.attention.kv_cache import KVCacheSpec, resolve_kv_dtype  # noqa: E402
+from kvnode.model.attention.kv_cache import KVCacheSpec, resolve_kv_dtype  # noqa: E402
 from kvnode.model.presets import preset_config  # noqa: E402
-from kvnode.model_runner import ModelRunner, SeqBatchItem  # noqa: E402
+from kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.machine import machine_info
 from bench.stats import pct
 from deploy.local_cluster import LocalCluster
-from kvnode.llm import LLM
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.llm import LLM
+from kvnode.engine.sampling_params import SamplingParams
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 

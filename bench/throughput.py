@@ -20,8 +20,8 @@ import time
 import torch
 
 from bench.machine import machine_info
-from kvnode.llm import LLM
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.llm import LLM
+from kvnode.engine.sampling_params import SamplingParams
 
 MODEL = "pagekv-small"
 

@@ -23,8 +23,8 @@ import torch
 
 from bench.machine import machine_info
 from bench.tiers_io import drop_page_cache
-from kvnode.llm import LLM
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.llm import LLM
+from kvnode.engine.sampling_params import SamplingParams
 from tiers import codec
 
 MODEL = "pagekv-small"

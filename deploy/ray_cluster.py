@@ -106,10 +106,10 @@ class PodActor:
                  lease_ttl_s: float = 3.0, max_queue: int = 1024) -> None:
         _actor_logging()
         # Imported here: the driver (and the router actor) never load torch.
-        from kvnode.config import EngineArgs
-        from kvnode.heap import freeze_startup_heap
-        from kvnode.redis_server import free_port
-        from kvnode.server import PodServer
+        from kvnode.engine.config import EngineArgs
+        from kvnode.pod.redis_server import free_port
+        from kvnode.pod.server import PodServer
+        from proto.heap import freeze_startup_heap
 
         self.pod_id = pod_id
         self.host = _bind_host(host)
@@ -167,7 +167,7 @@ class RouterActor:
                  port: int = 50050, metrics_port: int = 0,
                  advertise_host: str | None = None) -> None:
         _actor_logging()
-        from kvnode.heap import freeze_startup_heap
+        from proto.heap import freeze_startup_heap
         from router.config import RouterConfig
         from router.scoring import CostModel
         from router.server import RouterServer
@@ -289,7 +289,7 @@ def deploy_cluster(
         raise RuntimeError("connect to Ray first: ray.init(address='auto') or ray.init()")
     if num_pods < 1:
         raise ValueError(f"num_pods must be >= 1, got {num_pods}")
-    from kvnode.config import EngineArgs  # plain dataclass, no torch
+    from kvnode.engine.config import EngineArgs  # plain dataclass, no torch
 
     ekw = {"model": model, **(engine_kwargs or {})}
     eargs = EngineArgs(**ekw)  # a misspelt option fails here, not in every actor
@@ -415,7 +415,7 @@ def write_prometheus_targets(handles: ClusterHandles, path: str) -> None:
 # -- the CLI ---------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvnode.cli import add_engine_arguments
+    from kvnode.pod.cli import add_engine_arguments
 
     p.add_argument("--num-nodes", "--num-pods", dest="num_pods", type=int, default=None,
                    metavar="N",
@@ -457,7 +457,7 @@ def _connect(args: argparse.Namespace, needed_cpus: float) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvnode.cli import engine_args_from
+    from kvnode.pod.cli import engine_args_from
 
     engine = asdict(engine_args_from(args))
     model = engine.pop("model")

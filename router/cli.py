@@ -1,4 +1,4 @@
-"""`pagekv router`: run the prefix-aware gRPC router (registered by kvnode.cli)."""
+"""`pagekv router`: run the prefix-aware gRPC router (registered by kvnode.pod.cli)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import logging
 import signal
 
-from kvnode.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
-from kvnode.heap import freeze_startup_heap
+from proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
+from proto.heap import freeze_startup_heap
 from router.config import DEFAULT_COSTS, POLICIES, RouterConfig
 from router.scoring import CostModel
 from router.server import RouterServer

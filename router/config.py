@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvnode.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
+from proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from router.scoring import CostModel
 
 POLICIES = ("prefix", "round_robin", "random")

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import redis.exceptions
 
-from kvnode.index_schema import (
+from proto.index_schema import (
     NAMESPACES_SUFFIX,
     IndexSchema,
     PodInfo,

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnode.hashing import HashConfig, RequestBlockHasher, lora_key
-from kvnode.index_schema import IndexSchema, PodMatch, lookup_prefix_async
+from proto.hashing import HashConfig, RequestBlockHasher, lora_key
+from proto.index_schema import IndexSchema, PodMatch, lookup_prefix_async
 from proto.pagekv.v1 import pagekv_pb2
 from router.burst import BurstTracker
 from router.config import RouterConfig
@@ -98,7 +98,7 @@ class Router:
 
     # -- request preparation ---------------------------------------------------------------
     def prepare(self, request: pagekv_pb2.GenerateRequest) -> Prepared:
-        # The pods' messages, word for word (kvnode.server): a client cannot tell who answered.
+        # The pods' messages, word for word (kvnode.pod.server): a client cannot tell who answered.
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
@@ -116,7 +116,7 @@ class Router:
         forward.CopyFrom(request)
         if kind == "text":
             forward.token_ids.ids.extend(token_ids)  # setting the oneof clears `text`
-        # The pods' rules (kvnode.kv_cache_manager / request): an empty salt is no salt, and
+        # The pods' rules (kvnode.memory.kv_cache_manager / request): an empty salt is no salt, and
         # a LoRA adapter enters every block's hash as (str(id), path) with an empty path.
         salt = request.cache_salt or None
         lora = lora_key(request.lora_id if request.HasField("lora_id") else None)

@@ -33,7 +33,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvnode.index_schema import TIERS
+from proto.index_schema import TIERS
 
 # Reasons reported in RoutingInfo.reason and as a metric label (a small fixed set).
 REASON_PREFIX = "prefix_hit"          # the chosen pod holds a prefix and is cheapest

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvnode.index_schema import LIVE_PODS_LUA, LOOKUP_LUA
+from proto.index_schema import LIVE_PODS_LUA, LOOKUP_LUA
 from proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -78,7 +78,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         if rid:
             if rid in self.inflight_ids:
                 self.metrics.failures.labels(code="ALREADY_EXISTS").inc()
-                # The pod's words (kvnode.server), so the two cannot be told apart.
+                # The pod's words (kvnode.pod.server), so the two cannot be told apart.
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                     f"request id {rid!r} is already in flight")
             self.inflight_ids.add(rid)

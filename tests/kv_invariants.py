@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from kvnode.block_pool import BlockPool, KVCacheBlock
-from kvnode.kv_cache_manager import KVCacheManager
-from kvnode.request import Request
+from kvnode.memory.block_pool import BlockPool, KVCacheBlock
+from kvnode.memory.kv_cache_manager import KVCacheManager
+from kvnode.memory.request import Request
 
 
 def check_pool(pool: BlockPool, holders: Iterable[Iterable[KVCacheBlock]]) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnode.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tiers.base import BlockData, TierMedium, as_uint8_tensor
 from tiers.dram import DramTier
 from tiers.ssd import SsdTier

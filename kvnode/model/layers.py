@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvnode.attention import AttentionBackend
-from kvnode.attention.kv_cache import KVCache
+from kvnode.model.attention import AttentionBackend
+from kvnode.model.attention.kv_cache import KVCache
 from kvnode.model.config import ModelConfig, RopeConfig
 
 

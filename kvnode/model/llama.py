@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvnode.attention import AttentionBackend
-from kvnode.attention.kv_cache import KVCache
+from kvnode.model.attention import AttentionBackend
+from kvnode.model.attention.kv_cache import KVCache
 from kvnode.model.config import ModelConfig
 from kvnode.model.layers import AttentionMetadata, DecoderLayer, RMSNorm, RotaryEmbedding
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvnode.redis_server import RedisProcess, find_redis_server
+from kvnode.pod.redis_server import RedisProcess, find_redis_server
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from kvnode.index_publisher import IndexPublisher
-from kvnode.index_schema import (
+from kvnode.pod.publisher import IndexPublisher
+from kvnode.pod.redis_server import RedisProcess
+from proto.index_schema import (
     IndexSchema,
     PodMatch,
     config_mismatch,
@@ -22,8 +23,7 @@ from kvnode.index_schema import (
     reap_pod_async,
     register_scripts,
 )
-from kvnode.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvnode.redis_server import RedisProcess
+from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 pytestmark = pytest.mark.integration
 

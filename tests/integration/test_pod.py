@@ -13,11 +13,11 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.local_cluster import LocalCluster
-from kvnode.hashing import HashConfig, hash_prompt
-from kvnode.index_schema import IndexSchema, list_live_pods, lookup_prefix
-from kvnode.llm import LLM
-from kvnode.redis_server import RedisProcess
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.llm import LLM
+from kvnode.engine.sampling_params import SamplingParams
+from kvnode.pod.redis_server import RedisProcess
+from proto.hashing import HashConfig, hash_prompt
+from proto.index_schema import IndexSchema, list_live_pods, lookup_prefix
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 

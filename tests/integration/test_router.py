@@ -21,11 +21,11 @@ import grpc
 import pytest
 import redis
 
-from kvnode.hashing import HashConfig, hash_prompt
-from kvnode.index_publisher import IndexPublisher
-from kvnode.index_schema import IndexSchema, lookup_prefix
-from kvnode.kv_events import BlockStored
-from kvnode.redis_server import RedisProcess
+from kvnode.pod.publisher import IndexPublisher
+from kvnode.pod.redis_server import RedisProcess
+from proto.hashing import HashConfig, hash_prompt
+from proto.index_schema import IndexSchema, lookup_prefix
+from proto.kv_events import BlockStored
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from router.config import RouterConfig

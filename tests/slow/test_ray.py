@@ -20,9 +20,9 @@ import pytest
 import redis
 import yaml
 
-from kvnode.hashing import DEFAULT_HASH_SEED, HashConfig, hash_prompt
-from kvnode.index_schema import IndexSchema, list_live_pods, lookup_prefix
-from kvnode.redis_server import RedisProcess
+from kvnode.pod.redis_server import RedisProcess
+from proto.hashing import DEFAULT_HASH_SEED, HashConfig, hash_prompt
+from proto.index_schema import IndexSchema, list_live_pods, lookup_prefix
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
@@ -181,7 +181,7 @@ def test_pod_actor_retries_when_its_port_is_taken_before_bind(
         redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The actor class itself, in this process (no Ray needed): the first port it picks is
     taken by someone else by the time it binds."""
-    from kvnode import redis_server
+    from kvnode.pod import redis_server
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvnode.engine import DuplicateRequestId, Engine
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.engine import DuplicateRequestId, Engine
+from kvnode.engine.sampling_params import SamplingParams
 from tests.kv_invariants import check_all_free, check_lookup, check_manager, check_tier_chain
 
 MODEL = "pagekv-tiny"
@@ -447,7 +447,7 @@ def test_cached_and_offloaded_paths_match_a_cold_run(w: Workload) -> None:
 
 
 def _request(prompt: list[int]):
-    from kvnode.request import Request
+    from kvnode.memory.request import Request
 
     return Request("probe", prompt)
 

@@ -18,7 +18,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvnode.hashing import (
+from proto.hashing import (
     DEFAULT_HASH_SEED,
     HASH_ALGOS,
     HashConfig,
@@ -151,8 +151,8 @@ def test_custom_hash_fn_takes_the_generic_path() -> None:
 def test_no_torch_and_no_process_randomness() -> None:
     """The router imports this module: no torch; and hashes do not depend on the process."""
     code = (
-        "import sys; from kvnode.hashing import HashConfig, hash_prompt, HASH_ALGOS\n"
-        "assert 'torch' not in sys.modules, 'kvnode.hashing pulled in torch'\n"
+        "import sys; from proto.hashing import HashConfig, hash_prompt, HASH_ALGOS\n"
+        "assert 'torch' not in sys.modules, 'proto.hashing pulled in torch'\n"
         "print(','.join(hash_prompt(HashConfig(a), 16, list(range(48)), 's')[-1].hex()"
         " for a in HASH_ALGOS))"
     )

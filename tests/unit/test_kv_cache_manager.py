@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvnode.kv_cache_manager import KVCacheManager
-from kvnode.request import Request
+from kvnode.memory.kv_cache_manager import KVCacheManager
+from kvnode.memory.request import Request
 
 BS = 16
 

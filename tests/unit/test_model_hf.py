@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from kvnode.model import ModelLoadError  # noqa: E402
-from kvnode.model_runner import ModelRunner, SeqBatchItem  # noqa: E402
+from kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
 
 VOCAB = 96
 PROMPTS = [

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from kvnode.attention.kv_cache import resolve_kv_dtype
 from kvnode.model import ByteTokenizer
-from kvnode.model_runner import ModelRunner, SeqBatchItem
+from kvnode.model.attention.kv_cache import resolve_kv_dtype
+from kvnode.model.runner import ModelRunner, SeqBatchItem
 
 TINY = "pagekv-tiny"
 

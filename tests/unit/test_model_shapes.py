@@ -19,7 +19,7 @@ pytest.importorskip("tokenizers")
 from kvnode.model import ModelLoadError, config_from_hf_dict  # noqa: E402
 from kvnode.model.config import ALLOW_LONG_ENV  # noqa: E402
 from kvnode.model.loader import load_config  # noqa: E402
-from kvnode.model_runner import ModelRunner, SeqBatchItem  # noqa: E402
+from kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
 
 BLOCK = 8
 STEPS = 7
@@ -217,7 +217,7 @@ def test_checkpoint_matches_transformers(saved, case):
 
 @pytest.mark.parametrize("case", ["llama_head_dim_32", "llama_gqa_8_to_2", "qwen2_yarn_mqa"])
 def test_cpp_kernel_matches_transformers(saved, case):
-    from kvnode.attention import cpu_kernel
+    from kvnode.model.attention import cpu_kernel
 
     if not cpu_kernel.available():
         pytest.skip("C++ attention kernel unavailable")
@@ -229,8 +229,8 @@ def test_cpp_kernel_matches_transformers(saved, case):
 def test_offline_llm_matches_transformers_and_prefix_hits(saved, case):
     """Through the engine (scheduler, prefix cache, default attention backend): greedy
     tokens equal HF's, and a second pass that continues cached blocks gives the same."""
-    from kvnode.llm import LLM
-    from kvnode.sampling_params import SamplingParams
+    from kvnode.engine.llm import LLM
+    from kvnode.engine.sampling_params import SamplingParams
 
     path = saved(case)
     hf = reference(path)
@@ -413,7 +413,7 @@ def test_chunked_prefill_inside_a_sliding_window(saved):
 
 
 def test_sliding_window_picks_a_backend_that_has_it(saved, monkeypatch):
-    from kvnode.attention import cpu_kernel
+    from kvnode.model.attention import cpu_kernel
 
     if not cpu_kernel.available():
         pytest.skip("C++ attention kernel unavailable")

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvnode.kv_events import BlockRemoved, BlockStored
-from kvnode.llm import LLM
-from kvnode.request import Request
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.llm import LLM
+from kvnode.engine.sampling_params import SamplingParams
+from kvnode.memory.request import Request
+from proto.kv_events import BlockRemoved, BlockStored
 
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PREFIX = [(i * 37) % 250 + 1 for i in range(200)]  # 12 full blocks of 16
@@ -169,7 +169,7 @@ def test_unwritable_ssd_dir_disables_the_tier_and_keeps_serving(tmp_path, cold_t
 
 
 def test_request_hashed_for_another_block_size_is_rehashed():
-    from kvnode.kv_cache_manager import KVCacheManager
+    from kvnode.memory.kv_cache_manager import KVCacheManager
 
     req = Request("r", list(range(1, 70)))
     KVCacheManager(16, block_size=16).get_computed_blocks(req)

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvnode.attention.paged as paged
-from kvnode.attention import REFERENCE_BACKEND, get_attention_backend
-from kvnode.attention.paged import paged_attention, write_kv_cache
+import kvnode.model.attention.paged as paged
+from kvnode.model.attention import REFERENCE_BACKEND, get_attention_backend
+from kvnode.model.attention.paged import paged_attention, write_kv_cache
 
 
 def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int,
@@ -138,7 +138,7 @@ def test_slot_minus_one_is_skipped():
 
 
 # ---- dispatcher ------------------------------------------------------------------------------
-KERNEL = "kvnode.attention.cpu_kernel"
+KERNEL = "kvnode.model.attention.cpu_kernel"
 
 
 def _fake_kernel(available: bool) -> types.ModuleType:

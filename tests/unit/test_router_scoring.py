@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvnode.hashing import HashConfig, hash_prompt
+from proto.hashing import HashConfig, hash_prompt
 from router.burst import BurstTracker
 from router.scoring import (
     REASON_BURST,
@@ -266,8 +266,8 @@ def test_importing_the_router_does_not_load_torch() -> None:
 ])
 def test_router_chain_equals_the_pods_chain(salt: str, lora_id: int | None, algo: str,
                                             seed: str) -> None:
-    from kvnode.kv_cache_manager import KVCacheManager
-    from kvnode.request import Request
+    from kvnode.memory.kv_cache_manager import KVCacheManager
+    from kvnode.memory.request import Request
     from proto.pagekv.v1 import pagekv_pb2 as pb
     from router.config import RouterConfig
     from router.metrics import RouterMetrics
@@ -281,7 +281,7 @@ def test_router_chain_equals_the_pods_chain(salt: str, lora_id: int | None, algo
     prepared = router.prepare(req)
     assert prepared.forward.WhichOneof("prompt") == "token_ids"
     assert list(prepared.forward.token_ids.ids) == ByteEncoder().encode(req.text)
-    # What kvnode.server does with the same request, then the pod's own hasher.
+    # What kvnode.pod.server does with the same request, then the pod's own hasher.
     pod_req = Request("r", list(prepared.forward.token_ids.ids), cache_salt=salt or None,
                       lora_id=str(lora_id) if lora_id is not None else None)
     pod_hashes = KVCacheManager(8, BS, hash_algo=algo, hash_seed=seed)._hashes(pod_req)

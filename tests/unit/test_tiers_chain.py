@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvnode.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tiers import ssd_format
 from tiers.chain import TierChain
 from tiers.dram import DramTier

@@ -13,14 +13,14 @@ import logging
 import sys
 from dataclasses import fields
 
-from kvnode.config import HELP, EngineArgs
+from kvnode.engine.config import HELP, EngineArgs
 
 # subcommand -> (module, help)
 SUBCOMMANDS = {
-    "node": ("kvnode.server", "run one pod: the engine behind a gRPC Generate service"),
+    "node": ("kvnode.pod.server", "run one pod: the engine behind a gRPC Generate service"),
     "router": ("router.cli", "run the prefix-aware gRPC router over the Redis index"),
     "up": ("deploy.local_cluster", "start a local cluster: Redis, N pods and the router"),
-    "generate": ("kvnode.client", "send one Generate call to a router or a pod"),
+    "generate": ("kvnode.pod.client", "send one Generate call to a router or a pod"),
     "bench-cluster": ("deploy.bench_cluster", "drive a shared-prefix workload through a cluster"),
     "ray-up": ("deploy.ray_cluster", "deploy pods and the router as Ray actors"),
 }

@@ -1,7 +1,7 @@
 """KV cache tensors: dtypes, fp8 scales, allocation and whole-block byte packing.
 
 Each layer owns one K and one V tensor of shape
-``[num_blocks, block_size, num_kv_heads, head_size]`` (see ``kvnode.attention.paged`` for why
+``[num_blocks, block_size, num_kv_heads, head_size]`` (see ``kvnode.model.attention.paged`` for why
 this layout). Values are stored in the configured KV dtype and always dequantized to fp32
 for compute: ``stored = (x / scale).to(kv_dtype)``, ``x ≈ stored.float() * scale``.
 

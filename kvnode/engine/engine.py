@@ -17,16 +17,16 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from kvnode.config import EngineArgs
-from kvnode.kv_cache_manager import KVCacheManager
-from kvnode.metrics import KVCacheMetrics
-from kvnode.model_runner import ModelRunner, SeqBatchItem
-from kvnode.offload import TierConnector, build_tier_chain
-from kvnode.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvnode.request import Request
-from kvnode.sampler import make_generator, sample
-from kvnode.sampling_params import SamplingParams
-from kvnode.scheduler import Scheduler, Sequence, SequenceGroup
+from kvnode.engine.config import EngineArgs
+from kvnode.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvnode.engine.sampler import make_generator, sample
+from kvnode.engine.sampling_params import SamplingParams
+from kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
+from kvnode.engine.tier_connector import TierConnector, build_tier_chain
+from kvnode.memory.kv_cache_manager import KVCacheManager
+from kvnode.memory.metrics import KVCacheMetrics
+from kvnode.memory.request import Request
+from kvnode.model.runner import ModelRunner, SeqBatchItem
 
 logger = logging.getLogger(__name__)
 

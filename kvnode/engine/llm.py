@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvnode.config import EngineArgs
-from kvnode.engine import Engine
-from kvnode.outputs import CompletionOutput, RequestOutput
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.config import EngineArgs
+from kvnode.engine.engine import Engine
+from kvnode.engine.outputs import CompletionOutput, RequestOutput
+from kvnode.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from kvnode.engine import DuplicateRequestId, Engine
-from kvnode.outputs import RequestOutput
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.engine import DuplicateRequestId, Engine
+from kvnode.engine.outputs import RequestOutput
+from kvnode.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

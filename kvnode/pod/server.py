@@ -23,14 +23,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from kvnode.async_engine import AsyncEngine, QueueFull
-from kvnode.config import EngineArgs
-from kvnode.engine import DuplicateRequestId, Engine, RequestRejected
-from kvnode.heap import freeze_startup_heap
-from kvnode.index_publisher import IndexPublisher
-from kvnode.index_schema import IndexSchema
-from kvnode.prom import EngineCollector, RequestMetricsExporter
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.async_engine import AsyncEngine, QueueFull
+from kvnode.engine.config import EngineArgs
+from kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
+from kvnode.engine.sampling_params import SamplingParams
+from kvnode.pod.prom import EngineCollector, RequestMetricsExporter
+from kvnode.pod.publisher import IndexPublisher
+from proto.heap import freeze_startup_heap
+from proto.index_schema import IndexSchema
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
@@ -370,7 +370,7 @@ class PodServer:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvnode.cli import add_engine_arguments
+    from kvnode.pod.cli import add_engine_arguments
 
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50051)
@@ -387,7 +387,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvnode.cli import engine_args_from
+    from kvnode.pod.cli import engine_args_from
 
     # A stable default id: a restarted pod replaces its own registration (new epoch)
     # instead of leaving a dead pod id in the index.

@@ -27,14 +27,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvnode.index_schema import (
+from proto.index_schema import (
     TIER_BIT,
     IndexSchema,
     claim_value,
     clear_pod_claims,
     config_mismatch,
 )
-from kvnode.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 

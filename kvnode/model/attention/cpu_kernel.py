@@ -6,7 +6,7 @@ compiled just-in-time with ``torch.utils.cpp_extension.load`` the first time
 :func:`available` is called; the build directory is cached (``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/pagekv/torch_extensions``), keyed by torch version and CPU, so only the first
 process on a machine pays for the compile. When the build fails, :func:`available` returns
-False and logs one warning; callers then use the pure-torch path (``kvnode.attention.paged``).
+False and logs one warning; callers then use the pure-torch path (``kvnode.model.attention.paged``).
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvnode.block_pool import BlockPool, EvictHook, KVCacheBlock
-from kvnode.hashing import DEFAULT_HASH_SEED, HashConfig, RequestBlockHasher, lora_key
-from kvnode.kv_events import KVEvent
-from kvnode.metrics import KVCacheMetrics
-from kvnode.request import Request
+from kvnode.memory.block_pool import BlockPool, EvictHook, KVCacheBlock
+from kvnode.memory.metrics import KVCacheMetrics
+from kvnode.memory.request import Request
+from proto.hashing import DEFAULT_HASH_SEED, HashConfig, RequestBlockHasher, lora_key
+from proto.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
 

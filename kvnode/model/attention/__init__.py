@@ -1,7 +1,7 @@
 """Paged attention backends and the dispatcher that picks one.
 
 Backends share one signature (see ``paged.paged_attention``). ``torch`` is the pure-torch
-reference; ``cpp`` is the optional C++ CPU kernel in ``kvnode.attention.cpu_kernel``
+reference; ``cpp`` is the optional C++ CPU kernel in ``kvnode.model.attention.cpu_kernel``
 (a module exposing ``available() -> bool`` and ``paged_attention(...)``, and optionally
 ``write_kv_cache(...)``). Selection, by argument or ``PAGEKV_ATTENTION_BACKEND``:
 
@@ -19,13 +19,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvnode.attention.paged import paged_attention, write_kv_cache
+from kvnode.model.attention.paged import paged_attention, write_kv_cache
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "PAGEKV_ATTENTION_BACKEND"
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "cpp")
-_KERNEL_MODULE = "kvnode.attention.cpu_kernel"
+_KERNEL_MODULE = "kvnode.model.attention.cpu_kernel"
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvnode.kv_cache_manager import KVCacheManager
-from kvnode.outputs import RequestMetrics
-from kvnode.request import Request
-from kvnode.sampling_params import SamplingParams
+from kvnode.engine.outputs import RequestMetrics
+from kvnode.engine.sampling_params import SamplingParams
+from kvnode.memory.kv_cache_manager import KVCacheManager
+from kvnode.memory.request import Request
 
 logger = logging.getLogger(__name__)
 

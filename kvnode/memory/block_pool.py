@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvnode.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvnode.metrics import KVCacheMetrics
+from kvnode.memory.metrics import KVCacheMetrics
+from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True, eq=False)

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvnode.block_pool import KVCacheBlock
-from kvnode.kv_cache_manager import KVCacheManager
-from kvnode.kv_events import KVEvent
-from kvnode.request import Request
+from kvnode.memory.block_pool import KVCacheBlock
+from kvnode.memory.kv_cache_manager import KVCacheManager
+from kvnode.memory.request import Request
+from proto.kv_events import KVEvent
 from tiers.chain import TierChain
 from tiers.dram import DramTier
 from tiers.ssd import SsdTier

@@ -1,0 +1,1 @@
+"""The pod on the network: gRPC server, index publisher, metrics, CLI, client."""
