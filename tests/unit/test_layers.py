@@ -1,0 +1,126 @@
+"""The layer rules of docs/ARCHITECTURE.md, enforced by walking every module's imports.
+
+A layer may import the layers below it and never one above. The contract (`proto`) and the
+router are light processes' code: they never import torch, and importing them must not pull
+torch in by way of something else.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Project packages a layer may import (its own included). Third-party imports are free
+# except where FORBIDDEN_THIRD_PARTY says otherwise.
+ALLOWED: dict[str, set[str]] = {
+    "proto": {"proto"},
+    "tiers": {"proto", "tiers"},
+    "router": {"proto", "router"},
+    "kvnode.memory": {"proto", "kvnode.memory"},
+    "kvnode.model": {"proto", "kvnode.model"},
+    "kvnode.engine": {"proto", "tiers", "kvnode.memory", "kvnode.model", "kvnode.engine"},
+    "kvnode.pod": {"proto", "tiers", "kvnode"},
+    "kvnode": {"proto", "tiers", "kvnode"},  # the package's own face (kvnode/__init__.py)
+    "deploy": {"proto", "tiers", "kvnode", "router", "deploy"},
+}
+FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
+    "proto": {"torch", "ray", "numpy"},
+    "router": {"torch", "ray", "numpy", "safetensors"},
+    "kvnode.memory": {"torch"},
+}
+PROJECT = ("proto", "tiers", "router", "kvnode", "deploy")
+
+
+def layer_of(module: str) -> str | None:
+    """The most specific layer a dotted module name belongs to."""
+    best = None
+    for layer in ALLOWED:
+        if (module == layer or module.startswith(layer + ".")) and (
+                best is None or len(layer) > len(best)):
+            best = layer
+    return best
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, mod: str) -> list[tuple[int, str]]:
+    """Every absolute module a file imports, at any depth (functions, TYPE_CHECKING too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target))
+    return out
+
+
+def source_files() -> list[Path]:
+    return [p for top in PROJECT for p in sorted((ROOT / top).rglob("*.py"))]
+
+
+def violations_in(path: Path, mod: str) -> list[str]:
+    layer = layer_of(mod)
+    if layer is None:
+        return [f"{mod}: belongs to no layer (add it to ALLOWED and ARCHITECTURE.md)"]
+    bad = []
+    generated = mod.startswith("proto.pagekv.")
+    for lineno, target in imports_of(path, mod):
+        top = target.split(".")[0]
+        where = f"{mod}:{lineno} imports {target}"
+        if top in PROJECT:
+            if not any(target == a or target.startswith(a + ".") for a in ALLOWED[layer]):
+                bad.append(f"{where}: layer {layer} may import only {sorted(ALLOWED[layer])}")
+        elif top in FORBIDDEN_THIRD_PARTY.get(layer, set()):
+            bad.append(f"{where}: layer {layer} must not import {top}")
+        elif top == "grpc" and layer == "proto" and not generated:
+            bad.append(f"{where}: the contract's own modules do not import grpc")
+    return bad
+
+
+def test_every_import_respects_the_layers() -> None:
+    bad = [v for path in source_files() for v in violations_in(path, module_name(path))]
+    assert not bad, "layer rules broken:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_violations(tmp_path: Path) -> None:
+    """The walk finds imports inside functions, relative ones, and forbidden libraries."""
+    f = tmp_path / "probe.py"
+    f.write_text("def f():\n    from kvnode.engine import engine\n    from . import base\n"
+                 "import torch\n")
+    assert sorted(t for _, t in imports_of(f, "tiers.probe")) == ["kvnode.engine", "tiers", "torch"]
+    assert len(violations_in(f, "tiers.probe")) == 1  # tiers may use torch, not kvnode
+    assert len(violations_in(f, "router.probe")) == 3  # nor kvnode, tiers or torch
+    assert len(violations_in(f, "kvnode.pod.probe")) == 0
+
+
+@pytest.mark.parametrize("module", [
+    "proto.hashing", "proto.kv_events", "proto.medium", "router.server", "router.cli",
+    "kvnode.memory.kv_cache_manager",
+])
+def test_light_modules_do_not_pull_torch_in(module: str) -> None:
+    """Importing the module in a fresh interpreter leaves torch (and ray) unloaded."""
+    code = (f"import sys, {module}\n"
+            "heavy = sorted(m for m in ('torch', 'ray') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
