@@ -34,7 +34,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
@@ -50,226 +50,32 @@ from kvnode.pod.redis_server import RedisProcess, free_port  # noqa: E402
 from proto.index_schema import IndexSchema, list_live_pods  # noqa: E402
 from proto.pagekv.v1 import pagekv_pb2 as pb  # noqa: E402
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc  # noqa: E402
-from router.server import OVERHEAD_METADATA_KEY  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-BS = 16
-POLICIES = ("prefix", "round_robin", "random")
-WORKLOADS = ("groups", "bursts", "multi_turn")
-BOS = 256  # the byte tokenizer's BOS: built-in presets only
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    groups: int
-    prompts_per_group: int
-    prefix_tokens: int   # multiple of BS
-    suffix_tokens: int
-    conversations: int
-    turns: int
-    context_tokens: int  # each conversation's own opening context
-    message_tokens: int  # each later user message
-    max_tokens: int
-    concurrency: int
-    sweep: tuple[int, ...] = ()  # prompts per group for the groups-workload sweep
-
-
-QUICK = Workload(groups=12, prompts_per_group=6, prefix_tokens=1024, suffix_tokens=48,
-                 conversations=8, turns=4, context_tokens=512, message_tokens=64,
-                 max_tokens=8, concurrency=8)
-FULL = Workload(groups=16, prompts_per_group=8, prefix_tokens=1024, suffix_tokens=48,
-                conversations=12, turns=5, context_tokens=512, message_tokens=64,
-                max_tokens=8, concurrency=8, sweep=(2, 3, 4, 8, 16))
-
-
-def pool_blocks(w: Workload) -> int:
-    """Pool per pod: the groups' prefixes fill 150% of it."""
-    return int(w.groups * (w.prefix_tokens // BS) / 1.5)
-
-
-# -- workloads and their oracles --------------------------------------------------------------
-
-def rand_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(BOS) for _ in range(n)]
-
-
-def group_requests(w: Workload, seed: int, bursts: bool = False
-                   ) -> list[tuple[int, list[int]]]:
-    """(group, prompt) in arrival order, the same for every policy.
-
-    Waves (default): P waves, and in each wave every group sends one prompt, the groups in
-    a fresh random order (tenants whose users keep coming back, interleaved). Bursts: the
-    groups in random order, each sending its P prompts at once (siblings of one task).
-    """
-    rng = random.Random(seed)
-    prefixes = [[BOS] + rand_tokens(rng, w.prefix_tokens - 1) for _ in range(w.groups)]
-    reqs = []
-    if bursts:
-        order = list(range(w.groups))
-        rng.shuffle(order)
-        return [(g, prefixes[g] + rand_tokens(rng, w.suffix_tokens))
-                for g in order for _ in range(w.prompts_per_group)]
-    for _ in range(w.prompts_per_group):
-        wave = list(range(w.groups))
-        rng.shuffle(wave)
-        reqs += [(g, prefixes[g] + rand_tokens(rng, w.suffix_tokens)) for g in wave]
-    return reqs
-
-
-def group_oracle(w: Workload) -> float:
-    """Every group on one pod, unbounded pool: all but each group's first prompt hit the
-    prefix's full blocks (the random suffixes share nothing)."""
-    prompt = w.prefix_tokens + w.suffix_tokens
-    hit = min(w.prefix_tokens // BS, (prompt - 1) // BS) * BS
-    return (w.prompts_per_group - 1) * hit / (w.prompts_per_group * prompt)
-
-
-def scatter_bound(w: Workload, pods: int) -> float:
-    """Best hit rate of any policy that sends each prompt to a uniformly random pod (what
-    round-robin does to interleaved groups), even with unbounded pools: a group's first
-    prompt on each pod it visits misses. With D the distinct pods among P visits,
-    E[D] = pods * (1 - (1 - 1/pods)^P), and P - E[D] prompts can hit."""
-    p = w.prompts_per_group
-    distinct = pods * (1 - (1 - 1 / pods) ** p)
-    return group_oracle(w) * (p - distinct) / (p - 1) if p > 1 else 0.0
-
-
-def multiturn_oracle(w: Workload) -> float:
-    """Turn t+1 can hit every full block of turn t's prompt + answer whose KV was computed
-    (the last answer token's KV never is)."""
-    cached = total = 0
-    prev = 0
-    length = w.context_tokens + w.message_tokens
-    for t in range(w.turns):
-        total += length
-        if t:
-            cached += min((prev + w.max_tokens - 1) // BS, (length - 1) // BS) * BS
-        prev, length = length, length + w.max_tokens + w.message_tokens
-    return cached / total
-
-
-# -- one request -----------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class Result:
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    overhead_us: int
-    served_by: str
-    lookup_ms: float = 0.0
-    answer: list[int] = field(default_factory=list)
-
-
-async def generate(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int) -> Result:
-    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    t0 = time.perf_counter()
-    first = 0.0
-    answer: list[int] = []
-    usage = pb.Usage()
-    served_by = ""
-    lookup_ms = 0.0
-    call = stub.GenerateStream(req, timeout=300)
-    async for chunk in call:
-        if chunk.token_ids and not first:
-            first = time.perf_counter()
-        if chunk.index == 0:
-            answer.extend(chunk.token_ids)
-        if chunk.HasField("usage"):
-            usage, served_by = chunk.usage, chunk.served_by
-            lookup_ms = chunk.routing.lookup_ms
-    end = time.perf_counter()
-    meta = dict(await call.trailing_metadata() or ())
-    return Result(first - t0, end - t0, usage.prompt_tokens, usage.cached_tokens,
-                  usage.completion_tokens, int(meta.get(OVERHEAD_METADATA_KEY, -1)), served_by,
-                  lookup_ms, answer)
-
-
-async def run_groups(stub: pb_grpc.GenerationStub, w: Workload, seed: int,
-                     bursts: bool = False) -> list[Result]:
-    sem = asyncio.Semaphore(w.concurrency)
-
-    async def one(prompt: list[int]) -> Result:
-        async with sem:
-            return await generate(stub, prompt, w.max_tokens)
-
-    reqs = group_requests(w, seed, bursts)
-    return list(await asyncio.gather(*(one(p) for _, p in reqs)))
-
-
-async def run_bursts(stub: pb_grpc.GenerationStub, w: Workload, seed: int) -> list[Result]:
-    return await run_groups(stub, w, seed, bursts=True)
-
-
-async def run_multiturn(stub: pb_grpc.GenerationStub, w: Workload, seed: int) -> list[Result]:
-    rng = random.Random(seed + 1)
-    openings = [[BOS] + rand_tokens(rng, w.context_tokens - 1) for _ in range(w.conversations)]
-    messages = [[rand_tokens(rng, w.message_tokens) for _ in range(w.turns)]
-                for _ in range(w.conversations)]
-    sem = asyncio.Semaphore(w.concurrency)
-    results: list[Result] = []
-
-    async def conversation(c: int) -> None:
-        history = list(openings[c])
-        for t in range(w.turns):
-            prompt = history + messages[c][t]
-            async with sem:
-                r = await generate(stub, prompt, w.max_tokens)
-            results.append(r)
-            history = prompt + r.answer
-            await asyncio.sleep(rng.random() * 0.05)  # the user types
-
-    await asyncio.gather(*(conversation(c) for c in range(w.conversations)))
-    return results
-
-
-async def decision_cost(redis_url: str, model: str, n: int, seed: int) -> dict:
-    """The routing decision alone, in this process, with the pods idle: tokenize + hash +
-    one Redis lookup + scoring for a prompt whose 1,024-token prefix one pod holds."""
-    import redis.asyncio as aioredis
-
-    from router.config import RouterConfig
-    from router.metrics import RouterMetrics
-    from router.routing import Router
-    from router.tokenize import load_tokenizer
-
-    client = aioredis.Redis.from_url(redis_url)
-    router = Router(RouterConfig(redis_url=redis_url, model=model), client,
-                    load_tokenizer(model), RouterMetrics())
-    await router.registry.refresh()
-    rng = random.Random(seed + 3)
-    text = "".join(chr(32 + rng.randrange(90)) for _ in range(1023))
-    stub = pb_grpc.GenerationStub(grpc.aio.insecure_channel(
-        router.registry.eligible()[0].info.address))
-    await generate(stub, [BOS] + list(text.encode()) + [1] * 20, 1)  # one pod holds it
-    await asyncio.sleep(0.3)
-    prep, total = [], []
-    for i in range(n):
-        req = pb.GenerateRequest(text=text + f" question {i}: " + "x" * (i % 40))
-        t0 = time.perf_counter()
-        prepared = router.prepare(req)
-        t1 = time.perf_counter()
-        decision = await router.decide(prepared)
-        t2 = time.perf_counter()
-        prep.append(t1 - t0)
-        total.append(t2 - t0)
-    await client.aclose()
-    return {"prepare_p50_ms": 1e3 * pct(prep, 0.5), "prepare_p99_ms": 1e3 * pct(prep, 0.99),
-            "decision_p50_ms": 1e3 * pct(total, 0.5), "decision_p99_ms": 1e3 * pct(total, 0.99),
-            "n": n, "reason": decision.reason}
-
-
-async def sequential_overhead(stub: pb_grpc.GenerationStub, n: int, seed: int
-                              ) -> list[Result]:
-    """Router overhead with one request at a time (no contention from other requests)."""
-    rng = random.Random(seed + 2)
-    prefix = [BOS] + rand_tokens(rng, 1023)
-    return [await generate(stub, prefix + rand_tokens(rng, 16 + i % 7), 1) for i in range(n)]
-
+from bench.routing_client import (  # noqa: E402
+    Result,
+    decision_cost,
+    generate,
+    run_bursts,
+    run_groups,
+    run_multiturn,
+    sequential_overhead,
+)
+from bench.routing_workloads import (  # noqa: E402
+    BOS,
+    BS,
+    FULL,
+    POLICIES,
+    QUICK,
+    WORKLOADS,
+    Workload,
+    group_oracle,
+    multiturn_oracle,
+    pool_blocks,
+    rand_tokens,
+    scatter_bound,
+)
 
 # -- the cluster -----------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.routing import FULL, group_oracle, scatter_bound
+from bench.routing_workloads import FULL, group_oracle, scatter_bound
 from proto.heap import freeze_startup_heap
 
 
