@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install lint proto bench clean
+.PHONY: demo test install kernels lint proto bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,14 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[dev]'
+	$(MAKE) kernels
 	touch $(STAMP)
+
+# The C++ CPU kernel, compiled once here so that no pod compiles at start (a pod without it
+# uses the pure-torch path and says so).
+kernels: | $(VPY)
+	$(VPY) -m kvnode.pod.cli build-kernels || echo "C++ kernel not built: pods use the pure-torch path"
+
 
 install: $(STAMP)
 

@@ -1,4 +1,5 @@
-"""`pagekv` — the command line: `node`, `router`, `up`, `generate`, `bench-cluster`, `ray-up`.
+"""`pagekv` — the command line: `node`, `router`, `up`, `generate`, `bench-cluster`, `ray-up`,
+`build-kernels`.
 
 Each subcommand lives in its own module and registers itself here through two functions,
 `add_arguments(parser)` and `main(args) -> int`, so that importing the CLI stays cheap (the
@@ -23,6 +24,8 @@ SUBCOMMANDS = {
     "generate": ("kvnode.pod.client", "send one Generate call to a router or a pod"),
     "bench-cluster": ("deploy.bench_cluster", "drive a shared-prefix workload through a cluster"),
     "ray-up": ("deploy.ray_cluster", "deploy pods and the router as Ray actors"),
+    "build-kernels": ("kvnode.model.attention.cpu_kernel",
+                      "compile the C++ CPU kernel now, so no pod compiles at start"),
 }
 
 

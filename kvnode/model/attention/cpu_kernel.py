@@ -1,30 +1,29 @@
-"""C++/OpenMP paged attention for CPU, built on first use.
+"""C++/OpenMP paged attention for CPU, built ahead of time (or, failing that, on first use).
 
 The extension (``csrc/paged_attention.cpp``) reads K/V blocks in place through the block
-table with an online softmax, so no per-step gather copy of the context is made. It is
-compiled just-in-time with ``torch.utils.cpp_extension.load`` the first time
-:func:`available` is called; the build directory is cached (``$TORCH_EXTENSIONS_DIR`` or
-``~/.cache/pagekv/torch_extensions``), keyed by torch version and CPU, so only the first
-process on a machine pays for the compile. When the build fails, :func:`available` returns
-False and logs one warning; callers then use the pure-torch path (``kvnode.model.attention.paged``).
+table with an online softmax, so no per-step gather copy of the context is made. `make
+install`, the Dockerfile and ``pagekv build-kernels`` compile it ahead of time; a pod then
+imports the finished build directly. Where none matches, it is compiled just in time unless
+``PAGEKV_KERNEL_JIT=0``. How builds are keyed, cached and locked: ``kernel_build``. When no
+build is usable, :func:`available` returns False and logs one warning; callers then use the
+pure-torch path (``kvnode.model.attention.paged``).
 """
 
 from __future__ import annotations
 
-import hashlib
+import argparse
 import logging
 import os
-import platform
 import threading
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from kvnode.model.attention.kernel_build import build_dir_for, compile_into, import_built
+
 logger = logging.getLogger(__name__)
 
-EXTENSION_NAME = "pagekv_paged_attention"
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+JIT_ENV = "PAGEKV_KERNEL_JIT"
 
 # Tried in order: the first that compiles and passes a smoke check is used. -march=native is
 # worth ~2x here (AVX-512/AVX2 FMA, F16C); the portable build is the safety net.
@@ -36,28 +35,6 @@ _FLAG_SETS: tuple[tuple[str, ...], ...] = (
 _lock = threading.Lock()
 _ext: ModuleType | None = None
 _tried = False
-
-
-def _cpu_tag() -> str:
-    """Identify the CPU so a -march=native build is never loaded on a different machine that
-    shares the cache directory."""
-    desc = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("model name", "flags", "Features")):
-                    desc += line
-                if line.strip() == "":
-                    break  # the first processor's entry is enough
-    except OSError:
-        pass
-    return hashlib.sha256(desc.encode()).hexdigest()[:12]
-
-
-def _build_root() -> Path:
-    env = os.environ.get("TORCH_EXTENSIONS_DIR")
-    root = Path(env) if env else Path.home() / ".cache" / "pagekv" / "torch_extensions"
-    return root
 
 
 def _smoke_check(ext: ModuleType) -> bool:
@@ -74,32 +51,33 @@ def _smoke_check(ext: ModuleType) -> bool:
     return bool(torch.allclose(out, expected, atol=1e-5))
 
 
-def _build() -> ModuleType | None:
-    from torch.utils.cpp_extension import load
-
-    base = f"torch{torch.__version__.split('+')[0]}-{platform.python_version()}-{_cpu_tag()}"
+def _build(jit: bool | None = None) -> ModuleType | None:
+    """A finished build that passes the smoke check, compiling one when allowed."""
+    if jit is None:
+        jit = os.environ.get(JIT_ENV, "1") != "0"
     errors: list[str] = []
     for flags in _FLAG_SETS:
         variant = "native" if "-march=native" in flags else "generic"
-        build_dir = _build_root() / f"{EXTENSION_NAME}-{base}-{variant}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("loading C++ paged attention (%s) from %s", " ".join(flags), build_dir)
         try:
-            ext = load(
-                name=f"{EXTENSION_NAME}_{variant}",
-                sources=[str(_SOURCE)],
-                extra_cflags=list(flags),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-            if _smoke_check(ext):
-                return ext
-            errors.append(f"{variant}: smoke check gave wrong results")
+            build_dir = build_dir_for(flags, variant)
+        except OSError as exc:  # the source is missing from this install
+            errors.append(f"{variant}: {exc}")
+            continue
+        ext = import_built(build_dir)
+        if ext is not None and _smoke_check(ext):
+            logger.info("loaded prebuilt C++ paged attention (%s) from %s", " ".join(flags),
+                        build_dir)
+            return ext
+        if not jit:
+            errors.append(f"{variant}: not built in {build_dir} and {JIT_ENV}=0")
+            continue
+        try:
+            return compile_into(build_dir, flags, variant, _smoke_check)
         except Exception as exc:  # compiler missing, bad flags, load error: all mean fallback
             errors.append(f"{variant}: {type(exc).__name__}: {str(exc).strip()[-400:]}")
     logger.warning(
-        "C++ paged attention unavailable, using the pure-torch path (%s)", "; ".join(errors)
+        "C++ paged attention unavailable, using the pure-torch path (%s); build it with "
+        "`pagekv build-kernels`", "; ".join(errors)
     )
     return None
 
@@ -184,3 +162,31 @@ def has_avx512_path() -> bool:
     AVX-512 CPU)."""
     ext = _load()
     return ext is not None and bool(ext.has_avx512_path())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`pagekv build-kernels`: compile the C++ kernel now, so no pod compiles at start."""
+    parser.add_argument("--all", action="store_true",
+                        help="build every variant, the portable one too (for an image that "
+                             "may run on another CPU than the one that built it)")
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    if args is not None and args.all:
+        failed = 0
+        for flags in _FLAG_SETS:
+            variant = "native" if "-march=native" in flags else "generic"
+            try:
+                compile_into(build_dir_for(flags, variant), flags, variant, _smoke_check)
+                print(f"C++ paged attention ({variant}) ready")
+            except Exception as exc:
+                failed += 1
+                print(f"C++ paged attention ({variant}) failed: {exc}")
+        return 1 if failed == len(_FLAG_SETS) else 0
+    ok = available()
+    if ok:
+        print(f"C++ paged attention ready (AVX-512 path: {has_avx512_path()})")
+    else:
+        print("C++ paged attention could not be built: see the warning above; pods will use "
+              "the pure-torch path")
+    return 0 if ok else 1
