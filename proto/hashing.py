@@ -160,6 +160,12 @@ def hash_block_tokens(
     return fast(parent_hash, token_ids, extra_keys)
 
 
+def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """How many of a prompt's blocks a cache may serve: the last prompt token is never a hit,
+    because its logits must be computed. Pods (pool and tiers) and the router all stop here."""
+    return max(0, (num_prompt_tokens - 1) // block_size)
+
+
 @dataclass(frozen=True, slots=True)
 class HashConfig:
     """Everything that changes a block hash except the block size (the index adds that)."""

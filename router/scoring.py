@@ -33,6 +33,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from proto.hashing import max_hit_blocks
 from proto.index_schema import TIERS
 
 # Reasons reported in RoutingInfo.reason and as a metric label (a small fixed set).
@@ -124,11 +125,6 @@ class Score:
     @property
     def cached_tokens(self) -> int:
         return self.cached_gpu + self.cached_cpu + self.cached_disk
-
-
-def max_hit_blocks(prompt_len: int, block_size: int) -> int:
-    """Blocks a pod can serve from cache: the last prompt token is never a hit."""
-    return max(0, (prompt_len - 1) // block_size)
 
 
 def merge_prediction(index_tiers: Sequence[str], burst_depth: int, limit: int
