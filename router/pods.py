@@ -19,27 +19,15 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
-import redis.exceptions
 
-from proto.index_schema import (
-    NAMESPACES_SUFFIX,
-    IndexSchema,
-    PodInfo,
-    config_mismatch,
-    dead_pods_async,
-    list_live_pods_async,
-    reap_pod_async,
-)
+from proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, config_mismatch
 from proto.pagekv.v1 import pagekv_pb2_grpc
 from router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
-REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError,
-                                                 asyncio.TimeoutError)
 _FINISHED_KEEP = 4096  # completion times kept per pod
 _RECENT_HALF_LIFE_S = 10.0  # memory of "how much have we sent there lately"
 _WIPED_GRACE_S = 30.0  # keep the last known pods this long while the index is empty
@@ -49,10 +37,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(slots=True)
@@ -113,11 +97,11 @@ class _Channel:
 
 
 class PodRegistry:
-    def __init__(self, redis_client: Any, schema: IndexSchema, metrics: RouterMetrics,
+    def __init__(self, index: IndexClient, metrics: RouterMetrics,
                  refresh_interval_s: float = 0.5, namespace_check_interval_s: float = 2.0,
                  reap_dead_after_s: float = 60.0) -> None:
-        self.redis = redis_client
-        self.schema = schema
+        self.index = index
+        self.schema = index.schema
         self.metrics = metrics
         self.refresh_interval_s = refresh_interval_s
         self.namespace_check_interval_s = namespace_check_interval_s
@@ -179,7 +163,7 @@ class PodRegistry:
         """No live pod, while we know some, and not even our namespace's config key: Redis
         restarted empty or was flushed, and the pods have not re-registered yet. They are
         most likely fine; keep routing to them by load for a grace period."""
-        if not self.pods or await self.redis.exists(self.schema.config_key):
+        if not self.pods or await self.index.has_config():
             return False
         if self._down_since and time.monotonic() - self._down_since > _WIPED_GRACE_S:
             return False  # nobody came back: believe the empty index
@@ -197,7 +181,7 @@ class PodRegistry:
     async def refresh(self) -> bool:
         """Read the live pods once; False (and state kept) when Redis fails."""
         try:
-            infos = await list_live_pods_async(self.redis, self.schema)
+            infos = await self.index.list_live_pods()
             if not infos and await self._index_wiped():
                 return False
             now = time.monotonic()
@@ -266,23 +250,15 @@ class PodRegistry:
     async def _check_namespaces(self) -> None:
         """Find live pods under other namespaces and warn once per pod about why."""
         s = self.schema
-        ids = sorted(_text(n) for n in await self.redis.smembers(s.prefix + NAMESPACES_SUFFIX))
-        others = [ns for ns in ids if ns != s.namespace]
         foreign: list[ForeignPod] = []
-        if others:
-            pipe = self.redis.pipeline(transaction=False)
-            for ns in others:
-                pipe.hgetall(f"{s.prefix}:{{{ns}}}:config")
-            configs = await pipe.execute()
-            for ns, flat in zip(others, configs, strict=True):
-                config = {_text(k): _text(v) for k, v in flat.items()}
-                try:
-                    other = IndexSchema.from_config(config, prefix=s.prefix)
-                except ValueError:
-                    continue  # an incomplete config key: nothing we can look up
-                diff = config_mismatch(s, other) or "namespace differs"
-                for info in await list_live_pods_async(self.redis, other):
-                    foreign.append(ForeignPod(info.pod_id, info.address, ns, diff))
+        for ns, config in (await self.index.other_namespaces()).items():
+            try:
+                other = IndexSchema.from_config(config, prefix=s.prefix)
+            except ValueError:
+                continue  # an incomplete config key: nothing we can look up
+            diff = config_mismatch(s, other) or "namespace differs"
+            for info in await self.index.list_live_pods(other):
+                foreign.append(ForeignPod(info.pod_id, info.address, ns, diff))
         for pod in foreign:
             key = (pod.pod_id, f"{pod.namespace}:{pod.reason}")
             if key not in self._warned:
@@ -298,14 +274,14 @@ class PodRegistry:
         `reap_dead_after_s` (by this router's clock). A pod that stops cleanly removes its
         own; one that crashed and never came back under the same id would otherwise leave
         them in Redis for good. Several routers may reap at once: each step is conditional."""
-        dead = await dead_pods_async(self.redis, self.schema)
+        dead = await self.index.dead_pods()
         seen = set(dead.items())
         self._dead_since = {k: t for k, t in self._dead_since.items() if k in seen}
         for pod_id, epoch in dead.items():
             since = self._dead_since.setdefault((pod_id, epoch), now)
             if now - since < self.reap_dead_after_s:
                 continue
-            removed = await reap_pod_async(self.redis, self.schema, pod_id, epoch)
+            removed = await self.index.reap_pod(pod_id, epoch)
             del self._dead_since[(pod_id, epoch)]
             if removed is None:
                 continue  # it came back meanwhile

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proto.hashing import HashConfig, RequestBlockHasher, lora_key
-from proto.index_schema import IndexSchema, PodMatch, lookup_prefix_async
+from proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch
 from proto.pagekv.v1 import pagekv_pb2
 from router.burst import BurstTracker
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.pods import REDIS_ERRORS, PodEntry, PodRegistry
+from router.pods import PodEntry, PodRegistry
 from router.scoring import (
     REASON_COOLDOWN,
     REASON_FALLBACK,
@@ -83,13 +83,13 @@ class Router:
     def __init__(self, config: RouterConfig, redis_client: Any, tokenizer: PromptTokenizer,
                  metrics: RouterMetrics) -> None:
         self.config = config
-        self.redis = redis_client
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.schema = IndexSchema(config.model, config.block_size, config.hash_algo,
                                   config.hash_seed, prefix=config.index_prefix)
         self.hash_config = HashConfig(config.hash_algo, config.hash_seed)
-        self.registry = PodRegistry(redis_client, self.schema, metrics,
+        self.index = IndexClient(redis_client, self.schema)  # redis_client: redis.asyncio
+        self.registry = PodRegistry(self.index, metrics,
                                     config.refresh_interval_s, config.namespace_check_interval_s,
                                     config.reap_dead_after_s)
         self.burst = BurstTracker(config.burst_ttl_s)
@@ -165,8 +165,8 @@ class Router:
             return {}, 0.0
         start = time.perf_counter()
         try:
-            matches = await lookup_prefix_async(
-                self.redis, self.schema, prepared.block_hashes[:prepared.lookup_blocks])
+            matches = await self.index.lookup_prefix(
+                prepared.block_hashes[:prepared.lookup_blocks])
         except REDIS_ERRORS as exc:
             self.registry.index_failed("lookup", exc)
             return None, (time.perf_counter() - start) * 1e3

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from proto.hashing import max_hit_blocks
-from proto.index_schema import TIERS
+from proto.medium import MEDIUMS, Medium
 
 # Reasons reported in RoutingInfo.reason and as a metric label (a small fixed set).
 REASON_PREFIX = "prefix_hit"          # the chosen pod holds a prefix and is cheapest
@@ -139,7 +139,7 @@ def merge_prediction(index_tiers: Sequence[str], burst_depth: int, limit: int
     if burst_depth <= 0:
         return list(index_tiers[:depth]), 0
     covered = min(burst_depth, depth)
-    tiers = ["GPU"] * covered + list(index_tiers[covered:depth])
+    tiers = [Medium.GPU] * covered + list(index_tiers[covered:depth])
     return tiers, max(0, covered - min(len(index_tiers), depth))
 
 
@@ -181,19 +181,19 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
     if not c.eligible:
         return s
     limit = max_hit_blocks(prompt_len, block_size)
-    counts = dict.fromkeys(TIERS, 0)
+    counts = dict.fromkeys(MEDIUMS, 0)
     for tier in c.tiers[:limit]:
         counts[tier] += 1
-    s.cached_gpu = counts["GPU"] * block_size
-    s.cached_cpu = counts["CPU"] * block_size
-    s.cached_disk = counts["DISK"] * block_size
+    s.cached_gpu = counts[Medium.GPU] * block_size
+    s.cached_cpu = counts[Medium.CPU] * block_size
+    s.cached_disk = counts[Medium.DISK] * block_size
     s.from_burst = c.burst_blocks > 0
     pub = c.published_costs
     prefill = _pod_cost(pub, "prefill", costs.prefill_per_token)
     uncached = prompt_len - s.cached_tokens
     s.cost_s = (uncached * prefill
-                + s.cached_cpu * _pod_cost(pub, "CPU", costs.cpu_per_token)
-                + s.cached_disk * _pod_cost(pub, "DISK", costs.disk_per_token)
+                + s.cached_cpu * _pod_cost(pub, Medium.CPU, costs.cpu_per_token)
+                + s.cached_disk * _pod_cost(pub, Medium.DISK, costs.disk_per_token)
                 + c.queue * queue_cost(costs, prefill))
     return s
 

@@ -18,20 +18,16 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
-import redis.asyncio as aioredis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from proto.index_schema import LIVE_PODS_LUA, LOOKUP_LUA
+from proto.index import REDIS_ERRORS, connect_async
 from proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.pods import REDIS_ERRORS, PodEntry
+from router.pods import PodEntry
 from router.routing import BadRequest, Decision, Prepared, Router
 from router.scoring import REASON_RETRY, Score
 from router.tokenize import load_tokenizer
@@ -270,7 +266,6 @@ class RouterServer:
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
         self.metrics = RouterMetrics()
-        self.redis: Any = None
         self.router: Router | None = None
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -281,15 +276,11 @@ class RouterServer:
         successful read of the index."""
         cfg = self.config
         tokenizer = load_tokenizer(cfg.model)
-        self.redis = aioredis.Redis.from_url(
-            cfg.redis_url, socket_timeout=cfg.redis_timeout_s,
-            socket_connect_timeout=cfg.redis_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # the registry's refresh loop is the retry
-            health_check_interval=0)
-        self.router = router = Router(cfg, self.redis, tokenizer, self.metrics)
-        try:  # load both scripts up front so that even the first lookup is one round trip
-            for source in (LOOKUP_LUA, LIVE_PODS_LUA):
-                await self.redis.script_load(source)
+        # The registry's refresh loop is the retry: the connection itself never retries.
+        redis = connect_async(cfg.redis_url, cfg.redis_timeout_s)
+        self.router = router = Router(cfg, redis, tokenizer, self.metrics)
+        try:
+            await router.index.register_scripts()
         except REDIS_ERRORS as exc:
             logger.warning("redis index %s not reachable at start-up (%s); retrying",
                            cfg.redis_url, exc)
@@ -340,8 +331,7 @@ class RouterServer:
             self._server = None
         if self.router is not None:
             await self.router.registry.close()
-        if self.redis is not None:
-            await self.redis.aclose()
+            await self.router.index.aclose()
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

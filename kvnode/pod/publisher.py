@@ -15,64 +15,24 @@ thread reconnects with capped exponential backoff and then republishes the FULL 
 from __future__ import annotations
 
 import logging
-import math
-import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
-from proto.index_schema import (
-    TIER_BIT,
-    IndexSchema,
-    claim_value,
-    clear_pod_claims,
-    config_mismatch,
-)
-from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvnode.pod.publish_stats import PublishCounters
+from proto.index import writes
+from proto.index.connect import REDIS_ERRORS, connect
+from proto.index.handshake import config_mismatch
+from proto.index.mirror import ClaimMirror
+from proto.index.schema import IndexSchema, claim_values, new_epoch
+from proto.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
 
-_PIPELINE_CHUNK = 4096  # commands per pipeline round trip when writing many claims
 _BACKOFF_START_S = 0.05
 _BACKOFF_CAP_S = 2.0
-_ALL_BITS = 7
-
-# KEYS[1] lease, KEYS[2] pod hash. ARGV[1] epoch, ARGV[2] ttl ms, ARGV[3..] field/value pairs.
-# Returns 1 renewed, 0 registration gone (the caller must re-register and republish),
-# -1 another instance of this pod id took over (the caller must stop publishing).
-_RENEW_LUA = """
-local owner = redis.call('HGET', KEYS[2], 'epoch')
-if not owner then return 0 end
-if owner ~= ARGV[1] then return -1 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if #ARGV > 2 then redis.call('HSET', KEYS[2], unpack(ARGV, 3)) end
-return 1
-"""
-
-_ERRORS = (redis.exceptions.RedisError, OSError)
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
-def new_epoch() -> str:
-    """Milliseconds since 1970 in base 36 plus 4 random base-36 digits (11-12 chars)."""
-    def b36(n: int, width: int = 0) -> str:
-        digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-        out = ""
-        while n:
-            n, r = divmod(n, 36)
-            out = digits[r] + out
-        return out.rjust(width, "0")
-
-    return b36(time.time_ns() // 1_000_000) + b36(secrets.randbelow(36**4), 4)
 
 
 class _Superseded(Exception):
@@ -123,17 +83,11 @@ class IndexPublisher:
         self.lease_ttl_s = lease_ttl_s
         self.flush_interval_s = flush_interval_s
         self.renew_interval_s = min(1.0, lease_ttl_s / 3.0)
+        self._lease_ms = int(lease_ttl_s * 1000)
         self.max_pending = max_pending
         self.epoch = ""
 
-        self._client = redis.Redis.from_url(
-            redis_url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # our loop owns retries and backoff
-            health_check_interval=0,
-        )
-        self._renew_script = self._client.register_script(_RENEW_LUA)
+        self._client = connect(redis_url, socket_timeout_s)  # our loop owns the retries
 
         # Shared with submit(): guarded by _lock.
         self._lock = threading.Lock()
@@ -144,7 +98,7 @@ class IndexPublisher:
         self._submitted = 0
 
         # Owned by the publisher thread.
-        self._mirror: dict[bytes, int] = {}  # hash -> tier bitmask, as written to Redis
+        self._mirror = ClaimMirror()  # as written to Redis
         self._values: list[str] = []
         self._applied_seq = 0
         self._needs_resync = True
@@ -162,11 +116,7 @@ class IndexPublisher:
         self._thread: threading.Thread | None = None
         self._superseded = False
 
-        self._lags: deque[float] = deque(maxlen=10_000)  # recent batch lags, for quantiles
-        self._counters: dict[str, float] = dict.fromkeys(
-            ("events_published", "batches", "errors", "reconnects", "republishes",
-             "lease_renewals", "publish_lag_last_s", "publish_lag_max_s", "_lag_sum",
-             "_lag_n"), 0)
+        self._counters = PublishCounters()
 
     # -- engine side ---------------------------------------------------------------------
     def submit(self, events: Iterable[KVEvent]) -> None:
@@ -206,7 +156,7 @@ class IndexPublisher:
         if self._thread is not None:
             raise RuntimeError("IndexPublisher already started")
         self.epoch = new_epoch()
-        self._values = [claim_value(m, self.epoch) if m else "" for m in range(8)]
+        self._values = claim_values(self.epoch)
         self._thread = threading.Thread(
             target=self._run, name=f"index-publisher-{self.pod_id}", daemon=True)
         self._thread.start()
@@ -246,7 +196,7 @@ class IndexPublisher:
         if clear and self.epoch:
             try:
                 self._clear_registration()
-            except _ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 logger.warning("index publisher %s: could not clear its claims (%s); they "
                                "expire with the lease", self.pod_id, exc)
         self._client.close()
@@ -263,30 +213,24 @@ class IndexPublisher:
             pending = len(self._queue)
             submitted, dropped, seq = self._submitted, self._dropped, self._seq
         c = self._counters
-        lag_n = c["_lag_n"]
-        lags = sorted(self._lags)
         return {
             "pod_id": self.pod_id,
             "epoch": self.epoch,
             "connected": self._connected,
             "superseded": self._superseded,
             "events_submitted": submitted,
-            "events_published": int(c["events_published"]),
+            "events_published": c.events_published,
             "events_dropped": dropped,
             "pending": pending,
             "seq": seq,
             "visible_seq": self._visible_seq,
             "claims": len(self._mirror),
-            "batches": int(c["batches"]),
-            "errors": int(c["errors"]),
-            "reconnects": int(c["reconnects"]),
-            "republishes": int(c["republishes"]),
-            "lease_renewals": int(c["lease_renewals"]),
-            "publish_lag_last_s": c["publish_lag_last_s"],
-            "publish_lag_max_s": c["publish_lag_max_s"],
-            "publish_lag_mean_s": c["_lag_sum"] / lag_n if lag_n else 0.0,
-            "publish_lag_p50_s": _quantile(lags, 0.5),
-            "publish_lag_p99_s": _quantile(lags, 0.99),
+            "batches": c.batches,
+            "errors": c.errors,
+            "reconnects": c.reconnects,
+            "republishes": c.republishes,
+            "lease_renewals": c.lease_renewals,
+            **c.lag.summary(),
         }
 
     # -- publisher thread ----------------------------------------------------------------
@@ -309,7 +253,7 @@ class IndexPublisher:
                 logger.error("index publisher %s epoch %s: %s; no longer publishing",
                              self.pod_id, self.epoch, exc)
                 continue
-            except _ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 self._on_error(exc)
                 self._stop.wait(self._backoff)
                 self._backoff = min(self._backoff * 2, _BACKOFF_CAP_S)
@@ -317,7 +261,7 @@ class IndexPublisher:
             except Exception:  # a bug or a bad event must not kill the thread: rebuild
                 logger.exception("index publisher %s: unexpected error; republishing",
                                  self.pod_id)
-                self._counters["errors"] += 1
+                self._counters.errors += 1
                 self._drop_pending()
                 self._stop.wait(self._backoff)
                 self._backoff = min(self._backoff * 2, _BACKOFF_CAP_S)
@@ -329,7 +273,7 @@ class IndexPublisher:
         if not self._needs_resync and not self._superseded:
             try:
                 self._publish_pending()
-            except _ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 logger.debug("index publisher %s: final flush failed: %s", self.pod_id, exc)
 
     def _drop_pending(self) -> None:
@@ -341,7 +285,7 @@ class IndexPublisher:
         self._needs_resync = True
 
     def _on_error(self, exc: BaseException) -> None:
-        self._counters["errors"] += 1
+        self._counters.errors += 1
         self._drop_pending()
         self._client.connection_pool.disconnect()
         if self._connected or not self._down_since:
@@ -352,40 +296,24 @@ class IndexPublisher:
         self._connected = False
 
     def _pod_fields(self) -> dict[str, str]:
-        fields = {"updated": f"{time.time():.3f}", "seq": str(self._applied_seq)}
+        fields = writes.heartbeat_fields(self._applied_seq)
         try:
-            for name, value in self._load_fn().items():
-                fields[f"load.{name}"] = repr(float(value))
+            fields.update(writes.load_fields(self._load_fn()))
         except Exception:  # a broken load_fn must not stop the lease
             logger.exception("index publisher %s: load_fn failed", self.pod_id)
         if self._tier_costs_fn is not None:
             try:
-                for tier, cost in self._tier_costs_fn().items():
-                    if math.isfinite(float(cost)):
-                        fields[f"cost.{tier}"] = repr(float(cost))
+                fields.update(writes.cost_fields(self._tier_costs_fn()))
             except Exception:
                 logger.exception("index publisher %s: tier_costs_fn failed", self.pod_id)
         return fields
 
     def _register(self) -> None:
-        s, pod = self.schema, self.pod_id
-        owner = self._client.hget(s.pod_key(pod), "epoch")
-        if self._registered_once and owner is not None and owner.decode() != self.epoch:
-            raise _Superseded(f"pod id re-registered with epoch {owner.decode()}")
-        fields = {
-            "address": self.address,
-            "epoch": self.epoch,
-            **{f"cfg.{k}": v for k, v in self.hash_config.items()},
-            **self._pod_fields(),
-        }
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(s.pod_key(pod))
-        pipe.hset(s.pod_key(pod), mapping=fields)
-        pipe.set(s.lease_key(pod), self.epoch, px=int(self.lease_ttl_s * 1000))
-        pipe.sadd(s.pods_key, pod)
-        pipe.hset(s.config_key, mapping=s.hash_config())
-        pipe.sadd(s.namespaces_key, s.namespace)
-        pipe.execute()
+        owner = writes.registered_epoch(self._client, self.schema, self.pod_id)
+        if self._registered_once and owner is not None and owner != self.epoch:
+            raise _Superseded(f"pod id re-registered with epoch {owner}")
+        writes.register_pod(self._client, self.schema, self.pod_id, self.epoch, self.address,
+                            self.hash_config, self._pod_fields(), self._lease_ms)
         self._registered_once = True
         self._next_renew = time.monotonic() + self.renew_interval_s
 
@@ -394,7 +322,7 @@ class IndexPublisher:
         t0 = time.monotonic()
         self._client.ping()
         if self._down_since and self._registered_once:
-            self._counters["reconnects"] += 1
+            self._counters.reconnects += 1
             logger.info("index publisher %s: redis reachable again after %.1fs", self.pod_id,
                         t0 - self._down_since)
         self._connected = True
@@ -408,59 +336,30 @@ class IndexPublisher:
             self._queue.clear()
             self._discarding = False
             snap_seq = self._seq
-        state = self._full_state_fn()
-        mirror: dict[bytes, int] = {}
-        for block_hash, tier in state.items():
-            mirror[block_hash] = mirror.get(block_hash, 0) | TIER_BIT[tier]
-        self._write_full(mirror)
+        mirror = ClaimMirror.from_state(self._full_state_fn())
+        writes.write_all_claims(self._client, self.schema, self.pod_id, mirror.masks,
+                                self._values)
         self._mirror = mirror
         self._applied_seq = snap_seq
         self._needs_resync = False
-        self._counters["republishes"] += 1
+        self._counters.republishes += 1
         self._set_visible(snap_seq)
         self._synced.set()
         logger.info("index publisher %s epoch %s: republished %d blocks in %.3fs",
                     self.pod_id, self.epoch, len(mirror), time.monotonic() - t0)
 
-    def _write_full(self, mirror: dict[bytes, int]) -> None:
-        s, pod = self.schema, self.pod_id
-        set_key = s.pod_blocks_key(pod)
-        existing = {m.decode() for m in self._client.sscan_iter(set_key, count=1000)}
-        wanted = {h.hex(): mask for h, mask in mirror.items()}
-        pipe = self._client.pipeline(transaction=False)
-        n = 0
-        # Write current claims before removing stale ones: no window without our claims.
-        for hex_hash, mask in wanted.items():
-            pipe.hset(s.block_prefix + hex_hash, pod, self._values[mask])
-            if hex_hash not in existing:
-                pipe.sadd(set_key, hex_hash)
-            n += 1
-            if n % _PIPELINE_CHUNK == 0:
-                pipe.execute()
-        for hex_hash in existing - wanted.keys():
-            pipe.hdel(s.block_prefix + hex_hash, pod)
-            pipe.srem(set_key, hex_hash)
-            n += 1
-            if n % _PIPELINE_CHUNK == 0:
-                pipe.execute()
-        pipe.execute()
-
     def _renew(self) -> None:
-        s = self.schema
-        args: list[str] = [self.epoch, str(int(self.lease_ttl_s * 1000))]
-        for name, value in self._pod_fields().items():
-            args += (name, value)
-        result = int(self._renew_script(keys=[s.lease_key(self.pod_id),
-                                              s.pod_key(self.pod_id)], args=args))
-        if result == -1:
+        result = writes.renew_lease(self._client, self.schema, self.pod_id, self.epoch,
+                                    self._lease_ms, self._pod_fields())
+        if result == writes.SUPERSEDED:
             raise _Superseded("another instance renewed this pod id")
-        if result == 0:
+        if result == writes.REGISTRATION_GONE:
             # Registration vanished (FLUSHALL, a restart we did not see): start over.
             logger.warning("index publisher %s: registration missing; republishing",
                            self.pod_id)
             self._drop_pending()
             return
-        self._counters["lease_renewals"] += 1
+        self._counters.lease_renewals += 1
 
     def _publish_pending(self) -> None:
         with self._lock:
@@ -474,71 +373,13 @@ class IndexPublisher:
                            self.pod_id, batch[0][0], self._applied_seq)
             self._drop_pending()
             return
-        before: dict[bytes, int] = {}  # first-seen mask of each touched hash in this batch
-        mirror = self._mirror
-        for _, _, ev in batch:
-            if isinstance(ev, BlockStored):
-                bit = TIER_BIT[ev.medium]
-                for h in ev.block_hashes:
-                    old = mirror.get(h, 0)
-                    before.setdefault(h, old)
-                    mirror[h] = old | bit
-            elif isinstance(ev, BlockRemoved):
-                bit = TIER_BIT[ev.medium]
-                for h in ev.block_hashes:
-                    old = mirror.get(h, 0)
-                    before.setdefault(h, old)
-                    if old & ~bit:
-                        mirror[h] = old & ~bit
-                    elif old:
-                        del mirror[h]
-            elif isinstance(ev, AllBlocksCleared):
-                keep = 0 if ev.medium is None else _ALL_BITS & ~TIER_BIT[ev.medium]
-                for h in list(mirror):
-                    old = mirror[h]
-                    before.setdefault(h, old)
-                    if old & keep:
-                        mirror[h] = old & keep
-                    else:
-                        del mirror[h]
-        self._write_delta(before)
+        changes = self._mirror.apply(ev for _, _, ev in batch)
+        writes.write_claim_changes(self._client, self.schema, self.pod_id, changes,
+                                   self._values)
         last_seq = batch[-1][0]
         self._applied_seq = last_seq
-        lag = time.monotonic() - batch[0][1]
-        c = self._counters
-        c["events_published"] += len(batch)
-        c["batches"] += 1
-        c["publish_lag_last_s"] = lag
-        c["publish_lag_max_s"] = max(c["publish_lag_max_s"], lag)
-        c["_lag_sum"] += lag
-        c["_lag_n"] += 1
-        self._lags.append(lag)
+        self._counters.published(len(batch), time.monotonic() - batch[0][1])
         self._set_visible(last_seq)
-
-    def _write_delta(self, before: dict[bytes, int]) -> None:
-        """Write the net effect of one batch: only hashes whose mask changed."""
-        s, pod, mirror, values = self.schema, self.pod_id, self._mirror, self._values
-        set_key = s.pod_blocks_key(pod)
-        pipe = self._client.pipeline(transaction=False)
-        n = 0
-        for h, old in before.items():
-            new = mirror.get(h, 0)
-            if new == old:
-                continue
-            hex_hash = h.hex()
-            key = s.block_prefix + hex_hash
-            if new:
-                pipe.hset(key, pod, values[new])
-                if not old:
-                    pipe.sadd(set_key, hex_hash)
-            else:
-                pipe.hdel(key, pod)
-                pipe.srem(set_key, hex_hash)
-            n += 1
-            if n % _PIPELINE_CHUNK == 0:
-                pipe.execute()
-        if len(pipe):
-            pipe.execute()
 
     def _set_visible(self, seq: int) -> None:
         with self._visible:
@@ -548,15 +389,12 @@ class IndexPublisher:
 
     def _clear_registration(self) -> None:
         s, pod = self.schema, self.pod_id
-        owner = self._client.hget(s.pod_key(pod), "epoch")
-        if owner is not None and owner.decode() != self.epoch:
+        owner = writes.registered_epoch(self._client, s, pod)
+        if owner is not None and owner != self.epoch:
             logger.info("index publisher %s: pod id now owned by epoch %s; leaving its keys",
-                        pod, owner.decode())
+                        pod, owner)
             return
-        removed = clear_pod_claims(self._client, s, pod)
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(s.pod_key(pod), s.lease_key(pod))
-        pipe.srem(s.pods_key, pod)
-        pipe.execute()
-        self._mirror = {}
+        removed = writes.clear_pod_claims(self._client, s, pod)
+        writes.unregister_pod(self._client, s, pod)
+        self._mirror = ClaimMirror()
         logger.info("index publisher %s: cleared %d claims and the registration", pod, removed)

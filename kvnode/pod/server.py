@@ -30,7 +30,7 @@ from kvnode.engine.sampling_params import SamplingParams
 from kvnode.pod.prom import EngineCollector, RequestMetricsExporter
 from kvnode.pod.publisher import IndexPublisher
 from proto.heap import freeze_startup_heap
-from proto.index_schema import IndexSchema
+from proto.index import IndexSchema
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 

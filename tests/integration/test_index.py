@@ -12,15 +12,14 @@ import redis
 
 from kvnode.pod.publisher import IndexPublisher
 from kvnode.pod.redis_server import RedisProcess
-from proto.index_schema import (
+from proto.index import (
+    IndexClient,
     IndexSchema,
     PodMatch,
     config_mismatch,
-    dead_pods_async,
     list_live_pods,
     list_namespaces,
     lookup_prefix,
-    reap_pod_async,
     register_scripts,
 )
 from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -273,18 +272,18 @@ def test_stop_clear_removes_exactly_its_keys(make_pod, client):
     assert lookup_prefix(client, SCHEMA, blocks) == {"pod-b": PodMatch(3, ["GPU"] * 3)}
 
 
-def _run(coro_fn: Callable[..., object], url: str, *args: object) -> object:
-    """Run one index coroutine on a fresh asyncio client (the router's kind)."""
+def _run(method: str, url: str, schema: IndexSchema, *args: object) -> object:
+    """Run one IndexClient coroutine on a fresh asyncio client (the router's kind)."""
     import asyncio
 
     import redis.asyncio as aioredis
 
     async def go() -> object:
-        r = aioredis.Redis.from_url(url)
+        index = IndexClient(aioredis.Redis.from_url(url), schema)
         try:
-            return await coro_fn(r, *args)  # type: ignore[misc]
+            return await getattr(index, method)(*args)
         finally:
-            await r.aclose()
+            await index.aclose()
 
     return asyncio.run(go())
 
@@ -301,11 +300,11 @@ def test_dead_pod_is_reaped_in_batches_leaving_others_exactly(make_pod, client, 
     epoch = dead.pub.epoch
     dead.pub.stop(clear=False)  # a crash
     wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
-    assert _run(dead_pods_async, redis_server.url, SCHEMA) == {"pod-a": epoch}
-    removed = _run(reap_pod_async, redis_server.url, SCHEMA, "pod-a", epoch, 7)
+    assert _run("dead_pods", redis_server.url, SCHEMA) == {"pod-a": epoch}
+    removed = _run("reap_pod", redis_server.url, SCHEMA, "pod-a", epoch, 7)
     assert removed == 25
     assert dump(client) == before  # every key of pod-a gone, pod-b's untouched
-    assert _run(dead_pods_async, redis_server.url, SCHEMA) == {}
+    assert _run("dead_pods", redis_server.url, SCHEMA) == {}
 
 
 def test_reap_is_refused_once_the_pod_id_is_back(make_pod, client, redis_server):
@@ -318,7 +317,7 @@ def test_reap_is_refused_once_the_pod_id_is_back(make_pod, client, redis_server)
     back = make_pod("pod-a")  # restarted under the same id before the reaper ran
     back.store(chain(2))
     assert back.pub.flush()
-    assert _run(reap_pod_async, redis_server.url, SCHEMA, "pod-a", epoch) is None
+    assert _run("reap_pod", redis_server.url, SCHEMA, "pod-a", epoch) is None
     assert lookup_prefix(client, SCHEMA, chain(3))["pod-a"].depth == 2
 
 

@@ -17,7 +17,7 @@ from kvnode.engine.llm import LLM
 from kvnode.engine.sampling_params import SamplingParams
 from kvnode.pod.redis_server import RedisProcess
 from proto.hashing import HashConfig, hash_prompt
-from proto.index_schema import IndexSchema, list_live_pods, lookup_prefix
+from proto.index import IndexSchema, list_live_pods, lookup_prefix
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 

@@ -24,7 +24,7 @@ import redis
 from kvnode.pod.publisher import IndexPublisher
 from kvnode.pod.redis_server import RedisProcess
 from proto.hashing import HashConfig, hash_prompt
-from proto.index_schema import IndexSchema, lookup_prefix
+from proto.index import IndexSchema, lookup_prefix
 from proto.kv_events import BlockStored
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc

@@ -22,7 +22,7 @@ import yaml
 
 from kvnode.pod.redis_server import RedisProcess
 from proto.hashing import DEFAULT_HASH_SEED, HashConfig, hash_prompt
-from proto.index_schema import IndexSchema, list_live_pods, lookup_prefix
+from proto.index import IndexSchema, list_live_pods, lookup_prefix
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 

@@ -1,0 +1,66 @@
+"""The index publisher's counters and its publish lag (submit -> visible in Redis).
+
+Plain numbers owned by the publisher thread; `stats()` of the publisher reads them, as does
+Prometheus through it (kvnode.pod.prom).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+@dataclass(slots=True)
+class PublishLag:
+    """Lag of each published batch (its oldest event's wait): last, max, mean over all,
+    and quantiles over the most recent `keep` batches."""
+
+    keep: int = 10_000
+    last: float = 0.0
+    max: float = 0.0
+    total: float = 0.0
+    count: int = 0
+    recent: deque[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.recent = deque(maxlen=self.keep)
+
+    def record(self, lag_s: float) -> None:
+        self.last = lag_s
+        self.max = max(self.max, lag_s)
+        self.total += lag_s
+        self.count += 1
+        self.recent.append(lag_s)
+
+    def summary(self) -> dict[str, float]:
+        ordered = sorted(self.recent)
+        return {
+            "publish_lag_last_s": self.last,
+            "publish_lag_max_s": self.max,
+            "publish_lag_mean_s": self.total / self.count if self.count else 0.0,
+            "publish_lag_p50_s": _quantile(ordered, 0.5),
+            "publish_lag_p99_s": _quantile(ordered, 0.99),
+        }
+
+
+@dataclass(slots=True)
+class PublishCounters:
+    """Monotonic counts (exported as Prometheus counters)."""
+
+    events_published: int = 0
+    batches: int = 0
+    errors: int = 0
+    reconnects: int = 0
+    republishes: int = 0
+    lease_renewals: int = 0
+    lag: PublishLag = field(default_factory=PublishLag)
+
+    def published(self, events: int, lag_s: float) -> None:
+        """One batch of `events` is visible, `lag_s` after its first event was submitted."""
+        self.events_published += events
+        self.batches += 1
+        self.lag.record(lag_s)

@@ -1,0 +1,41 @@
+"""The Redis index that pods publish their blocks to and the router looks prefixes up in.
+
+Torch-free: the router is a light process. See docs/INDEX.md for the layout and the
+reasoning behind it. One module per concern:
+
+- `schema`: the namespace, every key name, claim values, pod epochs
+- `scripts`: the Lua scripts and the EVALSHA runner
+- `queries`: the reads (prefix lookup, live / dead pods, namespaces) and their replies
+- `handshake`: whether two hash configurations agree
+- `mirror`: a pod's claims as tier bitmasks, and the net change of a batch of KV events
+- `writes`: what a pod writes (registration, lease, claims) on a `redis.Redis` client
+- `client`: the router's `IndexClient` on `redis.asyncio`
+- `connect`: connections with the retry settings both sides use, and `REDIS_ERRORS`
+"""
+
+from proto.index.client import IndexClient
+from proto.index.connect import REDIS_ERRORS, connect, connect_async
+from proto.index.handshake import config_mismatch
+from proto.index.queries import PodInfo, PodMatch, list_live_pods, list_namespaces, lookup_prefix
+from proto.index.schema import HASH_CONFIG_FIELDS, IndexSchema, claim_value, new_epoch
+from proto.index.scripts import register_scripts
+from proto.index.writes import clear_pod_claims
+
+__all__ = [
+    "HASH_CONFIG_FIELDS",
+    "REDIS_ERRORS",
+    "IndexClient",
+    "IndexSchema",
+    "PodInfo",
+    "PodMatch",
+    "claim_value",
+    "clear_pod_claims",
+    "config_mismatch",
+    "connect",
+    "connect_async",
+    "list_live_pods",
+    "list_namespaces",
+    "lookup_prefix",
+    "new_epoch",
+    "register_scripts",
+]

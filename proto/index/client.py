@@ -1,0 +1,73 @@
+"""The router's client of the index: every read and clean-up it makes, on `redis.asyncio`.
+
+One object per namespace the router routes for. The queries themselves (keys, scripts,
+reply parsing) live in `proto.index.queries`, shared with the pods' synchronous side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from proto.index import queries, scripts
+from proto.index.queries import PodInfo, PodMatch
+from proto.index.schema import IndexSchema, text
+
+
+class IndexClient:
+    """`redis` is a `redis.asyncio` client (see `proto.index.connect.connect_async`)."""
+
+    def __init__(self, redis_client: Any, schema: IndexSchema) -> None:
+        self.redis = redis_client
+        self.schema = schema
+
+    async def register_scripts(self) -> None:
+        """SCRIPT LOAD up front so that even the first lookup is one round trip."""
+        for script in scripts.PRELOADED:
+            await self.redis.script_load(script.source)
+
+    async def lookup_prefix(self, block_hashes: Sequence[bytes]) -> dict[str, PodMatch]:
+        """For every live pod, its consecutive prefix of `block_hashes`: one EVALSHA."""
+        return await queries.lookup(self.schema, block_hashes).run_async(self.redis)
+
+    async def list_live_pods(self, schema: IndexSchema | None = None) -> list[PodInfo]:
+        """The live pods of this namespace (or of `schema`'s, to name foreign pods)."""
+        return await queries.live_pods(schema or self.schema).run_async(self.redis)
+
+    async def has_config(self) -> bool:
+        """Whether this namespace's config key exists: a pod has registered here since
+        Redis last started empty."""
+        return bool(await self.redis.exists(self.schema.config_key))
+
+    async def other_namespaces(self) -> dict[str, dict[str, str]]:
+        """Every other namespace pods registered in, with its hash config (to name pods
+        that can never match this router's hashes)."""
+        ids = sorted(text(n) for n in await self.redis.smembers(self.schema.namespaces_key))
+        others = [ns for ns in ids if ns != self.schema.namespace]
+        if not others:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for key in queries.namespace_config_keys(self.schema.prefix, others):
+            pipe.hgetall(key)
+        return queries.parse_namespaces(others, await pipe.execute())
+
+    async def dead_pods(self) -> dict[str, str]:
+        """Pod ids registered here without a lease -> their registered epoch ("" if none)."""
+        return await queries.dead_pods(self.schema).run_async(self.redis)
+
+    async def reap_pod(self, pod_id: str, epoch: str, batch: int = 1000) -> int | None:
+        """Remove a dead pod's claims and registration, `batch` claims per script call so
+        Redis is never blocked for long. Returns the claims removed, or None when the pod id
+        came back (a lease, or another epoch) before it was gone."""
+        removed = 0
+        while True:
+            step = await queries.reap_batch(self.schema, pod_id, epoch, batch).run_async(
+                self.redis)
+            if step is None:
+                return None
+            removed += step[0]
+            if step[1]:
+                return removed
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()

@@ -1,0 +1,202 @@
+"""The index's reads: what each script call sends, and what its reply means.
+
+A `Call` pairs one script's keys and arguments with the parser of its reply, so the same
+query runs on a pod's or a test's `redis.Redis` (`run`) and on the router's `redis.asyncio`
+client (`run_async`, through `IndexClient`) without being written twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from proto.index import scripts
+from proto.index.schema import IndexSchema, namespace_config_key, namespaces_key, text
+from proto.medium import MEDIUMS, Medium
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class PodMatch:
+    """A live pod's consecutive prefix from block 0; tiers[i] is where block i lives."""
+
+    depth: int
+    tiers: list[str]
+
+    def tier_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(MEDIUMS, 0)
+        for tier in self.tiers:
+            counts[tier] += 1
+        return counts
+
+
+@dataclass(slots=True)
+class PodInfo:
+    """A live pod as registered: where to reach it, its load, its hash configuration."""
+
+    pod_id: str
+    address: str
+    epoch: str
+    hash_config: dict[str, str]
+    load: dict[str, float]
+    tier_costs: dict[str, float]  # tier -> seconds per token to reload from that tier
+    updated_at: float  # unix time of the last lease renewal
+    lease_ms: int  # time left on the lease
+
+    @property
+    def waiting(self) -> int:
+        return int(self.load.get("waiting", 0))
+
+    @property
+    def running(self) -> int:
+        return int(self.load.get("running", 0))
+
+    @property
+    def free_blocks(self) -> int:
+        return int(self.load.get("free_blocks", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One script call, ready to send on either kind of client."""
+
+    script: scripts.Script
+    keys: Sequence[str]
+    args: Sequence[Any]
+    parse: Callable[[Any], T]
+
+    def run(self, client: Any) -> T:
+        return self.parse(self.script.run(client, self.keys, self.args))
+
+    async def run_async(self, client: Any) -> T:
+        return self.parse(await self.script.run_async(client, self.keys, self.args))
+
+
+# -- replies ---------------------------------------------------------------------------------
+def _parse_lookup(reply: Sequence[Any]) -> dict[str, PodMatch]:
+    out: dict[str, PodMatch] = {}
+    for i in range(0, len(reply), 2):
+        codes = text(reply[i + 1])
+        out[text(reply[i])] = PodMatch(len(codes), [Medium.from_code(c) for c in codes])
+    return out
+
+
+def _float(value: Any, default: float = 0.0) -> float:
+    try:
+        return float(text(value))
+    except ValueError:
+        return default
+
+
+def _parse_pods(reply: Sequence[Any]) -> list[PodInfo]:
+    pods: list[PodInfo] = []
+    for pod, epoch, pttl, flat in reply:
+        fields = {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
+        pod_id, lease_epoch = text(pod), text(epoch)
+        if fields.get("epoch") != lease_epoch:
+            # Registration and lease are written in one MULTI; a mismatch means another
+            # instance of this pod id is taking over right now. Trust neither yet.
+            logger.debug("pod %s: lease epoch %s != registered %s", pod_id, lease_epoch,
+                         fields.get("epoch"))
+            continue
+        cfg: dict[str, str] = {}
+        load: dict[str, float] = {}
+        costs: dict[str, float] = {}
+        for name, value in fields.items():
+            if name.startswith("cfg."):
+                cfg[name[4:]] = value
+            elif name.startswith("load."):
+                load[name[5:]] = _float(value)
+            elif name.startswith("cost."):
+                costs[name[5:]] = _float(value)
+        pods.append(
+            PodInfo(
+                pod_id=pod_id,
+                address=fields.get("address", ""),
+                epoch=lease_epoch,
+                hash_config=cfg,
+                load=load,
+                tier_costs=costs,
+                updated_at=_float(fields.get("updated", "0")),
+                lease_ms=int(pttl),
+            )
+        )
+    pods.sort(key=lambda p: p.pod_id)
+    return pods
+
+
+def _parse_pairs(flat: Sequence[Any]) -> dict[str, str]:
+    return {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _parse_reap(reply: Any) -> tuple[int, bool] | None:
+    if reply == -1:
+        return None
+    return int(reply[0]), bool(int(reply[1]))
+
+
+# -- the calls -------------------------------------------------------------------------------
+def lookup(schema: IndexSchema, block_hashes: Sequence[bytes]) -> Call[dict[str, PodMatch]]:
+    """For every live pod, how many leading blocks of `block_hashes` it holds, and where.
+    Pods that are live but hold no prefix map to depth 0."""
+    keys = [schema.block_key(h) for h in block_hashes]
+    return Call(scripts.LOOKUP, keys, (schema.base,), _parse_lookup)
+
+
+def live_pods(schema: IndexSchema) -> Call[list[PodInfo]]:
+    """Every pod of this namespace whose lease is present and whose epoch matches it."""
+    return Call(scripts.LIVE_PODS, (), (schema.base,), _parse_pods)
+
+
+def dead_pods(schema: IndexSchema) -> Call[dict[str, str]]:
+    """Pod ids registered in this namespace without a lease, with their registered epoch
+    ("" when even the registration is gone)."""
+    return Call(scripts.DEAD_PODS, (), (schema.base,), _parse_pairs)
+
+
+def reap_batch(schema: IndexSchema, pod_id: str, epoch: str,
+               batch: int) -> Call[tuple[int, bool] | None]:
+    """Remove up to `batch` claims of a dead pod: (claims removed, nothing of it left), or
+    None when the pod id came back (a lease, or another epoch)."""
+    return Call(scripts.REAP_POD, (), (schema.base, pod_id, epoch, batch), _parse_reap)
+
+
+def namespace_config_keys(prefix: str, ids: Sequence[str]) -> list[str]:
+    return [namespace_config_key(prefix, ns) for ns in ids]
+
+
+def parse_namespaces(ids: Sequence[str], configs: Sequence[Any]) -> dict[str, dict[str, str]]:
+    """Namespace id -> its readable hash config, from HGETALL replies in `ids` order."""
+    return {ns: {text(k): text(v) for k, v in flat.items()}
+            for ns, flat in zip(ids, configs, strict=True)}
+
+
+# -- on a `redis.Redis` client (pods, tests, benchmarks) -------------------------------------
+def lookup_prefix(
+    redis_client: Any, schema: IndexSchema, block_hashes: Sequence[bytes]
+) -> dict[str, PodMatch]:
+    """`lookup`, in one EVALSHA round trip."""
+    return lookup(schema, block_hashes).run(redis_client)
+
+
+def list_live_pods(redis_client: Any, schema: IndexSchema) -> list[PodInfo]:
+    return live_pods(schema).run(redis_client)
+
+
+def list_namespaces(redis_client: Any, prefix: str = "pagekv") -> dict[str, dict[str, str]]:
+    """Every namespace pods have registered in, with its readable hash config.
+
+    Lets a router find pods that registered under a *different* configuration and say so,
+    instead of silently seeing an empty index.
+    """
+    ids = sorted(text(n) for n in redis_client.smembers(namespaces_key(prefix)))
+    pipe = redis_client.pipeline(transaction=False)
+    for key in namespace_config_keys(prefix, ids):
+        pipe.hgetall(key)
+    return parse_namespaces(ids, pipe.execute())
+
