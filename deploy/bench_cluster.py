@@ -64,15 +64,6 @@ def call(stub, prompt: str, max_tokens: int) -> tuple[float, pb.GenerateChunk]:
     return ttft or (time.perf_counter() - t0), last
 
 
-def progress(done: int, total: int, label: str) -> None:
-    width = 30
-    filled = int(width * done / total)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<10}")
-    sys.stderr.flush()
-    if done == total:
-        sys.stderr.write("\n")
-
-
 def run_workload(address: str, groups: int, per_group: int, prefix_tokens: int,
                  max_tokens: int) -> list[Result]:
     prefixes = group_prompts(groups, prefix_tokens)
@@ -84,17 +75,24 @@ def run_workload(address: str, groups: int, per_group: int, prefix_tokens: int,
             plan.append(("warm", g, p + f" Question {i} for group {g}?"))
     for g, p in enumerate(prefixes):
         plan.append(("revisit", g, p + f" Follow-up for group {g}?"))
+    from tqdm import tqdm
+
+    from kvnode.pod.cli import CliError
+
     results = []
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        for i, (rnd, g, prompt) in enumerate(plan):
-            ttft, last = call(stub, prompt, max_tokens)
+        for rnd, g, prompt in tqdm(plan, desc="requests", unit="req", file=sys.stderr):
+            try:
+                ttft, last = call(stub, prompt, max_tokens)
+            except grpc.RpcError as e:  # e.g. a prompt past max_model_len: say so, no trace
+                raise CliError(f"the {rnd} request of group {g} failed: {e.code().name}: "
+                               f"{e.details()}") from None
             u = last.usage
             results.append(Result(rnd, g, ttft, last.served_by,
                                   {"gpu": u.cached_tokens_gpu, "cpu": u.cached_tokens_cpu,
                                    "disk": u.cached_tokens_disk}, u.prompt_tokens,
                                   last.routing.reason or "direct"))
-            progress(i + 1, len(plan), rnd)
     return results
 
 

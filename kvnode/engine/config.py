@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvnode.memory.kv_cache_manager import VALID_BLOCK_SIZES
+from proto.hashing import HASH_ALGOS
+
 
 @dataclass(slots=True)
 class EngineArgs:
@@ -35,6 +38,19 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+# The allowed values of every enumerated option; argparse refuses anything else up front.
+CHOICES: dict[str, tuple] = {
+    "block_size": VALID_BLOCK_SIZES,
+    # kvnode.model.attention.kv_cache.KV_CACHE_DTYPES (a torch module: a test keeps the two equal)
+    "kv_cache_dtype": ("auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    "hash_algo": HASH_ALGOS,
+    "device": ("cpu", "cuda"),
+    "attention_backend": ("auto", "torch", "cpp"),
+}
+# Options whose values are sizes in bytes ("2GiB", "512MB", "1e9").
+BYTE_SIZES = frozenset({"cpu_offload_bytes", "disk_offload_bytes", "kv_cache_memory"})
 
 
 # One line per option: the CLI's --help and the README's configuration table say this.

@@ -12,9 +12,12 @@ import argparse
 import importlib
 import logging
 import sys
+import typing
 from dataclasses import fields
+from importlib import metadata
+from pathlib import Path
 
-from kvnode.engine.config import HELP, EngineArgs
+from kvnode.engine.config import BYTE_SIZES, CHOICES, HELP, EngineArgs
 
 # subcommand -> (module, help)
 SUBCOMMANDS = {
@@ -27,57 +30,133 @@ SUBCOMMANDS = {
     "build-kernels": ("kvnode.model.attention.cpu_kernel",
                       "compile the C++ CPU kernel now, so no pod compiles at start"),
 }
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class CliError(Exception):
+    """A bad value found after parsing: one line on stderr, exit code 2, no traceback."""
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GiB', '2GB', '1e9', '4096' -> bytes (humanfriendly, plus plain numbers)."""
+    from humanfriendly import InvalidSize, parse_size
+
+    try:
+        return int(float(text))
+    except ValueError:
+        pass
+    try:
+        return int(parse_size(text, binary=False))
+    except InvalidSize as e:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from e
+
+
+def _value_type(name: str, annotation: object) -> typing.Callable[[str], object]:
+    """The argparse type of one EngineArgs field, from its annotation (`int | None` -> int)."""
+    if name in BYTE_SIZES:
+        return parse_bytes
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return args[0] if args[0] in (int, float) else str
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, named like vLLM's (--block-size, --kv-cache-dtype...)."""
+    """One flag per EngineArgs field, named like vLLM's (--block-size, --kv-cache-dtype...).
+    The positional MODEL (as in `vllm serve MODEL`) is the same as --model."""
     defaults = EngineArgs()
+    hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine")
+    group.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                       help="the model, as --model")
     for f in fields(EngineArgs):
         default = getattr(defaults, f.name)
-        if isinstance(default, bool):
-            group.add_argument(
-                _flag(f.name), dest=f.name, default=default,
-                action=argparse.BooleanOptionalAction, help=HELP.get(f.name),
-            )
+        if hints[f.name] is bool:
+            group.add_argument(_flag(f.name), dest=f.name, default=default,
+                               action=argparse.BooleanOptionalAction, help=HELP.get(f.name))
             continue
-        kind = {int: int, float: float}.get(type(default), str)
-        if f.type in ("int | None",):
-            kind = int
-        elif f.type in ("float | None",):
-            kind = float
-        if f.name.endswith("_bytes") or f.name == "kv_cache_memory":
-            kind = parse_bytes
-        group.add_argument(_flag(f.name), dest=f.name, type=kind, default=default,
-                           help=f"{HELP.get(f.name, '')} (default: {default})")
+        group.add_argument(_flag(f.name), dest=f.name, default=default,
+                           type=_value_type(f.name, hints[f.name]),
+                           choices=CHOICES.get(f.name), help=HELP.get(f.name))
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+    values = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
+    if getattr(ns, "model_tag", None):
+        values["model"] = ns.model_tag
+    return EngineArgs(**values)
 
 
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2GiB', '1e9', '4096' -> bytes."""
-    units = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kib": 2**10, "mib": 2**20,
-             "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
-    s = text.strip().lower()
-    for unit in sorted(units, key=len, reverse=True):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * units[unit])
-    return int(float(s))
+def config_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """A YAML file of flag names (`block-size: 32` or `block_size: 32`) as command-line
+    tokens, placed before the real ones so that flags on the command line win."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise CliError(f"--config {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise CliError(f"--config {path}: expected a mapping of flag names to values")
+    known = {opt: a for a in parser._actions for opt in a.option_strings}
+    tokens: list[str] = []
+    for key, value in data.items():
+        flag = _flag(str(key))
+        action = known.get(flag)
+        if action is None:
+            raise CliError(f"--config {path}: unknown option {key!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise CliError(f"--config {path}: {key} must be true or false")
+            tokens.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            for v in value:
+                tokens += [flag, str(v)]
+        elif value is not None:
+            tokens += [flag, str(value)]
+    return tokens
+
+
+def version() -> str:
+    try:
+        return metadata.version("pagekv")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default once: not where the help already says it, nor when it is None."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def _common() -> argparse.ArgumentParser:
+    """Flags every subcommand takes too, so they work before or after its name."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                        default=argparse.SUPPRESS, help="logging level (default: INFO)")
+    common.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
+                        help="options as YAML, keys named like the flags; flags given on the "
+                             "command line win")
+    return common
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """Only the selected subcommand's module is imported (the client must not load torch)."""
-    parser = argparse.ArgumentParser(prog="pagekv", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
+    common = _common()
+    parser = argparse.ArgumentParser(prog="pagekv", description=__doc__.splitlines()[0],
+                                     parents=[common])
+    parser.add_argument("--version", action="version", version=f"pagekv {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, parents=[common],
+                           formatter_class=_DefaultsHelp)
         if selected is not None and name != selected:
             continue
         try:
@@ -90,18 +169,43 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _with_config(argv: list[str], parser: argparse.ArgumentParser, selected: str | None
+                 ) -> list[str]:
+    """argv with --config's options spliced in right after the subcommand's name."""
+    if selected is None:
+        return argv
+    ns, _ = _common().parse_known_args(argv)
+    path = getattr(ns, "config", None)
+    if path is None:
+        return argv
+    subparser = parser._subparsers._group_actions[0].choices[selected]
+    at = argv.index(selected) + 1
+    return argv[:at] + config_tokens(path, subparser) + argv[at:]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     selected = next((a for a in argv if a in SUBCOMMANDS), None)
-    args = build_parser(selected).parse_args(argv)
+    parser = build_parser(selected)
+    try:
+        args = parser.parse_args(_with_config(argv, parser, selected))
+    except CliError as e:
+        parser.exit(2, f"pagekv: error: {e}\n")
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, getattr(args, "log_level", "INFO")),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if getattr(args, "_missing", None):
         print(f"pagekv {args._missing}", file=sys.stderr)
         return 2
-    return int(args._main(args) or 0)
+    try:
+        return int(args._main(args) or 0)
+    except (CliError, ValueError) as e:
+        # A value argparse could not judge (a model path, a length past the model's limit):
+        # one line naming it, as for a bad flag (the traceback only at --log-level DEBUG).
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        parser.exit(2, f"pagekv {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":
