@@ -47,6 +47,8 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from deploy.ray_placement import plan_pod_cpus, wait_ready
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -268,7 +270,7 @@ def deploy_cluster(
     router_kwargs: dict[str, Any] | None = None,
     host: str | None = None,
     use_gpus: bool | None = None,
-    pod_cpus: float = 1.0,
+    pod_cpus: float | None = None,
     router_cpus: float = 1.0,
     router_port: int = 50050,
     router_metrics_port: int = 0,
@@ -283,7 +285,9 @@ def deploy_cluster(
     """Start `num_pods` pod actors and the router on the connected Ray cluster.
 
     `host=None` binds every server to its node's IP; tests pass "127.0.0.1". `use_gpus=None`
-    reserves one GPU per pod when the cluster has that many. Blocks until all are serving.
+    reserves one GPU per pod when the cluster has that many. `pod_cpus=None` gives each pod at
+    most one CPU and leaves the router its share (deploy.ray_placement). Blocks until all are
+    serving; refuses up front what cannot fit.
     """
     if not ray.is_initialized():
         raise RuntimeError("connect to Ray first: ray.init(address='auto') or ray.init()")
@@ -298,6 +302,8 @@ def deploy_cluster(
         use_gpus = gpus >= num_pods
     elif use_gpus and gpus < num_pods:
         raise ValueError(f"{num_pods} GPU pods asked for; the cluster has {gpus:g} GPUs")
+    pod_cpus = plan_pod_cpus(num_pods, pod_cpus, router_cpus, start_router,
+                             float(ray.cluster_resources().get("CPU", 0.0)))
     bundle: dict[str, float] = {"CPU": pod_cpus}
     if use_gpus:
         bundle["GPU"] = 1.0
@@ -305,12 +311,12 @@ def deploy_cluster(
     pg = placement_group([dict(bundle) for _ in range(num_pods)], strategy="SPREAD",
                          name=PG_NAME if detach else "", lifetime=lifetime)
     try:
-        ray.get(pg.ready(), timeout=start_timeout_s)
-    except ray.exceptions.GetTimeoutError:
+        wait_ready({"the pods' placement group": pg.ready()},
+                   {"the pods' placement group": {k: v * num_pods for k, v in bundle.items()}},
+                   start_timeout_s)
+    except TimeoutError:
         remove_placement_group(pg)
-        raise TimeoutError(
-            f"no room for {num_pods} pods of {bundle} within {start_timeout_s:.0f} s; cluster "
-            f"resources: {ray.cluster_resources()}") from None
+        raise
     logger.info("placement group ready: %d bundles of %s (SPREAD)", num_pods, bundle)
 
     pod_ids = [f"ray-pod-{i}" for i in range(num_pods)]
@@ -354,6 +360,11 @@ def deploy_cluster(
     handles = ClusterHandles(pods=pods, pod_ids=pod_ids, pod_addresses=[], router=router,
                              router_address=None, placement_group=pg, detached=detach)
     try:
+        demands = {pid: dict(bundle) for pid in pod_ids}
+        refs = {pid: p.address.remote() for pid, p in zip(pod_ids, pods, strict=True)}
+        if router is not None:
+            refs["router"], demands["router"] = router.address.remote(), {"CPU": router_cpus}
+        wait_ready(refs, demands, start_timeout_s)
         handles.refresh(timeout=start_timeout_s)
     except BaseException:
         shutdown_cluster(handles, graceful=False)
@@ -431,7 +442,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bind address of the pods and the router (default: each node's IP)")
     p.add_argument("--gpus", choices=("auto", "yes", "no"), default="auto",
                    help="one GPU per pod (auto: when the cluster has one for every pod)")
-    p.add_argument("--pod-cpus", type=float, default=1.0, help="CPUs reserved per pod")
+    p.add_argument("--pod-cpus", type=float, default=None,
+                   help="CPUs reserved per pod (default: at most 1, leaving the router its "
+                        "share of the cluster)")
     p.add_argument("--router-cpus", type=float, default=1.0)
     p.add_argument("--router-port", type=int, default=50050)
     p.add_argument("--router-metrics-port", type=int, default=9100, help="0: not served")
@@ -472,7 +485,7 @@ def main(args: argparse.Namespace) -> int:
         logger.error("--redis-url is required (the index the pods publish to)")
         return 2
     num_pods = args.num_pods
-    _connect(args, (num_pods or 2) * args.pod_cpus + args.router_cpus)
+    _connect(args, (num_pods or 2) * (args.pod_cpus or 1.0) + args.router_cpus)
     try:
         if num_pods is None:
             num_pods = int(_cluster_gpus()) or 2

@@ -227,3 +227,42 @@ def test_kuberay_manifest_is_a_raycluster_with_gpu_workers() -> None:
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert str(limits["nvidia.com/gpu"]) == "1"
     assert any(d["kind"] == "Service" and d["metadata"]["name"] == "pagekv-redis" for d in docs)
+
+
+def test_a_deployment_that_cannot_fit_is_refused_up_front_with_the_numbers(
+        cluster: ClusterHandles, redis_url: str) -> None:
+    """Two 1-CPU pods and a 1-CPU router on 2 CPUs: the router could never be placed."""
+    with pytest.raises(ValueError, match=r"needs 3 CPUs \(2 pods x 1 \+ router 1\).* has 2"):
+        deploy_cluster(2, redis_url, "pagekv-tiny", engine_kwargs=ENGINE, host="127.0.0.1",
+                       pod_cpus=1.0, router_cpus=1.0, start_timeout_s=5.0)
+
+
+def test_waiting_for_placement_logs_and_times_out_naming_what_is_missing(
+        cluster: ClusterHandles, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """It fits the cluster's total, but the running deployment holds the CPUs it needs."""
+    import logging
+
+    from deploy import ray_placement
+
+    monkeypatch.setattr(ray_placement, "LOG_EVERY_S", 0.5)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger=ray_placement.__name__), \
+            pytest.raises(TimeoutError, match=r"placement group \(needs \{'CPU': 1\.0\}\)"):
+        deploy_cluster(1, redis_url, "pagekv-tiny", engine_kwargs=ENGINE, host="127.0.0.1",
+                       pod_cpus=1.0, router_cpus=0.5, start_timeout_s=2.0)
+    assert time.monotonic() - t0 < 30
+    assert sum("waiting for the pods' placement group" in r.getMessage()
+               for r in caplog.records) >= 2
+    # Nothing was left behind: the live deployment still serves.
+    assert router_stub(cluster).Generate(request(tokens(9, 40)), timeout=60).completions
+
+
+def test_pod_cpus_fit_the_router_in_when_not_given() -> None:
+    from deploy.ray_placement import plan_pod_cpus
+
+    assert plan_pod_cpus(2, None, 1.0, True, 2.0) == 0.5
+    assert plan_pod_cpus(2, None, 1.0, True, 16.0) == 1.0
+    assert plan_pod_cpus(4, None, 1.0, False, 2.0) == 0.5
+    with pytest.raises(ValueError, match="needs"):
+        plan_pod_cpus(2, None, 2.0, True, 2.0)
