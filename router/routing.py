@@ -15,6 +15,7 @@ from typing import Any
 from proto.hashing import HashConfig, RequestBlockHasher, lora_key
 from proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch
 from proto.pagekv.v1 import pagekv_pb2
+from proto.requests import parse_prompt
 from router.burst import BurstTracker
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -38,10 +39,6 @@ from router.scoring import (
 from router.tokenize import PromptTokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class BadRequest(ValueError):
-    """The request cannot be routed as sent (INVALID_ARGUMENT)."""
 
 
 @dataclass(slots=True)
@@ -98,32 +95,16 @@ class Router:
 
     # -- request preparation ---------------------------------------------------------------
     def prepare(self, request: pagekv_pb2.GenerateRequest) -> Prepared:
-        # The pods' messages, word for word (kvnode.pod.server): a client cannot tell who answered.
-        kind = request.WhichOneof("prompt")
-        if kind == "text":
-            if not request.text:
-                raise BadRequest("prompt text is empty")
-            token_ids: Sequence[int] = self.tokenizer.encode(request.text)
-            if not token_ids:  # e.g. whitespace a tokenizer without BOS drops
-                raise BadRequest("prompt is empty: at least one token is required")
-        elif kind == "token_ids":
-            token_ids = request.token_ids.ids
-            if len(token_ids) == 0:
-                raise BadRequest("prompt token_ids is empty")
-        else:
-            raise BadRequest("prompt is required: set exactly one of text or token_ids")
+        """Tokens and block hashes, read as a pod reads them (BadRequest in its words)."""
+        prompt = parse_prompt(request, self.tokenizer.encode)
         forward = pagekv_pb2.GenerateRequest()
         forward.CopyFrom(request)
-        if kind == "text":
-            forward.token_ids.ids.extend(token_ids)  # setting the oneof clears `text`
-        # The pods' rules (kvnode.memory.kv_cache_manager / request): an empty salt is no salt, and
-        # a LoRA adapter enters every block's hash as (str(id), path) with an empty path.
-        salt = request.cache_salt or None
-        lora = lora_key(request.lora_id if request.HasField("lora_id") else None)
-        ids = list(token_ids)
+        if prompt.kind == "text":
+            forward.token_ids.ids.extend(prompt.token_ids)  # setting the oneof clears `text`
+        ids = list(prompt.token_ids)
         hashes: list[bytes] = []
-        RequestBlockHasher(self.hash_config, self.config.block_size, salt, lora).extend(
-            ids, hashes)
+        RequestBlockHasher(self.hash_config, self.config.block_size, prompt.cache_salt,
+                           lora_key(prompt.lora_id)).extend(ids, hashes)
         lookup = min(len(hashes), max_hit_blocks(len(ids), self.config.block_size))
         return Prepared(forward, ids, hashes, lookup)
 

@@ -25,10 +25,11 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.index import REDIS_ERRORS, connect_async
 from proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
+from proto.requests import BadRequest, already_in_flight
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.pods import PodEntry
-from router.routing import BadRequest, Decision, Prepared, Router
+from router.routing import Decision, Prepared, Router
 from router.scoring import REASON_RETRY, Score
 from router.tokenize import load_tokenizer
 
@@ -74,9 +75,8 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         if rid:
             if rid in self.inflight_ids:
                 self.metrics.failures.labels(code="ALREADY_EXISTS").inc()
-                # The pod's words (kvnode.pod.server), so the two cannot be told apart.
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                    f"request id {rid!r} is already in flight")
+                # The pod's words, so the two cannot be told apart.
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, already_in_flight(rid))
             self.inflight_ids.add(rid)
         return rid
 

@@ -26,87 +26,16 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvnode.engine.async_engine import AsyncEngine, QueueFull
 from kvnode.engine.config import EngineArgs
 from kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
-from kvnode.engine.sampling_params import SamplingParams
+from kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
 from kvnode.pod.prom import EngineCollector, RequestMetricsExporter
 from kvnode.pod.publisher import IndexPublisher
 from proto.heap import freeze_startup_heap
 from proto.index import IndexSchema
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from proto.requests import BadRequest, already_in_flight, parse_prompt
 
 logger = logging.getLogger(__name__)
-
-FINISH = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-}
-
-
-class BadRequest(ValueError):
-    pass
-
-
-def engine_request_id(rid: str) -> str:
-    """The engine's id for a client's request id. The engine names the extra samples of an
-    n>1 request `<id>#<i>`, so a client id such as "x#1" would share block tables with the
-    second sample of request "x" (and corrupt both): escape '#' (and '%', to stay one-to-one)
-    so that no client id can take that form."""
-    if "#" in rid or "%" in rid:
-        return rid.replace("%", "%25").replace("#", "%23")
-    return rid
-
-
-class Completions:
-    """One request's engine deltas turned into what a client sees, the same for Generate and
-    GenerateStream. The engine already leaves a stop token's text out and reports each
-    completion's finish_reason once."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[int, list[int]] = {}
-        self.texts: dict[int, list[str]] = {}
-        self.finish: dict[int, int] = {}
-
-    def pieces(self, delta) -> list[tuple[int, list[int], str, int]]:
-        """(index, new token ids, new text, finish reason) for each completion that moved."""
-        out = []
-        for c in delta.outputs:
-            if not (c.token_ids or c.text or c.finish_reason):
-                continue
-            self.tokens.setdefault(c.index, []).extend(c.token_ids)
-            self.texts.setdefault(c.index, []).append(c.text)
-            reason = FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
-            if c.finish_reason is not None:
-                self.finish[c.index] = reason
-            out.append((c.index, list(c.token_ids), c.text, reason))
-        return out
-
-    def completion(self, index: int) -> pb.Completion:
-        return pb.Completion(index=index, token_ids=self.tokens.get(index, []),
-                             text="".join(self.texts.get(index, [])),
-                             finish_reason=self.finish.get(index, pb.FINISH_REASON_UNSPECIFIED))
-
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens.values())
-
-
-def to_sampling_params(sp: pb.SamplingParams, room: int) -> SamplingParams:
-    """Proto → engine parameters; unset fields take the server defaults."""
-    try:
-        return SamplingParams(
-            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else max(1, room),
-            temperature=sp.temperature if sp.HasField("temperature") else 1.0,
-            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-            top_k=sp.top_k if sp.HasField("top_k") and sp.top_k > 0 else 0,
-            seed=sp.seed if sp.HasField("seed") else None,
-            n=sp.n or 1,
-            stop_token_ids=list(sp.stop_token_ids),
-            ignore_eos=sp.ignore_eos,
-        )
-    except ValueError as e:
-        raise BadRequest(str(e)) from e
-
 
 class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
     def __init__(self, pod: PodServer) -> None:
@@ -114,21 +43,11 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
 
     def _parse(self, request: pb.GenerateRequest):
         eng = self.pod.engine
-        which = request.WhichOneof("prompt")
-        if which == "text":
-            if not request.text:
-                raise BadRequest("prompt text is empty")
-            tokens = eng.tokenizer.encode(request.text)
-        elif which == "token_ids":
-            tokens = list(request.token_ids.ids)
-            if not tokens:
-                raise BadRequest("prompt token_ids is empty")
-        else:
-            raise BadRequest("prompt is required: set exactly one of text or token_ids")
+        prompt = parse_prompt(request, eng.tokenizer.encode)
+        tokens = list(prompt.token_ids)
         params = to_sampling_params(request.sampling, eng.max_model_len - len(tokens))
-        lora = str(request.lora_id) if request.HasField("lora_id") else None
         rid = request.request_id or uuid.uuid4().hex
-        return rid, tokens, params, request.cache_salt or None, lora
+        return rid, tokens, params, prompt.cache_salt, prompt.lora_id
 
     async def _stream(self, request, context):
         """The request's deltas; every failure becomes a gRPC status, never a stack trace."""
@@ -146,8 +65,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
                     yield rid, tokens, delta
         except DuplicateRequestId:
             # The client's id, not the engine's escaped one (the router says the same).
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request id {rid!r} is already in flight")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, already_in_flight(rid))
         except (BadRequest, RequestRejected) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
@@ -155,17 +73,6 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         except Exception:
             logger.exception("request %s failed", rid)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {rid})")
-
-    def _usage(self, tokens: list[int], delta, completion_tokens: int) -> pb.Usage:
-        by = delta.cached_tokens_by_tier
-        return pb.Usage(
-            prompt_tokens=len(tokens),
-            completion_tokens=completion_tokens,
-            cached_tokens=delta.num_cached_tokens,
-            cached_tokens_gpu=by.get("GPU", 0),
-            cached_tokens_cpu=by.get("CPU", 0),
-            cached_tokens_disk=by.get("DISK", 0),
-        )
 
     async def Generate(self, request, context):
         done = Completions()
@@ -180,7 +87,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         return pb.GenerateResponse(
             request_id=rid,
             completions=[done.completion(i) for i in sorted(done.tokens)],
-            usage=self._usage(tokens, last, done.num_tokens()),
+            usage=usage(len(tokens), last, done.num_tokens()),
             served_by=self.pod.pod_id,
         )
 
@@ -202,7 +109,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
             self.pod.request_metrics.observe(delta)
             if not chunks:
                 chunks.append(pb.GenerateChunk(request_id=rid))
-            chunks[-1].usage.CopyFrom(self._usage(tokens, delta, done.num_tokens()))
+            chunks[-1].usage.CopyFrom(usage(len(tokens), delta, done.num_tokens()))
             chunks[-1].served_by = self.pod.pod_id
         return chunks
 

@@ -291,9 +291,10 @@ def test_router_chain_equals_the_pods_chain(salt: str, lora_id: int | None, algo
 
 def test_prepare_rejects_empty_prompts() -> None:
     from proto.pagekv.v1 import pagekv_pb2 as pb
+    from proto.requests import BadRequest
     from router.config import RouterConfig
     from router.metrics import RouterMetrics
-    from router.routing import BadRequest, Router
+    from router.routing import Router
 
     router = Router(RouterConfig(), None, ByteEncoder(), RouterMetrics())
     for req in (pb.GenerateRequest(), pb.GenerateRequest(text=""),
