@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from proto.medium import Medium
+from proto.tier_stats import MOVES, ChainStats, TierMove, TierStats, move_name
 from tiers.base import BlockData, TierMedium, as_uint8_tensor
 from tiers.dram import DramTier
 from tiers.ssd import SsdTier
@@ -316,6 +318,31 @@ class TierChain:
                     out[f"ssd_{key}"] = ssd[key]
             out["checksum_failures"] = out.get("ssd_checksum_failures", 0)
             return out
+
+    def tier_stats(self) -> ChainStats:
+        """The typed per-tier record the engine, Prometheus and the StatsResponse all read
+        (`stats()` is every raw counter, flat, for diagnostics)."""
+        if self.block_size is None:
+            raise ValueError("tier_stats() counts tokens: build the chain with its block_size")
+        bs = self.block_size
+        with self._lock:
+            self._sync_ssd_locked()
+            c = self._c
+            tiers = {}
+            for medium, prefix, tier in ((Medium.CPU, "dram", self.dram),
+                                         (Medium.DISK, "ssd", self.ssd)):
+                tiers[medium] = TierStats(
+                    medium,
+                    tier.used_bytes if tier is not None else 0,
+                    tier.capacity_bytes if tier is not None else 0,
+                    tier.num_entries if tier is not None else 0,
+                    c[f"{prefix}_hits"] * bs,
+                    c[f"{prefix}_queries"] * bs,
+                )
+            moves = tuple(TierMove(src, dst, c[f"{move_name(src, dst)}_bytes"],
+                                   c[f"{move_name(src, dst)}_seconds"]) for src, dst in MOVES)
+            failures = self.ssd.stats()["checksum_failures"] if self.ssd is not None else 0
+            return ChainStats(tiers, moves, c["orphans_dropped"], failures)
 
     def persist(self, pool_batches: Iterable[Sequence[tuple[bytes, bytes | None, torch.Tensor]]]
                 ) -> dict[str, int]:
