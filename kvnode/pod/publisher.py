@@ -124,9 +124,7 @@ class IndexPublisher:
         now = time.monotonic()
         with self._lock:
             if self._discarding:
-                n = 0
-                for _ in events:
-                    n += 1
+                n = sum(1 for _ in events)  # only counted: the next resync covers them
                 self._seq += n
                 self._submitted += n
                 self._dropped += n
@@ -255,16 +253,14 @@ class IndexPublisher:
                 continue
             except REDIS_ERRORS as exc:
                 self._on_error(exc)
-                self._stop.wait(self._backoff)
-                self._backoff = min(self._backoff * 2, _BACKOFF_CAP_S)
+                self._back_off()
                 continue
             except Exception:  # a bug or a bad event must not kill the thread: rebuild
                 logger.exception("index publisher %s: unexpected error; republishing",
                                  self.pod_id)
                 self._counters.errors += 1
                 self._drop_pending()
-                self._stop.wait(self._backoff)
-                self._backoff = min(self._backoff * 2, _BACKOFF_CAP_S)
+                self._back_off()
                 continue
             wait = min(self.flush_interval_s, max(0.0, self._next_renew - time.monotonic()))
             self._wake.wait(wait)
@@ -275,6 +271,11 @@ class IndexPublisher:
                 self._publish_pending()
             except REDIS_ERRORS as exc:
                 logger.debug("index publisher %s: final flush failed: %s", self.pod_id, exc)
+
+    def _back_off(self) -> None:
+        """Wait before the next try, twice as long as the last time (capped)."""
+        self._stop.wait(self._backoff)
+        self._backoff = min(self._backoff * 2, _BACKOFF_CAP_S)
 
     def _drop_pending(self) -> None:
         """Forget queued deltas and stop queueing until the next full republish."""

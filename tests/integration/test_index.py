@@ -23,6 +23,7 @@ from proto.index import (
     register_scripts,
 )
 from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from proto.medium import Medium
 
 pytestmark = pytest.mark.integration
 
@@ -111,12 +112,11 @@ def make_pod(redis_server: RedisProcess) -> Iterator[Callable[..., PodState]]:
 
 def index_claims(r: redis.Redis, schema: IndexSchema, pod: str, epoch: str) -> dict[bytes, str]:
     """What Redis says this pod holds: hash -> best tier, only claims of this epoch."""
-    names = {"G": "GPU", "C": "CPU", "D": "DISK"}
     out: dict[bytes, str] = {}
     for member in r.smembers(schema.pod_blocks_key(pod)):
         value = r.hget(schema.block_prefix + member.decode(), pod)
         if value is not None and value.decode().endswith(":" + epoch):
-            out[bytes.fromhex(member.decode())] = names[value.decode()[0]]
+            out[bytes.fromhex(member.decode())] = Medium.from_code(value.decode()[0])
     return out
 
 
