@@ -59,13 +59,13 @@ def replay(
                 tr = waiting[0]
                 req = Request(tr.request_id, tr.prompt)
                 t0 = clock()
-                hits, n = mgr.get_computed_blocks(req)
-                new = mgr.allocate_slots(req, req.num_tokens - n, n, hits)
+                hit = mgr.lookup(req)
+                new = mgr.allocate_slots(req, req.num_tokens - hit.num_tokens, hit)
                 t1 = clock()
                 if new is None:
                     break
                 t_admit.append((t1 - t0) / 1000)
-                block_ops += len(new) + len(hits)
+                block_ops += len(new) + len(hit.blocks)
                 req.num_computed_tokens = req.num_tokens
                 running[tr.request_id] = (req, tr)
                 waiting.popleft()

@@ -71,7 +71,7 @@ def real_kv_blocks(kv_dtype: str, n_blocks: int) -> tuple[list[torch.Tensor], in
     text = "The paged KV cache keeps blocks of keys and values for every layer. " * 40
     llm.generate([llm.tokenizer.encode(text)[: n_blocks * 16]], ONE)
     runner = llm.engine.runner
-    cached = llm.engine.kv_manager.block_pool.cached_block_hash_to_block.values()
+    cached = llm.engine.kv_manager.idle_cached_blocks()  # nothing runs: every cached block
     blocks = [runner.read_block(b.block_id) for b in cached]
     return blocks, runner.block_bytes
 

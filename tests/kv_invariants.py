@@ -55,9 +55,11 @@ def check_manager(mgr: KVCacheManager, pins: Iterable[Iterable[KVCacheBlock]] = 
 
 def check_lookup(mgr: KVCacheManager, req: Request) -> None:
     """A lookup stops before the last token and only returns the request's own blocks."""
-    hits, n = mgr.get_computed_blocks(req)
+    hit = mgr.lookup(req)
+    hits, n = hit.blocks, hit.num_tokens
     assert n == len(hits) * mgr.block_size
     assert n <= req.num_tokens - 1, (req, n)
+    assert len(hits) <= hit.max_blocks
     for i, b in enumerate(hits):
         assert b.block_hash == req.block_hashes[i]
 

@@ -22,11 +22,13 @@ from kvnode.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from kvnode.engine.sampler import make_generator, sample
 from kvnode.engine.sampling_params import SamplingParams
 from kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
-from kvnode.engine.tier_connector import TierConnector, build_tier_chain
+from kvnode.engine.tier_connector import TierConnector, TierEvictor, build_tier_chain
 from kvnode.memory.kv_cache_manager import KVCacheManager
 from kvnode.memory.metrics import KVCacheMetrics
 from kvnode.memory.request import Request
 from kvnode.model.runner import ModelRunner, SeqBatchItem
+from proto.medium import Medium
+from proto.tier_stats import ChainStats, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,11 @@ class Engine:
                 f"max_model_len={self.max_model_len}: enable chunked prefill or raise it"
             )
         self.metrics = KVCacheMetrics(args.block_metrics_sample_rate)
-        self.tiers: TierConnector | None = None
+        # The tiers come first: the pool is built with its eviction hook into them.
+        chain = build_tier_chain(self.runner, args.cpu_offload_bytes, args.disk_offload_bytes,
+                                 args.disk_offload_dir, args.block_size)
+        if chain is not None and not args.enable_prefix_caching:
+            raise ValueError("offload tiers need prefix caching (blocks are found by hash)")
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks,
             args.block_size,
@@ -80,22 +86,20 @@ class Engine:
             hash_seed=args.hash_seed,
             watermark=args.watermark,
             metrics=self.metrics,
+            on_evict_many=TierEvictor(chain, self.runner) if chain is not None else None,
         )
+        self.tiers: TierConnector | None = None
+        if chain is not None:
+            self.tiers = TierConnector(chain, self.kv_manager, self.runner)
+            if chain.ssd is not None and chain.full_state():
+                logger.info("warm restart: %d blocks found on SSD", len(chain.full_state()))
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            prefix_loader=self.tiers.load_prefix if self.tiers is not None else None,
         )
-        chain = build_tier_chain(self.runner, args.cpu_offload_bytes, args.disk_offload_bytes,
-                                 args.disk_offload_dir, args.block_size)
-        if chain is not None:
-            if not args.enable_prefix_caching:
-                raise ValueError("offload tiers need prefix caching (blocks are found by hash)")
-            self.tiers = TierConnector(chain, self.kv_manager, self.runner)
-            self.scheduler.prefix_loader = self.tiers.load_prefix
-            if chain.ssd is not None and chain.full_state():
-                logger.info("warm restart: %d blocks found on SSD", len(chain.full_state()))
         self.groups: dict[str, SequenceGroup] = {}
         # Ids of the live extra samples of n>1 requests ("<id>#<i>"): the block tables and tier
         # loads are keyed by sequence id, so a client id must never equal one of them.
@@ -345,14 +349,14 @@ class Engine:
     # -- cache state ----------------------------------------------------------------------
     def full_state(self) -> dict[bytes, str]:
         """Every block hash this pod can serve, with its tier (the index republishes this)."""
-        state = {h: "GPU" for h in self.kv_manager.block_pool.cached_block_hash_to_block}
+        state = dict.fromkeys(self.kv_manager.cached_hashes(), Medium.GPU)
         if self.tiers is not None:
             state.update(self.tiers.full_state())
         return state
 
     def reset_prefix_cache(self, include_tiers: bool = False) -> tuple[bool, int]:
         """Forget cached prefixes; refused while requests run. Returns (ok, blocks cleared)."""
-        n = len(self.kv_manager.block_pool.cached_block_hash_to_block)
+        n = len(self.kv_manager.cached_hashes())
         if not self.kv_manager.reset_prefix_cache():
             return False, 0
         if include_tiers and self.tiers is not None:
@@ -362,7 +366,14 @@ class Engine:
 
     # -- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:
+        """The pod's figures. `tiers` has a `TierStats` per medium (the pool, then the chain's
+        own records, passed on as they are), `chain` the chain's whole record (None without
+        tiers)."""
         mgr = self.kv_manager
+        block_bytes = self.runner.block_bytes
+        pool = TierStats(Medium.GPU, int(mgr.usage * mgr.num_blocks) * block_bytes,
+                         mgr.num_blocks * block_bytes, len(mgr.cached_hashes()))
+        chain: ChainStats | None = self.tiers.tier_stats() if self.tiers is not None else None
         return {
             "num_blocks": mgr.num_blocks,
             "num_free_blocks": mgr.get_num_free_blocks(),
@@ -371,6 +382,8 @@ class Engine:
             "running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_hit_rate": self.metrics.hit_rate,
+            "tiers": {Medium.GPU: pool, **(chain.tiers if chain is not None else {})},
+            "chain": chain,
         }
 
     def close(self) -> None:

@@ -19,8 +19,9 @@ import torch
 
 from kvnode.engine.outputs import RequestMetrics
 from kvnode.engine.sampling_params import SamplingParams
-from kvnode.memory.kv_cache_manager import KVCacheManager
+from kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
 from kvnode.memory.request import Request
+from proto.medium import MEDIUMS, Medium
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,8 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
     num_cached_tokens: int = 0
-    cached_tokens_by_tier: dict[str, int] = field(
-        default_factory=lambda: {"GPU": 0, "CPU": 0, "DISK": 0}
+    cached_tokens_by_tier: dict[Medium, int] = field(
+        default_factory=lambda: dict.fromkeys(MEDIUMS, 0)
     )
 
     @property
@@ -70,10 +71,10 @@ class SchedulerOutput:
     num_batched_tokens: int
 
 
-# Hook for the tier chain: given a waiting request and its pool hits, load what the lower
-# tiers hold into fresh pool blocks and return the extended (blocks, tokens, by_tier), or
-# None while a load from SSD is still running (the request waits; others are served).
-PrefixLoader = Callable[[Request, list, int], tuple[list, int, dict[str, int]] | None]
+# Hook for the tier chain: given a waiting request and its pool hit, load what the lower
+# tiers hold into fresh pool blocks and extend the hit in place (True), or say that a load
+# from SSD is still running (False: the request waits; others are served).
+PrefixLoader = Callable[[Request, PrefixHit], bool]
 
 
 class Scheduler:
@@ -156,20 +157,17 @@ class Scheduler:
         ):
             seq = self.waiting[idx]
             req = seq.req
-            hits, num_hit = mgr.get_computed_blocks(req)
-            by_tier = {"GPU": num_hit}
-            if self.prefix_loader is not None:
-                loaded = self.prefix_loader(req, hits, num_hit)
-                if loaded is None:  # an SSD load is in flight: serve others meanwhile
-                    idx += 1
-                    continue
-                hits, num_hit, by_tier = loaded
+            hit = mgr.lookup(req)  # the only lookup of this admission: the tiers extend it
+            if self.prefix_loader is not None and not self.prefix_loader(req, hit):
+                idx += 1  # an SSD load is in flight: serve others meanwhile
+                continue
+            num_hit = hit.num_tokens
             num_new = req.num_tokens - num_hit
             if num_new > budget:
                 if not chunked:
                     break
                 num_new = budget
-            if mgr.allocate_slots(req, num_new, num_hit, hits, by_tier) is None:
+            if mgr.allocate_slots(req, num_new, hit) is None:
                 break
             req.num_computed_tokens = num_hit
             del self.waiting[idx]
@@ -180,5 +178,5 @@ class Scheduler:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
                 group.num_cached_tokens = num_hit
-                group.cached_tokens_by_tier = {**group.cached_tokens_by_tier, **by_tier}
+                group.cached_tokens_by_tier = {**group.cached_tokens_by_tier, **hit.by_tier()}
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)

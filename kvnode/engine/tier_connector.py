@@ -1,11 +1,12 @@
 """The pod's side of the offload tiers: evict into them, reload prefixes out of them.
 
-- Eviction: the block pool calls `on_evict(block)` when it pops a hashed block for reuse;
-  its K/V (every layer) is copied out and demoted to DRAM before the pool overwrites it.
-- Reload: at admission, a prefix that continues past the pool's hits is looked up in DRAM,
+- Eviction: a `TierEvictor` is the KV cache manager's eviction hook, given to it when it is
+  built; the pool calls it with the hashed blocks it pops for reuse, and their K/V (every
+  layer) is copied out and demoted to DRAM before the pool overwrites it.
+- Reload: at admission, a prefix that continues past the pool's hit is looked up in DRAM,
   then SSD. DRAM hits are promoted at once; a run that touches SSD is promoted by a loader
   thread while the request waits and the scheduler serves others. The loaded blocks become
-  ordinary cached pool blocks, so the normal prefix-hit path then picks them up.
+  ordinary cached pool blocks, and the admission's `PrefixHit` is extended over them.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import numpy as np
 import torch
 
 from kvnode.memory.block_pool import KVCacheBlock
-from kvnode.memory.kv_cache_manager import KVCacheManager
+from kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
 from kvnode.memory.request import Request
 from proto.kv_events import KVEvent
+from proto.medium import OFFLOAD_MEDIUMS, Medium
+from proto.tier_stats import ChainStats
 from tiers.chain import TierChain
 from tiers.dram import DramTier
 from tiers.ssd import SsdTier
@@ -35,7 +38,7 @@ class _PendingLoad:
     req: Request
     start: int
     hashes: list[bytes]
-    media: list[str]
+    media: list[Medium]
     future: Future
     parent: bytes | None  # the pool block these continue (their chain's parent)
     pinned: list[KVCacheBlock]  # that pool prefix, referenced until the load is consumed
@@ -88,6 +91,23 @@ def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
     return chain
 
 
+class TierEvictor:
+    """The pool's eviction hook: copy the K/V of blocks about to be reused down the chain."""
+
+    def __init__(self, chain: TierChain, runner) -> None:
+        self.chain = chain
+        self.runner = runner
+        self._buf: torch.Tensor | None = None
+
+    def __call__(self, blocks: list[KVCacheBlock]) -> None:
+        # One gather per layer into a buffer kept across calls; the tiers copy the rows.
+        data = self.runner.read_blocks([b.block_id for b in blocks], self._buf)
+        if self._buf is None or data.shape[0] > self._buf.shape[0]:
+            self._buf = data
+        self.chain.demote_many([b.block_hash for b in blocks], [b.parent_hash for b in blocks],
+                               data)
+
+
 class TierConnector:
     def __init__(self, chain: TierChain, manager: KVCacheManager, runner) -> None:
         self.chain = chain
@@ -95,55 +115,43 @@ class TierConnector:
         self.runner = runner
         self.block_size = manager.block_size
         self._loads: dict[str, _PendingLoad] = {}
-        self._evict_buf: torch.Tensor | None = None
-        self._loaded: dict[str, dict[str, int]] = {}  # request -> tokens reloaded, per tier
+        self._loaded: dict[str, dict[Medium, int]] = {}  # request -> tokens reloaded, per tier
         self._inflight: dict[bytes, str] = {}  # block hash -> request whose SSD load has it
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tier-load")
-        manager.block_pool.on_evict_many = self.on_evict
-
-    # -- eviction -------------------------------------------------------------------------
-    def on_evict(self, blocks: list[KVCacheBlock]) -> None:
-        # One gather per layer into a buffer kept across calls; the tiers copy the rows.
-        data = self.runner.read_blocks([b.block_id for b in blocks], self._evict_buf)
-        if self._evict_buf is None or data.shape[0] > self._evict_buf.shape[0]:
-            self._evict_buf = data
-        self.chain.demote_many([b.block_hash for b in blocks], [b.parent_hash for b in blocks],
-                               data)
 
     # -- reload ---------------------------------------------------------------------------
-    def load_prefix(self, req: Request, hits: list, num_hit: int):
-        """Scheduler hook: extend pool hits with blocks reloaded from DRAM/SSD.
-
-        Returns (hits, num_hit_tokens, tokens_by_tier), or None while an SSD load runs.
+    def load_prefix(self, req: Request, hit: PrefixHit) -> bool:
+        """Scheduler hook: extend the admission's pool hit, in place, with blocks reloaded
+        from DRAM/SSD, and say which tier its tokens came from. False while an SSD load runs.
         """
-        bs = self.block_size
         rid = req.request_id
         pending = self._loads.get(rid)
         if pending is not None:
             if not pending.future.done():
-                return None
-            self._land(pending)
+                return False
+            self._land(pending, hit)
         else:
-            max_blocks = (req.num_tokens - 1) // bs
-            start = len(hits)
+            max_blocks = hit.max_blocks
+            start = len(hit.blocks)
             if start < max_blocks and req.block_hashes[start] in self._inflight:
-                return None  # another request is loading this prefix: hit it in the pool next
+                return False  # another request is loading this prefix: hit it in the pool next
             media = (self.chain.match_prefix(req.block_hashes[:max_blocks], start)
                      if start < max_blocks else [])
-            if not media:
-                return hits, num_hit, self._by_tier(rid, num_hit)
-            todo = list(req.block_hashes[start : start + len(media)])
-            parent = req.block_hashes[start - 1] if start else None
-            if "DISK" in media:
-                # Pin the pool prefix these blocks continue, or it could be evicted meanwhile.
-                self.manager.block_pool.touch(hits)
-                future = self._loader.submit(self.chain.promote_many, todo)
-                self._loads[rid] = _PendingLoad(req, start, todo, media, future, parent, hits)
-                self._inflight.update(dict.fromkeys(todo, rid))
-                return None
-            self._store(req, start, todo, media, self.chain.promote_many(todo), parent)
-        hits, num_hit = self.manager.get_computed_blocks(req)
-        return hits, num_hit, self._by_tier(rid, num_hit)
+            if media:
+                todo = list(req.block_hashes[start : start + len(media)])
+                parent = req.block_hashes[start - 1] if start else None
+                if Medium.DISK in media:
+                    # Pin the pool prefix these blocks continue, or it could be evicted meanwhile.
+                    pinned = list(hit.blocks)
+                    self.manager.pin(pinned)
+                    future = self._loader.submit(self.chain.promote_many, todo)
+                    self._loads[rid] = _PendingLoad(req, start, todo, media, future, parent,
+                                                    pinned)
+                    self._inflight.update(dict.fromkeys(todo, rid))
+                    return False
+                self._store(req, start, todo, media, self.chain.promote_many(todo), parent, hit)
+        hit.tokens_by_tier = self._by_tier(rid, hit.num_tokens)
+        return True
 
     def finish_loads(self) -> None:
         """Land every finished SSD load in the pool now (as free cached blocks), whether or not
@@ -156,8 +164,9 @@ class TierConnector:
         for pending in [p for p in self._loads.values() if p.future.done()]:
             self._land(pending)
 
-    def _land(self, pending: _PendingLoad) -> None:
-        """A finished SSD load: its blocks into the pool, the pinned prefix released."""
+    def _land(self, pending: _PendingLoad, hit: PrefixHit | None = None) -> None:
+        """A finished SSD load: its blocks into the pool (extending `hit`, its request's
+        lookup of this admission, if any), the pinned prefix released."""
         del self._loads[pending.req.request_id]
         try:
             datas = pending.future.result()
@@ -165,11 +174,11 @@ class TierConnector:
             logger.exception("tier load failed; recomputing")
             datas = [None] * len(pending.hashes)
         self._store(pending.req, pending.start, pending.hashes, pending.media, datas,
-                    pending.parent)
+                    pending.parent, hit)
         self._end_load(pending)
 
-    def _store(self, req: Request, start: int, todo: list[bytes], media: list[str],
-               datas: list, parent: bytes | None) -> None:
+    def _store(self, req: Request, start: int, todo: list[bytes], media: list[Medium],
+               datas: list, parent: bytes | None, hit: PrefixHit | None) -> None:
         """Write promoted blocks into the pool as cached blocks continuing the request's
         pool prefix at block `start`; what does not fit goes back below the pool."""
         # The leading run that came back (a checksum failure ends it: recompute from there).
@@ -177,20 +186,20 @@ class TierConnector:
         while run < len(datas) and datas[run] is not None:
             run += 1
         loads = list(zip(todo[:run], datas[:run], strict=True))
-        n = self.manager.load_cached_blocks(req, start, loads, self._write_blocks)
+        n = self.manager.load_cached_blocks(req, start, loads, self._write_blocks, hit)
         if n < run:  # no room in the pool: keep the rest below instead of losing it
             self._demote_run(todo[n:run], datas[n:run], todo[n - 1] if n else parent)
         # Remember where the loaded tokens came from: if admission fails now, the next try
         # finds them as pool hits but must still report them as DRAM / SSD hits.
-        counts = self._loaded.setdefault(req.request_id, {"CPU": 0, "DISK": 0})
+        counts = self._loaded.setdefault(req.request_id, dict.fromkeys(OFFLOAD_MEDIUMS, 0))
         for m in media[:n]:
             counts[m] += self.block_size
 
-    def _by_tier(self, rid: str, num_hit: int) -> dict[str, int]:
-        loaded = self._loaded.get(rid, {"CPU": 0, "DISK": 0})
-        cpu = min(loaded["CPU"], num_hit)
-        disk = min(loaded["DISK"], num_hit - cpu)
-        return {"GPU": num_hit - cpu - disk, "CPU": cpu, "DISK": disk}
+    def _by_tier(self, rid: str, num_hit: int) -> dict[Medium, int]:
+        loaded = self._loaded.get(rid)
+        cpu = min(loaded[Medium.CPU], num_hit) if loaded else 0
+        disk = min(loaded[Medium.DISK], num_hit - cpu) if loaded else 0
+        return {Medium.GPU: num_hit - cpu - disk, Medium.CPU: cpu, Medium.DISK: disk}
 
     def _demote_run(self, hashes: list[bytes], datas: list, parent: bytes | None) -> None:
         """Put consecutive blocks of one chain back below the pool, each under its parent."""
@@ -212,7 +221,7 @@ class TierConnector:
 
     def _end_load(self, pending: _PendingLoad) -> None:
         """Unpin the prefix an SSD load continued; its blocks are no longer in flight."""
-        self.manager.block_pool.free_blocks(reversed(pending.pinned))
+        self.manager.unpin(pending.pinned)
         for h in pending.hashes:
             self._inflight.pop(h, None)
 
@@ -222,7 +231,7 @@ class TierConnector:
         self._loaded.pop(request_id, None)
         pending = self._loads.pop(request_id, None)
         if pending is not None:
-            self.manager.block_pool.free_blocks(reversed(pending.pinned))
+            self.manager.unpin(pending.pinned)
             pending.pinned = []
             pending.future.add_done_callback(lambda f, p=pending: self._put_back(p, f))
 
@@ -245,34 +254,12 @@ class TierConnector:
     def clear(self) -> int:
         return self.chain.clear()
 
-    def stats(self) -> dict:
-        """Nested form for the exporters: per-tier usage, per-direction moves."""
-        s = self.chain.stats()
-        tiers = {
-            "CPU": {"used_bytes": s["dram_used_bytes"], "capacity_bytes": s["dram_capacity_bytes"],
-                    "entries": s["dram_entries"], "hits_tokens": s["dram_hits"] * self.block_size,
-                    "queries_tokens": s["dram_queries"] * self.block_size},
-            "DISK": {"used_bytes": s["ssd_used_bytes"], "capacity_bytes": s["ssd_capacity_bytes"],
-                     "entries": s["ssd_entries"], "hits_tokens": s["ssd_hits"] * self.block_size,
-                     "queries_tokens": s["ssd_queries"] * self.block_size},
-        }
-        moves = {}
-        for direction in ("pool_to_dram", "pool_to_ssd", "dram_to_ssd", "dram_to_pool",
-                          "ssd_to_pool"):
-            moves[direction] = {"bytes": s[f"{direction}_bytes"],
-                                "seconds": s[f"{direction}_seconds"]}
-        return {"tiers": tiers, "moves": moves, "orphans_dropped": s["orphans_dropped"],
-                "checksum_failures": s["checksum_failures"], "raw": s}
+    def tier_stats(self) -> ChainStats:
+        return self.chain.tier_stats()
 
-    def reload_s_per_token(self, kv_bytes_per_token: int) -> dict[str, float]:
+    def reload_s_per_token(self, kv_bytes_per_token: int) -> dict[Medium, float]:
         """Measured seconds per token to bring a block back from each tier (for the router)."""
-        s = self.chain.stats()
-        out = {}
-        for tier, key in (("CPU", "dram_to_pool"), ("DISK", "ssd_to_pool")):
-            nbytes, secs = s[f"{key}_bytes"], s[f"{key}_seconds"]
-            if nbytes > 0 and secs > 0:
-                out[tier] = secs / nbytes * kv_bytes_per_token
-        return out
+        return self.tier_stats().reload_s_per_token(kv_bytes_per_token)
 
     def close(self, persist: bool = False) -> None:
         self._loader.shutdown(wait=True)
@@ -284,8 +271,7 @@ class TierConnector:
     def persist(self, batch: int = 64) -> dict[str, int]:
         """Write the pool's cached blocks that no request holds, and DRAM, down to the SSD."""
         t0 = time.perf_counter()
-        cached = [b for b in self.manager.block_pool.free_block_queue.get_all_free_blocks()
-                  if b.block_hash is not None]  # least recently used first
+        cached = self.manager.idle_cached_blocks()  # least recently used first
 
         def batches():  # read a batch at a time: no second copy of the whole pool in memory
             for i in range(0, len(cached), batch):
@@ -295,5 +281,5 @@ class TierConnector:
 
         written = self.chain.persist(batches())
         logger.info("tiers: wrote %d pool and %d DRAM blocks to the SSD tier at shutdown in "
-                    "%.2fs", written["GPU"], written["CPU"], time.perf_counter() - t0)
+                    "%.2fs", written[Medium.GPU], written[Medium.CPU], time.perf_counter() - t0)
         return written

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kvnode.memory.metrics import KVCacheMetrics
 from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from proto.medium import Medium
 
 
 @dataclass(slots=True, eq=False)
@@ -206,7 +207,7 @@ class BlockPool:
                 if token_ids is not None
                 else []
             )
-            self._events.append(BlockStored(stored, parent, toks, bs, lora_id, "GPU"))
+            self._events.append(BlockStored(stored, parent, toks, bs, lora_id, Medium.GPU))
 
     # -- allocation ---------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -240,7 +241,7 @@ class BlockPool:
             block.ref_cnt = 1
             block.alloc_time = now
         if removed and self.enable_kv_events:
-            self._events.append(BlockRemoved(removed, "GPU"))
+            self._events.append(BlockRemoved(removed, Medium.GPU))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -284,7 +285,7 @@ class BlockPool:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         if self.enable_kv_events:
-            self._events.append(AllBlocksCleared("GPU"))
+            self._events.append(AllBlocksCleared(Medium.GPU))
         return True
 
     # -- accounting -----------------------------------------------------------------------

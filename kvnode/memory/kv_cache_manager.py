@@ -4,22 +4,56 @@ The manager is the pod's `malloc`: a request's KV lives in `req_to_blocks[reques
 of pool blocks in token order. Full blocks are registered in the prefix cache as soon as they
 are allocated for a step that fills them (the forward pass writes every token's K/V before any
 attention reads it, so a hit within the same step is safe).
+
+It is also the pool's only face: the scheduler and the tier connector see a `PrefixHit` (one
+lookup per admission, extended in place by whatever the tiers reload), pin and unpin blocks,
+and list what is cached through methods here; nothing outside `kvnode.memory` touches the pool.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, KeysView, Sequence
+from dataclasses import dataclass
 
-from kvnode.memory.block_pool import BlockPool, EvictHook, KVCacheBlock
+from kvnode.memory.block_pool import BlockPool, EvictHook, EvictManyHook, KVCacheBlock
 from kvnode.memory.metrics import KVCacheMetrics
 from kvnode.memory.request import Request
-from proto.hashing import DEFAULT_HASH_SEED, HashConfig, RequestBlockHasher, lora_key
+from proto.hashing import (
+    DEFAULT_HASH_SEED,
+    HashConfig,
+    RequestBlockHasher,
+    lora_key,
+    max_hit_blocks,
+)
 from proto.kv_events import KVEvent
+from proto.medium import Medium
 
 logger = logging.getLogger(__name__)
 
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+@dataclass(slots=True, eq=False)
+class PrefixHit:
+    """A request's cached prefix: made by one `lookup` at admission, extended in place by the
+    tier connector's reloads, and handed as is to `allocate_slots`, so one admission walks
+    the pool's hash map once."""
+
+    blocks: list[KVCacheBlock]  # pool blocks of the prefix, in order
+    block_size: int
+    max_blocks: int  # the most blocks that may ever hit (see proto.hashing.max_hit_blocks)
+    tokens_by_tier: dict[Medium, int] | None = None  # set by the tiers; None: all the pool's
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def by_tier(self) -> dict[Medium, int]:
+        """Where the hit tokens came from (a reload counts for the tier it came from)."""
+        if self.tokens_by_tier is not None:
+            return self.tokens_by_tier
+        return {Medium.GPU: self.num_tokens}
 
 
 class KVCacheManager:
@@ -34,7 +68,10 @@ class KVCacheManager:
         on_evict: EvictHook | None = None,
         metrics: KVCacheMetrics | None = None,
         enable_kv_events: bool = True,
+        on_evict_many: EvictManyHook | None = None,
     ) -> None:
+        """`on_evict_many` gets every batch of hashed blocks about to be reused, before they
+        are overwritten (the tiers copy them out); it is fixed here, once, at construction."""
         if block_size not in VALID_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -44,7 +81,8 @@ class KVCacheManager:
         self.hash_config = HashConfig(hash_algo, hash_seed)
         self.metrics = metrics if metrics is not None else KVCacheMetrics()
         self.block_pool = BlockPool(
-            num_blocks, enable_caching, block_size, on_evict, self.metrics, enable_kv_events
+            num_blocks, enable_caching, block_size, on_evict, self.metrics, enable_kv_events,
+            on_evict_many,
         )
         # Admissions keep this many blocks in reserve for running requests' decode growth,
         # so a new arrival cannot push the running batch straight into preemption.
@@ -72,35 +110,44 @@ class KVCacheManager:
         return request.block_hashes
 
     # -- lookup -------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def lookup(self, request: Request) -> PrefixHit:
         """Longest cached prefix of full blocks; stops at the first miss; changes nothing.
 
-        Never covers the last token: its logits must be computed, so at most
-        `(num_tokens - 1) // block_size` blocks can hit.
+        Never covers the last token: its logits must be computed (`max_hit_blocks`).
         """
         if not self.enable_caching:
-            return [], 0
+            return PrefixHit([], self.block_size, 0)
         hashes = self._hashes(request)
-        max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
-        lookup = self.block_pool.cached_block_hash_to_block.get
-        hits: list[KVCacheBlock] = []
-        for i in range(max_blocks):
-            block = lookup(hashes[i])
+        hit = PrefixHit([], self.block_size,
+                        min(len(hashes), max_hit_blocks(request.num_tokens, self.block_size)))
+        self._continue_lookup(hit, hashes)
+        return hit
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """vLLM's name for `lookup`, as (blocks, tokens)."""
+        hit = self.lookup(request)
+        return hit.blocks, hit.num_tokens
+
+    def _continue_lookup(self, hit: PrefixHit, hashes: Sequence[bytes]) -> None:
+        """Walk on from the hit's last block: what a fresh lookup would add, given that the
+        blocks already in the hit are still cached (referenced, or nothing evicted since)."""
+        cached = self.block_pool.cached_block_hash_to_block.get
+        blocks = hit.blocks
+        for i in range(len(blocks), hit.max_blocks):
+            block = cached(hashes[i])
             if block is None:
                 break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            blocks.append(block)
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
-        hits_by_tier: dict[str, int] | None = None,
+        hit: PrefixHit | None = None,
     ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens of `request`.
+        """Make room for `num_new_tokens` more tokens of `request`, after the tokens of `hit`
+        (its admission's lookup) when it has one.
 
         Returns the newly allocated blocks, or None when they do not fit — and then nothing
         was touched. On success, prefix hits are referenced, a shared partial last block is
@@ -113,15 +160,10 @@ class KVCacheManager:
         pool = self.block_pool
         req_blocks = self.req_to_blocks.get(rid)
         admitting = req_blocks is None
-        hits = new_computed_blocks or ()
+        hits = hit.blocks if hit is not None else ()
         if hits and not admitting:
             raise ValueError(f"request {rid} already holds blocks; hits are only for admission")
-        if len(hits) * bs != num_new_computed_tokens:
-            raise ValueError(
-                f"num_new_computed_tokens={num_new_computed_tokens} does not match "
-                f"{len(hits)} computed blocks of {bs} tokens"
-            )
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = request.num_computed_tokens + len(hits) * bs
         total = num_computed + num_new_tokens
         if total > request.num_tokens + 1:
             # One token past the known ones is allowed: a speculative slot for the next step.
@@ -156,7 +198,7 @@ class KVCacheManager:
             if not request.prefix_stats_recorded:
                 request.prefix_stats_recorded = True
                 self.metrics.record_admission(
-                    request.num_tokens, hits_by_tier or {"GPU": num_new_computed_tokens}
+                    request.num_tokens, hit.by_tier() if hit is not None else {Medium.GPU: 0}
                 )
         if hits:
             pool.touch(hits)
@@ -189,19 +231,24 @@ class KVCacheManager:
         start: int,
         loads: Sequence[tuple[bytes, object]],
         write_fn: Callable[[list[int], list], None],
+        hit: PrefixHit | None = None,
     ) -> int:
         """Materialize blocks reloaded from a lower tier as pool cache entries.
 
         `loads` are (hash, data) for the request's blocks `start, start+1, ...`, which must
-        continue its current pool hits. They become ordinary free cached blocks, so the next
-        `get_computed_blocks` finds them as pool hits. Returns how many were loaded (fewer
-        when the pool has no room); the caller owns the rest.
+        continue its current pool hits: `hit` when the caller just looked them up (it is then
+        extended in place, as a fresh lookup would find it), else they are looked up here.
+        They become ordinary free cached blocks, so a later lookup finds them as pool hits.
+        Returns how many were loaded (fewer when the pool has no room); the caller owns the
+        rest.
         """
         pool = self.block_pool
-        pinned, _ = self.get_computed_blocks(request)
-        if len(pinned) != start or not loads:
+        if hit is None:
+            hit = self.lookup(request)
+        if len(hit.blocks) != start or not loads:
             return 0  # the pool-resident prefix changed meanwhile: the chain is broken
-        pool.touch(pinned)  # making room must not evict the prefix these blocks extend
+        pinned = list(hit.blocks)
+        self.pin(pinned)  # making room must not evict the prefix these blocks extend
         try:
             # The reserve protects running requests, as at admission: with none running it
             # only turned reloadable blocks into recompute.
@@ -215,9 +262,19 @@ class KVCacheManager:
             pool.cache_full_blocks(pinned + blocks, hashes, start, start + n,
                                    request.all_token_ids)
             pinned = pinned + blocks
+            self._continue_lookup(hit, hashes)
             return n
         finally:
-            pool.free_blocks(reversed(pinned))  # tail first, as free(): the head stays longest
+            self.unpin(pinned)
+
+    def pin(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Hold a reference on blocks no request table holds (a prefix a tier load extends),
+        so that making room cannot evict them."""
+        self.block_pool.touch(blocks)
+
+    def unpin(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Release `pin`: tail first, as `free`, so the prefix's head stays cached longest."""
+        self.block_pool.free_blocks(reversed(blocks))
 
     def free(self, request: Request | str) -> None:
         """Release a request's blocks, tail first, so its prompt's head is evicted last."""
@@ -269,6 +326,15 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()
+
+    def cached_hashes(self) -> KeysView[bytes]:
+        """The hash of every block the prefix cache holds (a live view: read it at once)."""
+        return self.block_pool.cached_block_hash_to_block.keys()
+
+    def idle_cached_blocks(self) -> list[KVCacheBlock]:
+        """Cached blocks that no request holds, least recently used (next victim) first."""
+        return [b for b in self.block_pool.free_block_queue.get_all_free_blocks()
+                if b.block_hash is not None]
 
     @property
     def usage(self) -> float:

@@ -18,6 +18,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from proto.medium import MEDIUMS, Medium
+
 # Seconds; spans a hot decode loop (ms) to a long idle conversation (minutes).
 LIFECYCLE_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0,
@@ -62,13 +64,13 @@ class KVCacheMetrics:
         self.prefix_requests = 0
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
-        # Hits by tier ("GPU" pool, "CPU" DRAM, "DISK" SSD), filled by the manager.
-        self.prefix_hits_tokens_by_tier: dict[str, int] = {"GPU": 0, "CPU": 0, "DISK": 0}
+        # Hits by tier (pool, DRAM, SSD), filled by the manager.
+        self.prefix_hits_tokens_by_tier: dict[Medium, int] = dict.fromkeys(MEDIUMS, 0)
         self.block_lifetime_seconds = Histogram()
         self.block_idle_before_evict_seconds = Histogram()
         self.block_reuse_gap_seconds = Histogram()
 
-    def record_admission(self, num_tokens: int, hits_by_tier: dict[str, int]) -> None:
+    def record_admission(self, num_tokens: int, hits_by_tier: dict[Medium, int]) -> None:
         self.prefix_requests += 1
         self.prefix_queries_tokens += num_tokens
         for tier, hits in hits_by_tier.items():

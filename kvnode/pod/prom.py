@@ -19,6 +19,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvnode.memory.metrics import Histogram as PlainHistogram
+from proto.tier_stats import ChainStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Monotonic index-publisher statistics (exported as counters; the rest are gauges).
@@ -98,9 +99,9 @@ class EngineCollector(Collector):
              m.block_reuse_gap_seconds),
         ):
             yield _histogram_family(name, doc, h, self.label_names, self.label_values)
-        tiers = getattr(eng, "tiers", None)
-        if tiers is not None:
-            yield from self._tier_metrics(tiers.stats())
+        chain = eng.stats()["chain"]
+        if chain is not None:
+            yield from self._tier_metrics(chain)
         if self.extra is not None:
             for key, value in self.extra().items():
                 if isinstance(value, bool):  # connected, superseded: health as 0/1
@@ -110,35 +111,36 @@ class EngineCollector(Collector):
                 elif isinstance(value, (int, float)):
                     yield self._gauge(f"pagekv_index_{key}", f"Index publisher: {key}", value)
 
-    def _tier_metrics(self, stats: dict) -> Iterable:
+    def _tier_metrics(self, chain: ChainStats) -> Iterable:
+        """The tiers below the pool, one series per medium or direction, read off the chain's
+        record field by field (the metric name is `pagekv_tier_<field>`)."""
         labels = [*self.label_names, "tier"]
-        for key, doc in (("used_bytes", "Bytes held by the tier"),
-                         ("capacity_bytes", "Byte budget of the tier"),
-                         ("entries", "Blocks held by the tier")):
-            g = GaugeMetricFamily(f"pagekv_tier_{key}", doc, labels=labels)
-            for tier, per in stats.get("tiers", {}).items():
-                g.add_metric([*self.label_values, tier], per.get(key, 0))
-            yield g
-        for key, doc in (("hits_tokens", "Prefix tokens found in the tier"),
-                         ("queries_tokens", "Prefix tokens looked up in the tier")):
-            c = CounterMetricFamily(f"pagekv_tier_{key}", doc, labels=labels)
-            for tier, per in stats.get("tiers", {}).items():
-                c.add_metric([*self.label_values, tier], per.get(key, 0))
-            yield c
+        tiers = chain.tiers.values()
+        for key, family, doc in (
+            ("used_bytes", GaugeMetricFamily, "Bytes held by the tier"),
+            ("capacity_bytes", GaugeMetricFamily, "Byte budget of the tier"),
+            ("entries", GaugeMetricFamily, "Blocks held by the tier"),
+            ("hits_tokens", CounterMetricFamily, "Prefix tokens found in the tier"),
+            ("queries_tokens", CounterMetricFamily, "Prefix tokens looked up in the tier"),
+        ):
+            fam = family(f"pagekv_tier_{key}", doc, labels=labels)
+            for t in tiers:
+                fam.add_metric([*self.label_values, t.medium], getattr(t, key))
+            yield fam
         dir_labels = [*self.label_names, "direction"]
         moved_b = CounterMetricFamily("pagekv_tier_moved_bytes", "Bytes moved between tiers",
                                       labels=dir_labels)
         moved_s = CounterMetricFamily("pagekv_tier_moved_seconds",
                                       "Seconds spent moving blocks between tiers", labels=dir_labels)
-        for direction, per in stats.get("moves", {}).items():
-            moved_b.add_metric([*self.label_values, direction], per.get("bytes", 0))
-            moved_s.add_metric([*self.label_values, direction], per.get("seconds", 0.0))
+        for move in chain.moves:
+            moved_b.add_metric([*self.label_values, move.name], move.bytes)
+            moved_s.add_metric([*self.label_values, move.name], move.seconds)
         yield moved_b
         yield moved_s
         yield self._counter("pagekv_tier_orphans_dropped", "Unreachable descendants dropped",
-                            stats.get("orphans_dropped", 0))
+                            chain.orphans_dropped)
         yield self._counter("pagekv_tier_checksum_failures", "SSD entries failing their checksum",
-                            stats.get("checksum_failures", 0))
+                            chain.checksum_failures)
 
 
 class RequestMetricsExporter:

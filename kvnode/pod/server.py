@@ -177,15 +177,9 @@ class PodServer:
         eng = self.engine
         st = eng.stats()
         a = self.args
-        tiers = [pb.TierStats(tier="GPU", used_bytes=int(st["usage"] * st["num_blocks"])
-                              * eng.runner.block_bytes,
-                              capacity_bytes=st["num_blocks"] * eng.runner.block_bytes,
-                              entries=len(eng.kv_manager.block_pool.cached_block_hash_to_block))]
-        if eng.tiers is not None:
-            for tier, per in eng.tiers.stats().get("tiers", {}).items():
-                tiers.append(pb.TierStats(tier=tier, used_bytes=per.get("used_bytes", 0),
-                                          capacity_bytes=per.get("capacity_bytes", 0),
-                                          entries=per.get("entries", 0)))
+        tiers = [pb.TierStats(tier=t.medium, used_bytes=t.used_bytes,
+                              capacity_bytes=t.capacity_bytes, entries=t.entries)
+                 for t in st["tiers"].values()]  # the pool, then the chain's tiers
         return pb.StatsResponse(
             pod_id=self.pod_id, model=a.model, block_size=a.block_size,
             num_blocks=st["num_blocks"], num_free_blocks=st["num_free_blocks"], usage=st["usage"],

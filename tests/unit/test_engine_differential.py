@@ -215,15 +215,13 @@ def guard_admissions(eng: Engine) -> None:
     mgr = eng.kv_manager
     real = mgr.allocate_slots
 
-    def allocate_slots(request, num_new_tokens, num_new_computed_tokens=0,
-                       new_computed_blocks=None, hits_by_tier=None):
-        assert num_new_computed_tokens <= request.num_tokens - 1, request
-        for i, b in enumerate(new_computed_blocks or ()):
-            assert b.block_hash == request.block_hashes[i]
-        if hits_by_tier is not None:
-            assert sum(hits_by_tier.values()) == num_new_computed_tokens, hits_by_tier
-        return real(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                    hits_by_tier)
+    def allocate_slots(request, num_new_tokens, hit=None):
+        if hit is not None:
+            assert hit.num_tokens <= request.num_tokens - 1, request
+            for i, b in enumerate(hit.blocks):
+                assert b.block_hash == request.block_hashes[i]
+            assert sum(hit.by_tier().values()) == hit.num_tokens, hit.by_tier()
+        return real(request, num_new_tokens, hit)
 
     mgr.allocate_slots = allocate_slots
 
@@ -320,7 +318,7 @@ def drive(eng: Engine, events: list, aborts: bool = True) -> dict[str, Result]:
             ok, _ = eng.reset_prefix_cache(include_tiers=ev.include_tiers)
             assert ok == idle  # refused while any block is in use, and then nothing changed
             if ok:
-                assert not mgr.block_pool.cached_block_hash_to_block
+                assert not mgr.cached_hashes()
                 if ev.include_tiers and ev.idle and eng.tiers is not None:
                     assert not eng.tiers.full_state()  # (drain() let aborted loads finish)
             else:

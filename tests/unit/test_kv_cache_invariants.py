@@ -50,12 +50,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         tokens = (prefix[:cut] + tail) or [0]
         req = Request(self._new_id(), tokens)
         check_lookup(self.mgr, req)
-        hits, n = self.mgr.get_computed_blocks(req)
+        hit = self.mgr.lookup(req)
+        hits, n = hit.blocks, hit.num_tokens
         for i, b in enumerate(hits):  # a hit is the same content, not only the same hash
             assert b.block_hash == req.block_hashes[i]
             assert self.hash_tokens[b.block_hash] == tuple(req.all_token_ids[: (i + 1) * BS])
         before = self._snapshot()
-        if self.mgr.allocate_slots(req, req.num_tokens - n, n, hits) is None:
+        if self.mgr.allocate_slots(req, req.num_tokens - n, hit) is None:
             assert self._snapshot() == before
             return
         req.num_computed_tokens = req.num_tokens

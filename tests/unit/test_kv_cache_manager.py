@@ -9,8 +9,9 @@ BS = 16
 
 
 def admit(mgr, req):
-    hits, n = mgr.get_computed_blocks(req)
-    new = mgr.allocate_slots(req, req.num_tokens - n, n, hits)
+    hit = mgr.lookup(req)
+    n = hit.num_tokens
+    new = mgr.allocate_slots(req, req.num_tokens - n, hit)
     assert new is not None
     req.num_computed_tokens = req.num_tokens
     return n
@@ -83,9 +84,10 @@ def test_failed_allocation_leaves_state_unchanged():
     mgr.free(a)
     snapshot = [(b.block_id, b.ref_cnt, b.block_hash) for b in mgr.block_pool.blocks]
     big = Request("big", list(range(16)) + list(range(5000, 5000 + 64)))  # 1 hit + 4 new
-    hits, n = mgr.get_computed_blocks(big)
+    hit = mgr.lookup(big)
+    n = hit.num_tokens
     assert n == 16
-    assert mgr.allocate_slots(big, big.num_tokens - n, n, hits) is None
+    assert mgr.allocate_slots(big, big.num_tokens - n, hit) is None
     assert snapshot == [(b.block_id, b.ref_cnt, b.block_hash) for b in mgr.block_pool.blocks]
     assert "big" not in mgr.req_to_blocks
     assert mgr.get_num_free_blocks() == 4
@@ -204,8 +206,9 @@ def test_bad_use_raises_clear_errors():
 def test_watermark_applies_to_admission_only():
     mgr = KVCacheManager(10, BS, watermark=0.2)  # 2 blocks reserved
     a = Request("a", list(range(8 * BS)))
-    hits, n = mgr.get_computed_blocks(a)
-    assert mgr.allocate_slots(a, a.num_tokens, 0, hits) is not None  # 8 of 10, 2 left
+    hit = mgr.lookup(a)
+    assert hit.num_tokens == 0
+    assert mgr.allocate_slots(a, a.num_tokens, hit) is not None  # 8 of 10, 2 left
     a.num_computed_tokens = a.num_tokens
     b = Request("b", [7])
     assert mgr.allocate_slots(b, 1) is None  # would dip into the reserve
@@ -219,3 +222,64 @@ def test_disabled_caching_never_hits():
     mgr.free("a")
     assert mgr.get_computed_blocks(Request("b", list(range(40)))) == ([], 0)
     assert mgr.take_events() == []
+
+
+def test_eviction_hook_is_given_at_construction():
+    batches = []
+    mgr = KVCacheManager(4, BS, watermark=0,
+                         on_evict_many=lambda blocks: batches.append([b.block_hash for b in blocks]))
+    a = Request("a", list(range(40)))  # 2 full blocks cached, 1 partial
+    admit(mgr, a)
+    mgr.free(a)
+    admit(mgr, Request("b", [1000 + i for i in range(64)]))  # all 4 blocks: a's 2 evicted
+    assert len(batches) == 1 and set(batches[0]) == set(a.block_hashes[:2])
+
+
+def test_pin_holds_a_free_prefix_and_unpin_frees_it_tail_first():
+    mgr = KVCacheManager(4, BS, watermark=0)
+    a = Request("a", list(range(33)))  # blocks 0, 1 full and cached; block 2 partial
+    admit(mgr, a)
+    mgr.free(a)
+    assert [b.block_hash for b in mgr.idle_cached_blocks()] == [a.block_hashes[1],
+                                                                 a.block_hashes[0]]
+    hit = mgr.lookup(Request("a2", list(range(33))))
+    assert hit.num_tokens == 32 and hit.by_tier() == {"GPU": 32}
+    mgr.pin(hit.blocks)
+    assert mgr.get_num_free_blocks() == 2 and mgr.idle_cached_blocks() == []
+    assert mgr.allocate_slots(Request("big", [500 + i for i in range(48)]), 48) is None
+    mgr.unpin(hit.blocks)
+    assert mgr.get_num_free_blocks() == 4
+    assert set(mgr.cached_hashes()) == set(a.block_hashes[:2])
+    # Tail first, as free(): the prefix's head is the last to be evicted.
+    assert [b.block_hash for b in mgr.idle_cached_blocks()] == [a.block_hashes[1],
+                                                                 a.block_hashes[0]]
+
+
+def test_loaded_blocks_extend_the_hit_as_a_fresh_lookup_would():
+    """Block 1 of a prefix was evicted but blocks 0 and 2 stayed: reloading block 1 into the
+    admission's hit continues it through block 2, with no second lookup."""
+    mgr = KVCacheManager(8, BS, watermark=0)
+    tokens = list(range(49))  # 3 full blocks can hit
+    a = Request("a", tokens)
+    admit(mgr, a)
+    blocks = mgr.get_blocks("a")[:3]
+    mgr.free(a)
+    mgr.pin(blocks)  # reorder the free queue so that block 1 is the next cached victim
+    mgr.unpin([blocks[1]])
+    mgr.unpin([blocks[0], blocks[2]])
+    x = Request("x", [900 + i for i in range(81)])  # 6 blocks: the 5 uncached ones and block 1
+    admit(mgr, x)
+    mgr.free(x)  # x's partial block goes to the queue's head: the load below evicts nothing
+    assert set(mgr.cached_hashes()) >= {a.block_hashes[0], a.block_hashes[2]}
+    assert a.block_hashes[1] not in mgr.cached_hashes()
+
+    req = Request("a2", tokens)
+    hit = mgr.lookup(req)
+    assert hit.blocks == [blocks[0]] and hit.max_blocks == 3
+    written = []
+    n = mgr.load_cached_blocks(req, 1, [(req.block_hashes[1], "row")],
+                               lambda ids, datas: written.append((ids, datas)), hit)
+    assert n == 1 and written[0][1] == ["row"]
+    assert hit.num_tokens == 48 and hit.blocks[2] is blocks[2]
+    assert hit.blocks == mgr.lookup(Request("a3", tokens)).blocks
+    assert mgr.get_num_free_blocks() == 8  # the load pinned the prefix only while it ran

@@ -128,8 +128,9 @@ def test_corrupted_ssd_entry_is_a_miss_not_wrong_output(tmp_path, cold_tokens):
     restarted = small_llm(**kw)
     out = restarted.generate([TARGET], P)[0]
     assert out.outputs[0].token_ids == cold_tokens
-    stats = restarted.engine.tiers.stats()
-    assert stats["checksum_failures"] + stats["raw"].get("ssd_torn_entries", 0) > 0
+    stats = restarted.engine.stats()["chain"]
+    raw = restarted.engine.tiers.chain.stats()
+    assert stats.checksum_failures + raw.get("ssd_torn_entries", 0) > 0
     restarted.engine.close()
 
 
@@ -143,6 +144,22 @@ def test_abort_while_ssd_load_in_flight(tmp_path):
     assert not eng.has_unfinished()
     assert eng.kv_manager.get_num_free_blocks() == 26
     eng.close()
+
+
+def test_an_admission_looks_the_pool_up_once(cold_tokens):
+    """The scheduler's lookup is the admission's only one: a DRAM reload extends it in place
+    (it used to be repeated by the manager and again by the tier connector)."""
+    llm = small_llm(cpu_offload_bytes=4 << 20)
+    run(llm, [TARGET, *FILLERS])  # TARGET's prefix now sits in DRAM
+    mgr = llm.engine.kv_manager
+    lookups = []
+    real = mgr.lookup
+    mgr.lookup = lambda req: (lookups.append(req.request_id), real(req))[1]
+    out = run(llm, [TARGET])[0]
+    assert out.outputs[0].token_ids == cold_tokens
+    assert out.cached_tokens_by_tier["CPU"] > 0
+    assert len(lookups) == 1
+    llm.engine.close()
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp16", "fp8"])
