@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kvnode.engine.engine import DuplicateRequestId, Engine
 from kvnode.engine.outputs import RequestOutput
 from kvnode.engine.sampling_params import SamplingParams
+from proto.requests import already_in_flight
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         if request_id in self._streams:
-            raise DuplicateRequestId(f"request id {request_id!r} is already in flight")
+            raise DuplicateRequestId(already_in_flight(request_id))
         self._streams[request_id] = stream
         arrival = time.monotonic()
         admitted = loop.create_future()
