@@ -28,6 +28,7 @@ from kvnode.memory.metrics import KVCacheMetrics
 from kvnode.memory.request import Request
 from kvnode.model.runner import ModelRunner, SeqBatchItem
 from proto.medium import Medium
+from proto.requests import EMPTY_PROMPT
 from proto.tier_stats import ChainStats, TierStats
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class Engine:
         """Reject, naming the limit, what can never be served."""
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
-            raise RequestRejected("prompt is empty: at least one token is required")
+            raise RequestRejected(EMPTY_PROMPT)
         vocab = self.model_config.vocab_size
         for t in prompt_token_ids:
             if type(t) is not int or not 0 <= t < vocab:
