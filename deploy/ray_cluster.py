@@ -22,7 +22,6 @@ Tests use `deploy_cluster(...)`, which returns the actor handles and their addre
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
 import json
 import logging
@@ -31,10 +30,9 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 from ray.util.placement_group import (
@@ -48,10 +46,9 @@ from ray.util.scheduling_strategies import (
 )
 
 from deploy.ray_placement import plan_pod_cpus, wait_ready
+from proto.loop_thread import LoopThread
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 NAMESPACE = "pagekv"
 PG_NAME = "pagekv-pods"
@@ -65,23 +62,6 @@ def pod_name(index: int) -> str:
 
 
 # -- inside the actors ---------------------------------------------------------------------
-
-class _LoopThread:
-    """An asyncio loop in a daemon thread: the servers live there, the actor's methods stay
-    free to answer Ray calls while gRPC traffic is served."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5.0)
-
 
 def _actor_logging() -> None:
     # Ray forwards a worker's stderr to the driver; without a handler our INFO lines vanish.
@@ -115,7 +95,7 @@ class PodActor:
 
         self.pod_id = pod_id
         self.host = _bind_host(host)
-        self._loop = _LoopThread(f"pod-{pod_id}")
+        self._loop = LoopThread(f"pod-{pod_id}")
         for attempt in range(BIND_ATTEMPTS):
             # A port that was free a moment ago can be taken by another process on the node
             # before we bind it: pick new ones and start again.
@@ -159,7 +139,7 @@ class PodActor:
         """Graceful: health NOT_SERVING, drain, leave the index. Ray still holds the actor;
         the caller kills it (with no_restart=True) afterwards."""
         self._loop.run(self.server.stop(drain_timeout_s), drain_timeout_s + 30.0)
-        self._loop.close()
+        self._loop.stop()
 
 
 class RouterActor:
@@ -186,7 +166,7 @@ class RouterActor:
         self.metrics_port = metrics_port
         self.server = RouterServer(RouterConfig(**kwargs), host=self.host, port=port,
                                    metrics_port=metrics_port, metrics_host=metrics_host)
-        self._loop = _LoopThread("router")
+        self._loop = LoopThread("router")
         self.port = self._loop.run(self.server.start(), 60.0)
         freeze_startup_heap(logger)
         logger.info("router actor (pid %d) serving on %s", os.getpid(), self.address())
@@ -217,7 +197,7 @@ class RouterActor:
 
     def stop(self) -> None:
         self._loop.run(self.server.stop(2.0), 30.0)
-        self._loop.close()
+        self._loop.stop()
 
 
 # -- on the driver -------------------------------------------------------------------------
