@@ -79,8 +79,8 @@ def check_tier_chain(chain) -> None:
     ssd_keys = set(ssd.keys()) if ssd is not None else set()
     with chain._lock:
         chain._sync_ssd_locked()
-        nodes = dict(chain._nodes)
-        children = {p: set(c) for p, c in chain._children.items()}
+        nodes = dict(chain._tree.nodes)
+        children = {p: set(c) for p, c in chain._tree.children.items()}
     assert not dram_keys & ssd_keys, "a block in two tiers at once"
     assert set(nodes) == dram_keys | ssd_keys
     for h, node in nodes.items():
@@ -99,10 +99,10 @@ def check_tier_chain(chain) -> None:
         assert dram.used_bytes == dram.num_entries * dram.block_bytes <= dram.capacity_bytes
     if ssd is not None:
         with ssd._lock:
-            live = Counter(loc.seg.seq for loc in ssd._index.values())
-            segs = dict(ssd._segments)
-            assert ssd.num_entries == len(ssd._index) + len(ssd._pending)
-            assert ssd._pending_bytes == sum(p.nbytes for p in ssd._pending.values())
+            live = Counter(loc.seg.seq for loc in ssd._index.entries.values())
+            segs = dict(ssd._index.segments)
+            assert ssd.num_entries == len(ssd._index.entries) + len(ssd._ring.entries)
+            assert ssd._ring.nbytes == sum(p.nbytes for p in ssd._ring.entries.values())
             assert ssd.used_bytes == sum(s.size for s in segs.values())
             assert ssd.used_bytes <= ssd.capacity_bytes
             assert set(live) <= set(segs), "an index entry in a deleted segment"

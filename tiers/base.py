@@ -1,19 +1,20 @@
-"""The interface every offload tier below the KV pool implements.
+"""The interface every offload tier below the KV pool implements: what `TierChain` calls.
 
 A tier stores whole blocks: one flat `torch.uint8` tensor of `block_bytes` bytes per block,
 keyed by the block's chained hash (`bytes`). Sizes are in bytes. Tiers do not know about the
-hash chain; `tiers.chain.TierChain` keeps parent/child links and decides where blocks go.
+hash chain; `tiers.chain.TierChain` keeps parent/child links and decides where blocks go, so
+`Tier` declares exactly the calls the chain makes on a tier, and nothing else.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 
-TierMedium = Literal["CPU", "DISK"]
+from proto.medium import Medium
 
 # What `put` accepts: a uint8 tensor (any device) or any bytes-like object.
 BlockData = torch.Tensor | bytes | bytearray | memoryview
@@ -58,12 +59,22 @@ def clone_block(src: torch.Tensor) -> torch.Tensor:
     return src.clone()
 
 
-class Tier(ABC):
-    """One storage level below the pool (DRAM or SSD)."""
+@dataclass(slots=True, frozen=True)
+class RecoveredEntry:
+    """A block a tier found at start-up (handed to the chain once, for its tree and events)."""
 
-    medium: TierMedium
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+class Tier(ABC):
+    """One storage level below the pool (DRAM or SSD), as the chain sees it."""
+
+    medium: Medium
     block_bytes: int
 
+    # --- sizes -------------------------------------------------------------------------
     @property
     @abstractmethod
     def capacity_bytes(self) -> int:
@@ -79,9 +90,24 @@ class Tier(ABC):
     def num_entries(self) -> int:
         """Blocks held (readable) right now."""
 
+    @property
+    @abstractmethod
+    def num_free_slots(self) -> int:
+        """How many more blocks `put` takes right now without evicting or refusing one."""
+
+    @property
+    def disabled(self) -> bool:
+        """True once the tier has failed: it then holds nothing and refuses every put."""
+        return False
+
+    # --- lookups -----------------------------------------------------------------------
     @abstractmethod
     def contains(self, block_hash: bytes) -> bool:
         """True if `get` would find the block (without reading it)."""
+
+    @abstractmethod
+    def keys(self) -> list[bytes]:
+        """Hashes of every block held, least recently used first."""
 
     @abstractmethod
     def get(self, block_hash: bytes) -> torch.Tensor | None:
@@ -92,6 +118,11 @@ class Tier(ABC):
         """Remove the block and return its data (a copy the caller owns), or None on a miss."""
 
     @abstractmethod
+    def pop_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """`pop` for several blocks at once (one gather or one batch of reads)."""
+
+    # --- updates -----------------------------------------------------------------------
+    @abstractmethod
     def put(
         self,
         block_hash: bytes,
@@ -101,17 +132,58 @@ class Tier(ABC):
     ) -> bool:
         """Store a block (the data is copied before return). False if the tier refused it."""
 
+    def put_rows(self, block_hashes: Sequence[bytes], rows: torch.Tensor) -> int:
+        """Store new blocks from the rows of one [n, block_bytes] tensor, copied before return.
+        The caller made room first (`num_free_slots`). Returns how many were stored."""
+        return sum(self.put(h, row) for h, row in zip(block_hashes, rows, strict=True))
+
     @abstractmethod
-    def evict(self) -> bytes | None:
-        """Drop the least recently used block; return its hash (None when empty)."""
+    def pop_lru(self) -> tuple[bytes, torch.Tensor] | None:
+        """Remove the least recently used block; (hash, data), None when empty. The data may
+        be a view the next `put` overwrites: the caller copies it at once or not at all."""
+
+    @abstractmethod
+    def touch(self, block_hash: bytes) -> bool:
+        """Mark a block most recently used; False if absent."""
 
     @abstractmethod
     def remove(self, block_hash: bytes) -> bool:
         """Drop a block; True if it was there."""
 
     @abstractmethod
-    def keys(self) -> list[bytes]:
-        """Hashes of every block held, least recently used first."""
+    def clear(self) -> list[bytes]:
+        """Drop every block; return their hashes."""
+
+    def evict(self) -> bytes | None:
+        """Drop the least recently used block; return its hash (None when empty)."""
+        victim = self.pop_lru()
+        return None if victim is None else victim[0]
+
+    # --- what the tier did on its own (defaults: it loses nothing, keeps nothing) ------
+    def take_dropped(self) -> list[bytes]:
+        """Hashes of blocks the tier lost without being asked since the last call."""
+        return []
+
+    def take_recovered(self) -> list[RecoveredEntry]:
+        """Blocks found at start-up and still held (returned once)."""
+        return []
+
+    # --- lifetime ----------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every accepted put is durable. False on timeout."""
+        return True
+
+    def close(self) -> None:
+        """Release the tier's threads and files. Idempotent."""
+        return None
+
+    def stats(self) -> dict[str, float]:
+        """Counters and sizes, for the chain's stats."""
+        return {
+            "entries": self.num_entries,
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+        }
 
     def __contains__(self, block_hash: object) -> bool:
         return isinstance(block_hash, bytes) and self.contains(block_hash)

@@ -5,12 +5,10 @@ straight to SSD without DRAM); DRAM's LRU victims move to SSD; SSD's victims are
 A lookup that continues past the pool asks `match_prefix`, and `promote` takes a block out of
 its tier for the pool to load (the block leaves the chain: it is the pool's again).
 
-Orphans: a prefix lookup stops at the first miss, so once a block has left every level, its
-descendants below the pool can never be reached again. The chain keeps parent -> children
-links of the blocks it holds and drops a dropped block's whole subtree (`orphans_dropped`).
-Promotion is not a drop: the block is back in the pool and its descendants stay reachable.
-The same holds for a promotion that fails its checksum: the caller recomputes that block into
-the pool, so its descendants stay too.
+Orphans: once a block has left every level, its descendants below the pool can never be
+reached by a prefix lookup again, so the chain drops its whole subtree (`orphans_dropped`; the
+tree and its KV events are `tiers.chain_tree`'s). Promotion is not a drop: the block is back
+in the pool. Nor is a promotion that fails its checksum: the caller recomputes that block.
 
 Threads: the engine thread calls demote / match_prefix / promote; a loader thread may run
 promote_many; the SSD tier writes (and evicts) in its own thread. Chain state is under one
@@ -22,81 +20,51 @@ under the chain lock at the start of each call, so no tier ever calls back into 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
-from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from proto.kv_events import KVEvent
 from proto.medium import Medium
 from proto.tier_stats import MOVES, ChainStats, TierMove, TierStats, move_name
-from tiers.base import BlockData, TierMedium, as_uint8_tensor
-from tiers.dram import DramTier
-from tiers.ssd import SsdTier
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Node:
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-    lora_id: int | None
-    medium: TierMedium
-
+from tiers.base import BlockData, Tier, as_uint8_tensor
+from tiers.chain_persist import PoolBatches, persist_locked
+from tiers.chain_tree import BlockTree, Node
 
 _COUNTERS = (
-    "demotions",
+    "demotions", "lookups", "dram_queries", "dram_hits", "ssd_queries", "ssd_hits",
+    "promotions_dram", "promotions_ssd", "promote_misses",
+    "promote_failures",  # found but unreadable (checksum failure, I/O error)
     "drops",  # blocks that left the bottom of the chain (nowhere to go, SSD eviction or loss)
     "orphans_dropped",
-    "lookups",
-    "dram_queries",
-    "dram_hits",
-    "ssd_queries",
-    "ssd_hits",
-    "promotions_dram",
-    "promotions_ssd",
-    "promote_misses",
-    "promote_failures",  # found but unreadable (checksum failure, I/O error)
-    "pool_to_dram_bytes",
-    "pool_to_dram_seconds",
-    "pool_to_ssd_bytes",
-    "pool_to_ssd_seconds",
-    "dram_to_ssd_bytes",
-    "dram_to_ssd_seconds",
-    "dram_to_pool_bytes",
-    "dram_to_pool_seconds",
-    "ssd_to_pool_bytes",
-    "ssd_to_pool_seconds",
-)
+    *(f"{move_name(*move)}_{unit}" for move in MOVES for unit in ("bytes", "seconds")),
+)  # fmt: skip
 
 
 class TierChain:
     def __init__(
         self,
-        dram: DramTier | None,
-        ssd: SsdTier | None,
+        dram: Tier | None,
+        ssd: Tier | None,
         *,
         block_size: int | None = None,
     ) -> None:
         if dram is not None and ssd is not None and dram.block_bytes != ssd.block_bytes:
             raise ValueError(f"DRAM blocks are {dram.block_bytes} B but SSD blocks are {ssd.block_bytes} B")
-        self.dram = dram if dram is not None and dram.num_slots > 0 else None
+        self.dram = dram if dram is not None and dram.capacity_bytes > 0 else None
         self.ssd = ssd
         self.block_size = block_size
         self._lock = threading.Lock()
-        self._nodes: dict[bytes, _Node] = {}  # every block below the pool
-        self._children: dict[bytes, set[bytes]] = {}  # parent -> children below the pool
-        self._events: list[KVEvent] = []
+        self._tree = BlockTree(block_size)  # every block below the pool, and the events
         self._promoting: set[bytes] = set()  # SSD blocks being read by promote_many
         self._c: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         if ssd is not None:
             # Warm restart: what the SSD still holds is below the pool again; tell the index.
             for rec in ssd.take_recovered():
-                self._add_node(rec.block_hash, _Node(rec.parent_hash, rec.token_ids, None, "DISK"))
+                node = Node(rec.parent_hash, rec.token_ids, None, Medium.DISK)
+                self._tree.add(rec.block_hash, node)
 
     # --- the pool's side -----------------------------------------------------------------------
     def demote(
@@ -106,21 +74,18 @@ class TierChain:
         token_ids: Sequence[int],
         data: BlockData,
         lora_id: int | None = None,
-    ) -> TierMedium | None:
+    ) -> Medium | None:
         """The pool evicted this block: keep it one level down. Returns where it went (None: dropped).
 
         `data` is copied before return, so the pool may reuse its block right away.
         """
         with self._lock:
             self._sync_ssd_locked()
-            node = self._nodes.get(block_hash)
-            if node is not None:
-                # Already below the pool (the pool recomputed it): one copy is enough.
-                if node.medium == "CPU" and self.dram is not None:
-                    self.dram.touch(block_hash)
-                return node.medium
+            medium = self._refresh_locked(block_hash)
+            if medium is not None:
+                return medium
             self._c["demotions"] += 1
-            node = _Node(parent_hash, tuple(token_ids), lora_id, "CPU")
+            node = Node(parent_hash, tuple(token_ids), lora_id, Medium.CPU)
             return self._place_locked(block_hash, node, data)
 
     def demote_many(
@@ -132,39 +97,27 @@ class TierChain:
         """`demote` for a batch evicted together ([n, block_bytes] rows): with DRAM, room is
         made first (LRU victims move down one by one), then the new blocks land in one copy."""
         dram = self.dram
-        if dram is None or len(block_hashes) > dram.num_slots:
+        if dram is None or len(block_hashes) * dram.block_bytes > dram.capacity_bytes:
             for h, parent, row in zip(block_hashes, parent_hashes, rows, strict=True):
                 self.demote(h, parent, (), row)
             return
         with self._lock:
             self._sync_ssd_locked()
-            fresh: list[int] = []
-            for i, h in enumerate(block_hashes):
-                node = self._nodes.get(h)
-                if node is not None:  # already below the pool: one copy is enough
-                    if node.medium == "CPU":
-                        dram.touch(h)
-                    continue
-                fresh.append(i)
+            fresh = [i for i, h in enumerate(block_hashes) if self._refresh_locked(h) is None]
             if not fresh:
                 return
-            while dram.num_free_slots < len(fresh):
-                victim = dram.pop_lru()
-                if victim is None:
-                    break
-                self._move_dram_victim_locked(*victim)
+            self._make_dram_room_locked(len(fresh))
             t0 = time.perf_counter()
             src = rows if len(fresh) == len(block_hashes) else rows[fresh]
             dram.put_rows([block_hashes[i] for i in fresh], src)
-            self._c["pool_to_dram_seconds"] += time.perf_counter() - t0
-            self._c["pool_to_dram_bytes"] += src.numel()
+            self._count_move("pool_to_dram", src.numel(), t0)
             self._c["demotions"] += len(fresh)
             for i in fresh:
-                self._add_node(block_hashes[i], _Node(parent_hashes[i], (), None, "CPU"))
+                self._tree.add(block_hashes[i], Node(parent_hashes[i], (), None, Medium.CPU))
 
-    def match_prefix(self, block_hashes: Sequence[bytes], start: int = 0) -> list[str]:
-        """Media ("CPU"/"DISK") of the consecutive blocks from `start` held below the pool."""
-        out: list[str] = []
+    def match_prefix(self, block_hashes: Sequence[bytes], start: int = 0) -> list[Medium]:
+        """Media (CPU / DISK) of the consecutive blocks from `start` held below the pool."""
+        out: list[Medium] = []
         with self._lock:
             self._sync_ssd_locked()
             self._c["lookups"] += 1
@@ -173,13 +126,13 @@ class TierChain:
                     self._c["dram_queries"] += 1
                     if self.dram.contains(block_hash):
                         self._c["dram_hits"] += 1
-                        out.append("CPU")
+                        out.append(Medium.CPU)
                         continue
                 if self.ssd is not None:
                     self._c["ssd_queries"] += 1
                     if self.ssd.contains(block_hash):
                         self._c["ssd_hits"] += 1
-                        out.append("DISK")
+                        out.append(Medium.DISK)
                         continue
                 break
         return out
@@ -200,28 +153,27 @@ class TierChain:
         out: list[torch.Tensor | None] = [None] * n
         with self._lock:
             self._sync_ssd_locked()
-            run: list[TierMedium] = []  # media of the consecutive blocks present
+            run: list[Medium] = []  # media of the consecutive blocks present
             for block_hash in block_hashes:
                 if self.dram is not None and self.dram.contains(block_hash):
-                    run.append("CPU")
-                elif self.ssd is not None and self.ssd.contains(block_hash):
-                    run.append("DISK")
+                    run.append(Medium.CPU)
+                elif self._ssd_has(block_hash):
+                    run.append(Medium.DISK)
                 else:
                     break
             self._c["promote_misses"] += n - len(run)
-            if run and "DISK" not in run:
+            if run and Medium.DISK not in run:
                 # All in DRAM (the common reload): one gather, no lock release in between.
                 assert self.dram is not None
                 t0 = time.perf_counter()
                 rows = self.dram.pop_many(block_hashes[: len(run)])
-                self._c["dram_to_pool_seconds"] += time.perf_counter() - t0
-                self._c["dram_to_pool_bytes"] += rows.numel()
+                self._count_move("dram_to_pool", len(rows) * self.dram.block_bytes, t0)
                 self._c["promotions_dram"] += len(run)
-                for i in range(len(run)):
-                    out[i] = rows[i]
-                    self._left_tier_locked(block_hashes[i], "CPU")
+                for i, row in enumerate(rows):
+                    out[i] = row
+                    self._tree.left(block_hashes[i], Medium.CPU)
                 return out
-            disk = [i for i, medium in enumerate(run) if medium == "DISK"]
+            disk = [i for i, medium in enumerate(run) if medium == Medium.DISK]
             # Until this call has dealt with them, the SSD's reports about these blocks are
             # ours to handle (a failed read is not a drop: see the module docstring).
             self._promoting.update(block_hashes[i] for i in disk)
@@ -243,69 +195,63 @@ class TierChain:
             cut = False
             for i in range(len(run)):
                 block_hash = block_hashes[i]
-                medium: TierMedium
+                medium: Medium
                 if i in read:
-                    data, medium = read[i], "DISK"
+                    data, medium = read[i], Medium.DISK
                 else:
                     if cut:
                         continue  # untouched: stays in DRAM
                     data, medium = self._pop_dram_locked(block_hash)
                 if data is None:
                     cut = True
-                    if medium == "DISK" and block_hash in self._nodes and not self._ssd_has(block_hash):
+                    if medium == Medium.DISK and block_hash in self._tree and not self._ssd_has(block_hash):
                         # Corrupt or unreadable: the SSD dropped it; the caller recomputes it.
                         self._c["promote_failures"] += 1
-                        self._left_tier_locked(block_hash, "DISK")
+                        self._tree.left(block_hash, Medium.DISK)
                     continue
                 if cut:
                     self._put_back_ssd_locked(block_hash, data)  # read, but past the gap
                     continue
                 out[i] = data
-                self._c["promotions_dram" if medium == "CPU" else "promotions_ssd"] += 1
-                self._c["dram_to_pool_bytes" if medium == "CPU" else "ssd_to_pool_bytes"] += data.numel()
-                self._left_tier_locked(block_hash, medium)
+                self._c["promotions_dram" if medium == Medium.CPU else "promotions_ssd"] += 1
+                self._c["dram_to_pool_bytes" if medium == Medium.CPU else "ssd_to_pool_bytes"] += data.numel()
+                self._tree.left(block_hash, medium)
         return out
 
     def clear(self) -> int:
         """Drop every block below the pool (files go in the background). Returns how many."""
         with self._lock:
             self._sync_ssd_locked()
-            dropped = len(self._nodes)
-            if self.dram is not None:
-                self.dram.clear()
-                self._events.append(AllBlocksCleared("CPU"))
-            if self.ssd is not None:
-                self.ssd.clear()
-                self.ssd.take_dropped()
-                self._events.append(AllBlocksCleared("DISK"))
-            self._nodes.clear()
-            self._children.clear()
+            dropped = len(self._tree)
+            tiers = [tier for tier in (self.dram, self.ssd) if tier is not None]
+            for tier in tiers:
+                tier.clear()
+                tier.take_dropped()  # cleared, not lost: nothing more to publish
+            self._tree.cleared(tuple(tier.medium for tier in tiers))
             return dropped
 
     # --- the index's side ----------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
-        """Drain the KV events (BlockStored / BlockRemoved with medium "CPU" or "DISK")."""
+        """Drain the KV events (BlockStored / BlockRemoved with medium CPU or DISK)."""
         with self._lock:
             self._sync_ssd_locked()
-            events, self._events = self._events, []
-            return events
+            return self._tree.take_events()
 
-    def full_state(self) -> dict[bytes, str]:
+    def full_state(self) -> dict[bytes, Medium]:
         """Every block below the pool -> its medium, for a full republish."""
         with self._lock:
             self._sync_ssd_locked()
-            state: dict[bytes, str] = {}
-            if self.ssd is not None:
-                state.update(dict.fromkeys(self.ssd.keys(), "DISK"))
-            if self.dram is not None:
-                state.update(dict.fromkeys(self.dram.keys(), "CPU"))
+            state: dict[bytes, Medium] = {}
+            for tier in (self.ssd, self.dram):
+                if tier is not None:
+                    state.update(dict.fromkeys(tier.keys(), tier.medium))
             return state
 
     def stats(self) -> dict[str, float]:
         with self._lock:
             self._sync_ssd_locked()
             out = dict(self._c)
-            out["blocks_below_pool"] = len(self._nodes)
+            out["blocks_below_pool"] = len(self._tree)
             for prefix, tier in (("dram", self.dram), ("ssd", self.ssd)):
                 out[f"{prefix}_used_bytes"] = tier.used_bytes if tier is not None else 0
                 out[f"{prefix}_capacity_bytes"] = tier.capacity_bytes if tier is not None else 0
@@ -344,37 +290,17 @@ class TierChain:
             failures = self.ssd.stats()["checksum_failures"] if self.ssd is not None else 0
             return ChainStats(tiers, moves, c["orphans_dropped"], failures)
 
-    def persist(self, pool_batches: Iterable[Sequence[tuple[bytes, bytes | None, torch.Tensor]]]
-                ) -> dict[str, int]:
-        """Shutdown: write DRAM (LRU first) and then the pool's cached blocks to the SSD.
-
-        Only the SSD survives a restart, and the hottest prefixes are the ones still in the pool
-        or DRAM; without this a restarted pod's lookup misses on a prefix's first block and never
-        reaches the rest of it on disk. `pool_batches` yield (hash, parent hash, row), least
-        recently used first. Returns the blocks written per source tier."""
-        written = {"GPU": 0, "CPU": 0}
+    def persist(self, pool_batches: PoolBatches) -> dict[Medium, int]:
+        """Shutdown: write DRAM (LRU first) and then the pool's cached blocks to the SSD, so a
+        restarted pod finds its hottest prefixes (see tiers.chain_persist). `pool_batches`
+        yield (hash, parent hash, row), least recently used first. Returns the blocks written
+        per source tier."""
         ssd = self.ssd
         if ssd is None or ssd.disabled:
-            return written
+            return {Medium.GPU: 0, Medium.CPU: 0}
         with self._lock:
             self._sync_ssd_locked()
-            dram = self.dram
-            for block_hash in dram.keys() if dram is not None else ():
-                node = self._nodes.get(block_hash)
-                data = dram.get(block_hash) if node is not None else None
-                if data is None or not self._put_waiting_locked(block_hash, data, node.parent_hash):
-                    continue
-                dram.remove(block_hash)
-                self._events.append(BlockRemoved([block_hash], medium="CPU"))
-                node.medium = "DISK"
-                self._events.append(self._stored_event(block_hash, node))
-                written["CPU"] += 1
-            for batch in pool_batches:
-                for block_hash, parent_hash, row in batch:
-                    if block_hash in self._nodes:
-                        continue  # already below the pool: one copy is enough
-                    if self._put_waiting_locked(block_hash, row, parent_hash):
-                        written["GPU"] += 1
+            written = persist_locked(ssd, self.dram, self._tree, pool_batches)
         ssd.flush()
         return written
 
@@ -383,85 +309,78 @@ class TierChain:
             self.ssd.close()
 
     # --- internals (lock held) -----------------------------------------------------------------
-    def _place_locked(self, block_hash: bytes, node: _Node, data: BlockData) -> TierMedium | None:
+    def _refresh_locked(self, block_hash: bytes) -> Medium | None:
+        """A block the pool evicts again (it recomputed it) is below the pool already, and one
+        copy is enough: it only becomes DRAM's most recent. Its medium, None if not below."""
+        node = self._tree.get(block_hash)
+        if node is None:
+            return None
+        if node.medium == Medium.CPU and self.dram is not None:
+            self.dram.touch(block_hash)
+        return node.medium
+
+    def _place_locked(self, block_hash: bytes, node: Node, data: BlockData) -> Medium | None:
         """Put a block that is in no tier yet into the highest tier that takes it."""
         if self.dram is not None:
             src = as_uint8_tensor(data, self.dram.block_bytes)
-            if self.dram.is_full():
-                victim = self.dram.pop_lru()
-                if victim is not None:
-                    self._move_dram_victim_locked(*victim)
+            self._make_dram_room_locked(1)
             t0 = time.perf_counter()
             self.dram.put(block_hash, src)
-            self._c["pool_to_dram_seconds"] += time.perf_counter() - t0
-            self._c["pool_to_dram_bytes"] += src.numel()
-            node.medium = "CPU"
-            self._add_node(block_hash, node)
-            return "CPU"
-        if self.ssd is not None:
-            t0 = time.perf_counter()
-            ok = self.ssd.put(block_hash, data, node.parent_hash, node.token_ids)
-            if ok:
-                self._c["pool_to_ssd_seconds"] += time.perf_counter() - t0
-                self._c["pool_to_ssd_bytes"] += self.ssd.block_bytes
-                node.medium = "DISK"
-                self._add_node(block_hash, node)
-                return "DISK"
-        self._c["drops"] += 1
-        self._drop_descendants_locked(block_hash)
-        return None
-
-    def _move_dram_victim_locked(self, block_hash: bytes, data: torch.Tensor) -> None:
-        """DRAM's LRU victim goes one level down (the SSD copies `data` before returning)."""
-        node = self._nodes.get(block_hash)
-        if node is None:  # not ours (put into DRAM directly): nothing was published
-            return
-        self._events.append(BlockRemoved([block_hash], medium="CPU"))
+            self._count_move("pool_to_dram", src.numel(), t0)
+            node.medium = Medium.CPU
+            self._tree.add(block_hash, node)
+            return Medium.CPU
         if self.ssd is not None:
             t0 = time.perf_counter()
             if self.ssd.put(block_hash, data, node.parent_hash, node.token_ids):
-                self._c["dram_to_ssd_seconds"] += time.perf_counter() - t0
-                self._c["dram_to_ssd_bytes"] += data.numel()
-                node.medium = "DISK"
-                self._events.append(self._stored_event(block_hash, node))
+                self._count_move("pool_to_ssd", self.ssd.block_bytes, t0)
+                node.medium = Medium.DISK
+                self._tree.add(block_hash, node)
+                return Medium.DISK
+        self._lost_locked(block_hash, None)
+        return None
+
+    def _make_dram_room_locked(self, n: int) -> None:
+        """Free `n` DRAM slots (if DRAM has that many) by moving LRU victims down one level."""
+        assert self.dram is not None
+        while self.dram.num_free_slots < n:
+            victim = self.dram.pop_lru()
+            if victim is None:
+                break
+            self._move_dram_victim_locked(*victim)
+
+    def _move_dram_victim_locked(self, block_hash: bytes, data: torch.Tensor) -> None:
+        """DRAM's LRU victim goes one level down (the SSD copies `data` before returning)."""
+        node = self._tree.get(block_hash)
+        if node is None:  # not ours (put into DRAM directly): nothing was published
+            return
+        if self.ssd is not None:
+            t0 = time.perf_counter()
+            if self.ssd.put(block_hash, data, node.parent_hash, node.token_ids):
+                self._count_move("dram_to_ssd", data.numel(), t0)
+                self._tree.moved(block_hash, node, Medium.DISK)
                 return
+        self._lost_locked(block_hash, Medium.CPU)
+
+    def _count_move(self, direction: str, nbytes: int, t0: float) -> None:
+        """Count a copy between levels that started at `t0` (perf_counter)."""
+        self._c[f"{direction}_seconds"] += time.perf_counter() - t0
+        self._c[f"{direction}_bytes"] += nbytes
+
+    def _lost_locked(self, block_hash: bytes, medium: Medium | None) -> None:
+        """A block left every level (nowhere to go, or lost by its tier): publish its removal
+        from `medium` (None: it was never stored), count the drop, and drop its descendants
+        below the pool, which no prefix lookup can reach now."""
+        if medium is not None:
+            self._tree.left(block_hash, medium)
         self._c["drops"] += 1
-        self._forget_node(block_hash)
-        self._drop_descendants_locked(block_hash)
+        for child, child_medium in self._tree.drop_descendants(block_hash):
+            tier = self.dram if child_medium == Medium.CPU else self.ssd
+            if tier is not None:
+                tier.remove(child)
+            self._c["orphans_dropped"] += 1
 
-    def _add_node(self, block_hash: bytes, node: _Node) -> None:
-        self._nodes[block_hash] = node
-        if node.parent_hash is not None:
-            self._children.setdefault(node.parent_hash, set()).add(block_hash)
-        self._events.append(self._stored_event(block_hash, node))
-
-    def _stored_event(self, block_hash: bytes, node: _Node) -> BlockStored:
-        return BlockStored(
-            block_hashes=[block_hash],
-            parent_block_hash=node.parent_hash,
-            token_ids=list(node.token_ids),
-            block_size=self.block_size if self.block_size is not None else len(node.token_ids),
-            lora_id=node.lora_id,
-            medium=node.medium,
-        )
-
-    def _forget_node(self, block_hash: bytes) -> _Node | None:
-        """Unlink a block from the tree (its own children keep their link to it)."""
-        node = self._nodes.pop(block_hash, None)
-        if node is not None and node.parent_hash is not None:
-            siblings = self._children.get(node.parent_hash)
-            if siblings is not None:
-                siblings.discard(block_hash)
-                if not siblings:
-                    del self._children[node.parent_hash]
-        return node
-
-    def _left_tier_locked(self, block_hash: bytes, medium: TierMedium) -> None:
-        """A block left its tier for the pool (or was lost on promotion): publish and unlink it."""
-        self._events.append(BlockRemoved([block_hash], medium=medium))
-        self._forget_node(block_hash)
-
-    def _pop_dram_locked(self, block_hash: bytes) -> tuple[torch.Tensor | None, TierMedium]:
+    def _pop_dram_locked(self, block_hash: bytes) -> tuple[torch.Tensor | None, Medium]:
         """Take a block found in DRAM by the lookup; it may have moved to the SSD since."""
         t0 = time.perf_counter()
         data = self.dram.pop(block_hash) if self.dram is not None else None
@@ -471,62 +390,29 @@ class TierChain:
             t0 = time.perf_counter()
             data = self.ssd.pop(block_hash)  # the DRAM victim is still in the SSD's write-behind
             self._c["ssd_to_pool_seconds"] += time.perf_counter() - t0
-            return data, "DISK"
-        return data, "CPU"
-
-    def _put_waiting_locked(self, block_hash: bytes, data: BlockData, parent_hash: bytes | None) -> bool:
-        """`ssd.put`, waiting for the writer once when its backlog is full (shutdown only)."""
-        assert self.ssd is not None
-        if self.ssd.put(block_hash, data, parent_hash):
-            return True
-        self.ssd.flush()
-        return self.ssd.put(block_hash, data, parent_hash)
+            return data, Medium.DISK
+        return data, Medium.CPU
 
     def _ssd_has(self, block_hash: bytes) -> bool:
         return self.ssd is not None and self.ssd.contains(block_hash)
 
     def _put_back_ssd_locked(self, block_hash: bytes, data: torch.Tensor) -> None:
         """A block read from the SSD that the caller cannot use goes back (rewritten)."""
-        node = self._nodes.get(block_hash)
+        node = self._tree.get(block_hash)
         if node is None:
             return
         if self.ssd is not None and self.ssd.put(block_hash, data, node.parent_hash, node.token_ids):
             return
-        self._events.append(BlockRemoved([block_hash], medium="DISK"))
-        self._forget_node(block_hash)
-        self._c["drops"] += 1
-        self._drop_descendants_locked(block_hash)
-
-    def _drop_descendants_locked(self, block_hash: bytes) -> None:
-        """`block_hash` left every level: its descendants below the pool are unreachable."""
-        stack = list(self._children.pop(block_hash, ()))
-        removed: dict[TierMedium, list[bytes]] = {"CPU": [], "DISK": []}
-        while stack:
-            child = stack.pop()
-            node = self._forget_node(child)
-            if node is None:
-                continue
-            tier = self.dram if node.medium == "CPU" else self.ssd
-            if tier is not None:
-                tier.remove(child)
-            removed[node.medium].append(child)
-            self._c["orphans_dropped"] += 1
-            stack.extend(self._children.pop(child, ()))
-        for medium, hashes in removed.items():
-            if hashes:
-                self._events.append(BlockRemoved(hashes, medium=medium))
+        self._lost_locked(block_hash, Medium.DISK)
 
     def _sync_ssd_locked(self) -> None:
         """Apply the blocks the SSD lost on its own (evicted, corrupt, disabled)."""
         if self.ssd is None:
             return
         for block_hash in self.ssd.take_dropped():
-            node = self._nodes.get(block_hash)
-            if node is None or node.medium != "DISK" or self.ssd.contains(block_hash):
+            node = self._tree.get(block_hash)
+            if node is None or node.medium != Medium.DISK or self.ssd.contains(block_hash):
                 continue  # already promoted, or stored again since
             if block_hash in self._promoting:
                 continue  # a promotion in flight reads it; it handles the outcome
-            self._events.append(BlockRemoved([block_hash], medium="DISK"))
-            self._forget_node(block_hash)
-            self._c["drops"] += 1
-            self._drop_descendants_locked(block_hash)
+            self._lost_locked(block_hash, Medium.DISK)

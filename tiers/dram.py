@@ -14,13 +14,14 @@ from collections.abc import Sequence
 
 import torch
 
-from tiers.base import BlockData, Tier, TierMedium, as_uint8_tensor, clone_block, copy_block
+from proto.medium import Medium
+from tiers.base import BlockData, Tier, as_uint8_tensor, clone_block, copy_block
 
 logger = logging.getLogger(__name__)
 
 
 class DramTier(Tier):
-    medium: TierMedium = "CPU"
+    medium = Medium.CPU
 
     def __init__(self, capacity_bytes: int, block_bytes: int, pin_memory: bool = False) -> None:
         if block_bytes <= 0:
@@ -95,16 +96,23 @@ class DramTier(Tier):
             self._free.append(slot)
             return out
 
-    def pop_many(self, block_hashes: Sequence[bytes]) -> torch.Tensor:
-        """Remove blocks that are all present; their data as one [n, block_bytes] tensor,
+    def pop_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """Remove blocks and return their data (None for a miss): the rows of one tensor,
         gathered in a single copy (a prefix reload takes many blocks at once)."""
         with self._lock:
-            slots = [self._lru.pop(h) for h in block_hashes]
+            found = [(i, slot) for i, h in enumerate(block_hashes)
+                     if (slot := self._lru.pop(h, None)) is not None]
+            out: list[torch.Tensor | None] = [None] * len(block_hashes)
+            if not found:
+                return out
+            slots = [slot for _, slot in found]
             if self._slab.device.type == "cpu":
-                out = torch.from_numpy(self._slab.numpy()[slots])
+                rows = torch.from_numpy(self._slab.numpy()[slots])
             else:
-                out = self._slab[torch.tensor(slots)].cpu()
+                rows = self._slab[torch.tensor(slots)].cpu()
             self._free.extend(slots)
+            for (i, _), row in zip(found, rows, strict=True):
+                out[i] = row
             return out
 
     # --- updates -----------------------------------------------------------------------
@@ -134,7 +142,7 @@ class DramTier(Tier):
             self._lru[block_hash] = slot
             return True
 
-    def put_rows(self, block_hashes: Sequence[bytes], rows: torch.Tensor) -> None:
+    def put_rows(self, block_hashes: Sequence[bytes], rows: torch.Tensor) -> int:
         """Store new blocks (absent, with enough free slots: the caller made room) from the
         rows of one [n, block_bytes] tensor in a single scatter copy."""
         with self._lock:
@@ -147,6 +155,7 @@ class DramTier(Tier):
                 self._slab[torch.tensor(slots)] = rows.to(self._slab.device)
             for h, slot in zip(block_hashes, slots, strict=True):
                 self._lru[h] = slot
+            return len(slots)
 
     def pop_lru(self) -> tuple[bytes, torch.Tensor] | None:
         """Remove the LRU block and return (hash, view of its slot).
@@ -161,10 +170,6 @@ class DramTier(Tier):
             self._free.append(slot)
             self.evictions += 1
             return block_hash, self._slab[slot]
-
-    def evict(self) -> bytes | None:
-        victim = self.pop_lru()
-        return None if victim is None else victim[0]
 
     def remove(self, block_hash: bytes) -> bool:
         with self._lock:

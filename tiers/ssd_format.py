@@ -18,7 +18,7 @@ Entry::
     | header_xxh3 u64 (over every header byte before it) | payload (payload_len bytes)
 
 The header checksum lets a start-up scan trust an entry's lengths without reading its
-payload; the payload checksum is verified on every read.
+payload; the payload checksum is verified on every read (`decode_entry`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import xxhash
+
+from tiers.codec import CODEC_RAW, decode_array
 
 SEG_MAGIC = b"PKVS"
 ENTRY_MAGIC = b"PKVB"
@@ -54,6 +57,19 @@ def align_up(n: int, align: int = ALIGN) -> int:
 def entry_header_size(hash_len: int, parent_len: int, n_tokens: int) -> int:
     """Exact header length of an entry with these variable parts."""
     return ENTRY_FIXED_LEN + hash_len + parent_len + 4 * n_tokens + _U64.size
+
+
+def check_entry_fields(
+    block_hash: bytes, parent_hash: bytes | None, tokens: tuple[int, ...]
+) -> None:
+    """ValueError unless these fields fit an entry header (checked when a block is offered,
+    so that packing its header later cannot fail)."""
+    if not isinstance(block_hash, bytes) or not 0 < len(block_hash) <= MAX_HASH_LEN:
+        raise ValueError(f"block hash must be 1..{MAX_HASH_LEN} bytes")
+    if parent_hash is not None and not 0 < len(parent_hash) <= MAX_HASH_LEN:
+        raise ValueError(f"parent hash must be 1..{MAX_HASH_LEN} bytes or None")
+    if len(tokens) > MAX_TOKENS or (tokens and (min(tokens) < 0 or max(tokens) >= 1 << 32)):
+        raise ValueError(f"token ids must be at most {MAX_TOKENS} values in [0, 2**32)")
 
 
 class FormatError(ValueError):
@@ -212,3 +228,40 @@ def parse_entry_header(buf: bytes | bytearray | memoryview) -> EntryHeader:
         payload_xxh=payload_xxh,
         header_len=header_len,
     )
+
+
+def is_torn(chunk: bytes, remaining: int) -> bool:
+    """True if an entry header failed to parse because the log ends here: the file ends inside
+    it, or the rest is zeros (space allocated but never written before a crash)."""
+    if remaining < ENTRY_FIXED_LEN or chunk.count(0) == len(chunk):
+        return True
+    try:
+        return remaining < entry_header_len(chunk)
+    except FormatError:
+        return False
+
+
+def decode_entry(
+    entry: memoryview, block_hash: bytes, layout_id: int, raw_len: int, elem_size: int
+) -> np.ndarray | None:
+    """The block stored in one whole entry, in memory of its own; None unless the entry is
+    intact (both checksums) and is that block of that layout and size."""
+    try:
+        hdr = parse_entry_header(entry)
+    except FormatError:
+        return None
+    if (
+        hdr.block_hash != block_hash
+        or hdr.layout_id != layout_id
+        or hdr.raw_len != raw_len
+        or hdr.entry_len != len(entry)
+    ):
+        return None
+    payload = entry[hdr.header_len :]
+    if checksum(payload) != hdr.payload_xxh:
+        return None
+    try:
+        arr = decode_array(hdr.codec, payload, hdr.raw_len, elem_size)
+    except ValueError:
+        return None
+    return arr.copy() if hdr.codec == CODEC_RAW else arr  # raw: a view of the caller's buffer

@@ -121,3 +121,34 @@ def test_zero_capacity_refuses_puts() -> None:
     tier = DramTier(BB - 1, BB)
     assert tier.num_slots == 0
     assert not tier.put(h(0), block(0))
+
+
+def test_pop_many_gathers_the_present_blocks_and_misses_the_rest() -> None:
+    tier = DramTier(BB * 4, BB)
+    for i in range(3):
+        tier.put(h(i), block(i))
+    got = tier.pop_many([h(2), h(9), h(0)])
+    assert got[1] is None
+    assert got[0] is not None and torch.equal(got[0], block(2))
+    assert got[2] is not None and torch.equal(got[2], block(0))
+    assert tier.keys() == [h(1)] and tier.num_free_slots == 3
+
+
+def test_put_rows_scatters_into_free_slots_and_refuses_without_room() -> None:
+    tier = DramTier(BB * 3, BB)
+    rows = torch.stack([block(i) for i in range(3)])
+    assert tier.put_rows([h(i) for i in range(3)], rows) == 3
+    assert tier.num_free_slots == 0 and tier.keys() == [h(0), h(1), h(2)]
+    got = tier.get(h(1))
+    assert got is not None and torch.equal(got, block(1))
+    with pytest.raises(ValueError, match="free slots"):
+        tier.put_rows([h(5)], rows[:1])
+
+
+def test_dram_loses_nothing_on_its_own_and_keeps_nothing_across_restarts() -> None:
+    tier = DramTier(BB * 2, BB)
+    tier.put(h(0), block(0))
+    assert tier.take_dropped() == [] and tier.take_recovered() == []
+    assert tier.flush() and not tier.disabled
+    assert tier.stats() == {"entries": 1, "used_bytes": BB, "capacity_bytes": BB * 2}
+    tier.close()

@@ -229,6 +229,35 @@ def test_bad_entry_fields_are_rejected_at_put(make_tier: Callable[..., SsdTier])
     assert tier.put(h(2), block(2)) and tier.flush(30) and not tier.disabled
 
 
+def test_the_chains_calls_on_a_tier(make_tier: Callable[..., SsdTier]) -> None:
+    """pop_lru, put_rows and touch: what tiers.base.Tier declares for the chain."""
+    tier = make_tier()
+    rows = torch.stack([block(i) for i in range(3)])
+    assert tier.put_rows([h(i) for i in range(3)], rows) == 3
+    assert tier.flush(30)
+    assert tier.touch(h(0)) and not tier.touch(h(99))
+    assert tier.keys() == [h(1), h(2), h(0)]
+    victim = tier.pop_lru()
+    assert victim is not None and victim[0] == h(1) and torch.equal(victim[1], block(1))
+    assert tier.evict() == h(2)
+    assert tier.keys() == [h(0)]
+    assert tier.pop_lru() is not None and tier.pop_lru() is None
+
+
+def test_num_free_slots_is_what_the_backlog_takes(
+    make_tier: Callable[..., SsdTier], stalled_sync: threading.Event
+) -> None:
+    tier = make_tier(max_pending_bytes=4 * BB, batch_bytes=BB)
+    stalled_sync.clear()
+    free = tier.num_free_slots
+    assert free >= 1
+    assert all(tier.put(h(i), block(i)) for i in range(free))
+    assert tier.num_free_slots == 0 and not tier.put(h(free), block(free))
+    stalled_sync.set()
+    assert tier.flush(30)
+    assert tier.num_free_slots == free
+
+
 # --- warm restart and corruption ------------------------------------------------------------------
 def test_warm_restart_finds_blocks_with_their_metadata(make_tier: Callable[..., SsdTier], tmp_path: Path) -> None:
     tier = make_tier()
