@@ -44,13 +44,8 @@ _COUNTERS = (
 
 
 class TierChain:
-    def __init__(
-        self,
-        dram: Tier | None,
-        ssd: Tier | None,
-        *,
-        block_size: int | None = None,
-    ) -> None:
+    def __init__(self, dram: Tier | None, ssd: Tier | None, *, block_size: int | None = None
+                 ) -> None:
         if dram is not None and ssd is not None and dram.block_bytes != ssd.block_bytes:
             raise ValueError(f"DRAM blocks are {dram.block_bytes} B but SSD blocks are {ssd.block_bytes} B")
         self.dram = dram if dram is not None and dram.capacity_bytes > 0 else None
@@ -67,14 +62,8 @@ class TierChain:
                 self._tree.add(rec.block_hash, node)
 
     # --- the pool's side -----------------------------------------------------------------------
-    def demote(
-        self,
-        block_hash: bytes,
-        parent_hash: bytes | None,
-        token_ids: Sequence[int],
-        data: BlockData,
-        lora_id: int | None = None,
-    ) -> Medium | None:
+    def demote(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int],
+               data: BlockData, lora_id: int | None = None) -> Medium | None:
         """The pool evicted this block: keep it one level down. Returns where it went (None: dropped).
 
         `data` is copied before return, so the pool may reuse its block right away.
@@ -88,12 +77,8 @@ class TierChain:
             node = Node(parent_hash, tuple(token_ids), lora_id, Medium.CPU)
             return self._place_locked(block_hash, node, data)
 
-    def demote_many(
-        self,
-        block_hashes: Sequence[bytes],
-        parent_hashes: Sequence[bytes | None],
-        rows: torch.Tensor,
-    ) -> None:
+    def demote_many(self, block_hashes: Sequence[bytes], parent_hashes: Sequence[bytes | None],
+                    rows: torch.Tensor) -> None:
         """`demote` for a batch evicted together ([n, block_bytes] rows): with DRAM, room is
         made first (LRU victims move down one by one), then the new blocks land in one copy."""
         dram = self.dram
@@ -122,19 +107,10 @@ class TierChain:
             self._sync_ssd_locked()
             self._c["lookups"] += 1
             for block_hash in block_hashes[start:]:
-                if self.dram is not None:
-                    self._c["dram_queries"] += 1
-                    if self.dram.contains(block_hash):
-                        self._c["dram_hits"] += 1
-                        out.append(Medium.CPU)
-                        continue
-                if self.ssd is not None:
-                    self._c["ssd_queries"] += 1
-                    if self.ssd.contains(block_hash):
-                        self._c["ssd_hits"] += 1
-                        out.append(Medium.DISK)
-                        continue
-                break
+                medium = self._find_locked(block_hash, count=True)
+                if medium is None:
+                    break
+                out.append(medium)
         return out
 
     def promote(self, block_hash: bytes) -> torch.Tensor | None:
@@ -155,12 +131,10 @@ class TierChain:
             self._sync_ssd_locked()
             run: list[Medium] = []  # media of the consecutive blocks present
             for block_hash in block_hashes:
-                if self.dram is not None and self.dram.contains(block_hash):
-                    run.append(Medium.CPU)
-                elif self._ssd_has(block_hash):
-                    run.append(Medium.DISK)
-                else:
+                medium = self._find_locked(block_hash)
+                if medium is None:
                     break
+                run.append(medium)
             self._c["promote_misses"] += n - len(run)
             if run and Medium.DISK not in run:
                 # All in DRAM (the common reload): one gather, no lock release in between.
@@ -309,6 +283,20 @@ class TierChain:
             self.ssd.close()
 
     # --- internals (lock held) -----------------------------------------------------------------
+    def _find_locked(self, block_hash: bytes, count: bool = False) -> Medium | None:
+        """The medium a block is held in below the pool, DRAM first; `count`: as a lookup
+        (per-tier queries and hits)."""
+        for name, tier in (("dram", self.dram), ("ssd", self.ssd)):
+            if tier is None:
+                continue
+            if count:
+                self._c[f"{name}_queries"] += 1
+            if tier.contains(block_hash):
+                if count:
+                    self._c[f"{name}_hits"] += 1
+                return tier.medium
+        return None
+
     def _refresh_locked(self, block_hash: bytes) -> Medium | None:
         """A block the pool evicts again (it recomputed it) is below the pool already, and one
         copy is enough: it only becomes DRAM's most recent. Its medium, None if not below."""
