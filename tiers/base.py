@@ -154,11 +154,6 @@ class Tier(ABC):
     def clear(self) -> list[bytes]:
         """Drop every block; return their hashes."""
 
-    def evict(self) -> bytes | None:
-        """Drop the least recently used block; return its hash (None when empty)."""
-        victim = self.pop_lru()
-        return None if victim is None else victim[0]
-
     # --- what the tier did on its own (defaults: it loses nothing, keeps nothing) ------
     def take_dropped(self) -> list[bytes]:
         """Hashes of blocks the tier lost without being asked since the last call."""

@@ -171,6 +171,11 @@ class DramTier(Tier):
             self.evictions += 1
             return block_hash, self._slab[slot]
 
+    def evict(self) -> bytes | None:
+        """Drop the least recently used block; return its hash (None when empty)."""
+        victim = self.pop_lru()
+        return None if victim is None else victim[0]
+
     def remove(self, block_hash: bytes) -> bool:
         with self._lock:
             slot = self._lru.pop(block_hash, None)

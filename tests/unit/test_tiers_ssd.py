@@ -239,7 +239,7 @@ def test_the_chains_calls_on_a_tier(make_tier: Callable[..., SsdTier]) -> None:
     assert tier.keys() == [h(1), h(2), h(0)]
     victim = tier.pop_lru()
     assert victim is not None and victim[0] == h(1) and torch.equal(victim[1], block(1))
-    assert tier.evict() == h(2)
+    assert tier.remove(h(2))
     assert tier.keys() == [h(0)]
     assert tier.pop_lru() is not None and tier.pop_lru() is None
 
