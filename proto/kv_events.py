@@ -1,18 +1,16 @@
 """KV cache events: what the pool and the tiers tell the index.
 
 Field names follow vLLM's `kv_events` (BlockStored / BlockRemoved / AllBlocksCleared) so an
-index fed by unmodified vLLM pods reads the same shape. `medium` is the tier a block is in:
-"GPU" (the pool, whatever the device), "CPU" (the DRAM tier) or "DISK" (the SSD tier).
+index fed by unmodified vLLM pods reads the same shape. `medium` is the tier a block is in
+(`proto.medium.Medium`, whose members equal vLLM's strings "GPU", "CPU", "DISK").
 No torch import: the router and the index publisher read these too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-Medium = Literal["GPU", "CPU", "DISK"]
-MEDIUMS: tuple[Medium, ...] = ("GPU", "CPU", "DISK")
+from proto.medium import Medium
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,13 +20,13 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
-    medium: Medium = "GPU"
+    medium: Medium = Medium.GPU
 
 
 @dataclass(slots=True, frozen=True)
 class BlockRemoved:
     block_hashes: list[bytes]
-    medium: Medium = "GPU"
+    medium: Medium = Medium.GPU
 
 
 @dataclass(slots=True, frozen=True)

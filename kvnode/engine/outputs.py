@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proto.medium import MEDIUMS
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -49,6 +51,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(
-        default_factory=lambda: {"GPU": 0, "CPU": 0, "DISK": 0}
+        default_factory=lambda: dict.fromkeys(MEDIUMS, 0)
     )
     metrics: RequestMetrics | None = None
