@@ -1,5 +1,6 @@
-"""Integration fixtures: a real redis-server on a free loopback port, data in a tmp dir; the
-router's in-process routers and fake pods."""
+"""Integration fixtures: a real redis-server on a free loopback port, data in a tmp dir; for
+the router's tests, in-process routers and fake pods; for the index's tests, a Redis client
+and publishing pods."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import redis
 
+from kvnode.pod.publisher import IndexPublisher
 from kvnode.pod.redis_server import RedisProcess, find_redis_server
+from proto.index import IndexSchema
 from router.config import RouterConfig
+from tests.integration.index_fixtures import SCHEMA, PodState
 from tests.integration.router_fixtures import TEST_COSTS, FakePod, RouterHandle
 
 
@@ -70,3 +75,39 @@ def fake_pods(redis_server: RedisProcess) -> Iterator[list[FakePod]]:
     yield pods
     for pod in pods:
         pod.close()
+
+
+# -- the Redis index's tests (test_index_*.py; helpers in index_fixtures.py) ------------------
+
+@pytest.fixture
+def client(redis_server: RedisProcess) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(redis_server.url)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def make_pod(redis_server: RedisProcess) -> Iterator[Callable[..., PodState]]:
+    started: list[IndexPublisher] = []
+
+    def _make(pod_id: str, schema: IndexSchema = SCHEMA, start: bool = True,
+              **kwargs: object) -> PodState:
+        state = PodState()
+        kwargs.setdefault("flush_interval_s", 0.01)
+        pub = IndexPublisher(
+            redis_server.url, schema, pod_id, f"127.0.0.1:{5000 + len(started)}",
+            hash_config=schema.hash_config(),
+            load_fn=lambda: {"waiting": 2, "running": 3, "free_blocks": 100},
+            full_state_fn=state.full_state,
+            tier_costs_fn=lambda: {"GPU": 0.0, "CPU": 2e-6, "DISK": 5e-5},
+            **kwargs,  # type: ignore[arg-type]
+        )
+        state.pub = pub
+        started.append(pub)
+        if start:
+            assert pub.start(timeout=10)
+        return state
+
+    yield _make
+    for pub in started:
+        pub.stop(clear=False, timeout=2)

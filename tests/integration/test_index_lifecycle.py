@@ -1,0 +1,209 @@
+"""The Redis index against a real redis-server through a pod's lifetime: its registration and
+lease, epochs across restarts, a second instance under the same id, a clean stop, a dead pod
+reaped, the publisher across a Redis restart. Fixtures: conftest.py (client, make_pod);
+helpers: index_fixtures.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from proto.index import (
+    IndexClient,
+    IndexSchema,
+    PodMatch,
+    config_mismatch,
+    list_live_pods,
+    lookup_prefix,
+)
+from proto.kv_events import BlockRemoved, BlockStored
+from proto.medium import Medium
+from tests.integration.index_fixtures import SCHEMA, chain
+
+pytestmark = pytest.mark.integration
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll for a state change; the deadline only bounds a hang, it decides nothing."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what or cond}")
+        time.sleep(0.02)
+
+
+def index_claims(r: redis.Redis, schema: IndexSchema, pod: str, epoch: str) -> dict[bytes, str]:
+    """What Redis says this pod holds: hash -> best tier, only claims of this epoch."""
+    out: dict[bytes, str] = {}
+    for member in r.smembers(schema.pod_blocks_key(pod)):
+        value = r.hget(schema.block_prefix + member.decode(), pod)
+        if value is not None and value.decode().endswith(":" + epoch):
+            out[bytes.fromhex(member.decode())] = Medium.from_code(value.decode()[0])
+    return out
+
+def test_live_pods_expose_address_load_config_and_costs(make_pod, client):
+    make_pod("pod-a")
+    (info,) = list_live_pods(client, SCHEMA)
+    assert info.pod_id == "pod-a" and info.address.startswith("127.0.0.1:")
+    assert (info.waiting, info.running, info.free_blocks) == (2, 3, 100)
+    assert info.hash_config == SCHEMA.hash_config()
+    assert config_mismatch(info, SCHEMA) is None
+    assert info.tier_costs == {"GPU": 0.0, "CPU": 2e-6, "DISK": 5e-5}
+    assert 0 < info.lease_ms <= 3000
+
+
+def test_expired_lease_no_longer_counts(make_pod, client):
+    pod = make_pod("pod-a", lease_ttl_s=0.3)
+    blocks = chain(2)
+    pod.store(blocks)
+    assert pod.pub.flush()
+    assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 2
+    pod.pub.stop(clear=False)  # a crash: nothing removed, the lease is just not renewed
+    wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
+    assert client.hget(SCHEMA.block_key(blocks[0]), "pod-a") is not None  # claims remain
+    assert lookup_prefix(client, SCHEMA, blocks) == {}
+    assert list_live_pods(client, SCHEMA) == []
+
+
+def test_restarted_pod_does_not_inherit_old_claims(make_pod, client):
+    old = make_pod("pod-a")
+    blocks = chain(4)
+    old.store(blocks)
+    assert old.pub.flush()
+    old_epoch = old.pub.epoch
+    old.pub.stop(clear=False)  # crashed; its lease is still alive for a while
+    new = make_pod("pod-a")
+    assert new.pub.epoch != old_epoch
+    # The restarted pod holds nothing: the previous epoch's claims were dropped at start.
+    assert lookup_prefix(client, SCHEMA, blocks) == {"pod-a": PodMatch(0, [])}
+    assert client.scard(SCHEMA.pod_blocks_key("pod-a")) == 0
+    # And a claim that still carries the old epoch is not trusted either.
+    client.hset(SCHEMA.block_key(blocks[0]), "pod-a", f"G:{old_epoch}")
+    assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 0
+    new.store(blocks[:3])
+    assert new.pub.flush()
+    assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 3
+
+
+def test_second_instance_supersedes_the_first(make_pod, client):
+    first = make_pod("pod-a", lease_ttl_s=0.3)
+    second = make_pod("pod-a")
+    wait_until(lambda: first.pub.stats()["superseded"], what="first instance to step down")
+    first.store(chain(2))  # ignored: it no longer owns the pod id
+    second.store(chain(1))
+    assert second.pub.flush()
+    assert lookup_prefix(client, SCHEMA, chain(2))["pod-a"].depth == 1
+    first.pub.stop(clear=True)  # must not wipe the owner's keys
+    assert lookup_prefix(client, SCHEMA, chain(2))["pod-a"].depth == 1
+
+
+def dump(r: redis.Redis) -> dict[bytes, object]:
+    out: dict[bytes, object] = {}
+    for key in r.keys("*"):
+        kind = r.type(key)
+        if kind == b"hash":
+            fields = r.hgetall(key)
+            fields.pop(b"updated", None)  # the other pod's renewals keep moving these
+            fields.pop(b"seq", None)
+            out[key] = fields
+        elif kind == b"set":
+            out[key] = r.smembers(key)
+        else:
+            out[key] = r.get(key)
+    return out
+
+
+def test_stop_clear_removes_exactly_its_keys(make_pod, client):
+    other = make_pod("pod-b")
+    blocks = chain(5)
+    other.store(blocks[:3])
+    assert other.pub.flush()
+    before = dump(client)
+    mine = make_pod("pod-a")
+    mine.store(blocks[1:5])
+    mine.store(chain(2, "x"), medium="DISK")
+    assert mine.pub.flush()
+    assert dump(client) != before
+    mine.pub.stop(clear=True)
+    assert dump(client) == before
+    assert lookup_prefix(client, SCHEMA, blocks) == {"pod-b": PodMatch(3, ["GPU"] * 3)}
+
+
+def _run(method: str, url: str, schema: IndexSchema, *args: object) -> object:
+    """Run one IndexClient coroutine on a fresh asyncio client (the router's kind)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    async def go() -> object:
+        index = IndexClient(aioredis.Redis.from_url(url), schema)
+        try:
+            return await getattr(index, method)(*args)
+        finally:
+            await index.aclose()
+
+    return asyncio.run(go())
+
+
+def test_dead_pod_is_reaped_in_batches_leaving_others_exactly(make_pod, client, redis_server):
+    other = make_pod("pod-b")
+    blocks = chain(25)
+    other.store(blocks[:10])
+    assert other.pub.flush()
+    before = dump(client)
+    dead = make_pod("pod-a", lease_ttl_s=0.3)
+    dead.store(blocks)
+    assert dead.pub.flush()
+    epoch = dead.pub.epoch
+    dead.pub.stop(clear=False)  # a crash
+    wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
+    assert _run("dead_pods", redis_server.url, SCHEMA) == {"pod-a": epoch}
+    removed = _run("reap_pod", redis_server.url, SCHEMA, "pod-a", epoch, 7)
+    assert removed == 25
+    assert dump(client) == before  # every key of pod-a gone, pod-b's untouched
+    assert _run("dead_pods", redis_server.url, SCHEMA) == {}
+
+
+def test_reap_is_refused_once_the_pod_id_is_back(make_pod, client, redis_server):
+    dead = make_pod("pod-a", lease_ttl_s=0.3)
+    dead.store(chain(3))
+    assert dead.pub.flush()
+    epoch = dead.pub.epoch
+    dead.pub.stop(clear=False)
+    wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
+    back = make_pod("pod-a")  # restarted under the same id before the reaper ran
+    back.store(chain(2))
+    assert back.pub.flush()
+    assert _run("reap_pod", redis_server.url, SCHEMA, "pod-a", epoch) is None
+    assert lookup_prefix(client, SCHEMA, chain(3))["pod-a"].depth == 2
+
+
+def test_publisher_survives_redis_restart_and_republishes(make_pod, redis_server, client):
+    pod = make_pod("pod-a")
+    pub = pod.pub
+    blocks = chain(40)
+    pod.store(blocks[:20])
+    assert pub.flush()
+    redis_server.stop()
+    # The engine keeps running while the index is gone; submit must not block or raise.
+    pod.store(blocks[20:30])
+    pod.emit([BlockRemoved(blocks[:5]), BlockStored(blocks[:5], None, [], 16, medium="CPU")])
+    pod.store(blocks[30:35], medium="DISK")
+    wait_until(lambda: pub.stats()["errors"] >= 1, what="the publisher to notice")
+    pod.store(blocks[35:38])
+    assert pub.stats()["pending"] == 0  # deltas are dropped while disconnected
+    redis_server.start()  # same port, empty
+    wait_until(lambda: pub.stats()["connected"] and pub.stats()["reconnects"] >= 1,
+               what="reconnect")
+    assert pub.flush()
+    assert index_claims(client, SCHEMA, "pod-a", pub.epoch) == pod.full_state()
+    stats = pub.stats()
+    assert stats["republishes"] >= 2 and stats["events_dropped"] >= 1
+    got = lookup_prefix(client, SCHEMA, blocks)["pod-a"]
+    assert got.depth == 38
+    assert got.tier_counts() == {"GPU": 28, "CPU": 5, "DISK": 5}
+    assert [p.pod_id for p in list_live_pods(client, SCHEMA)] == ["pod-a"]

@@ -1,0 +1,154 @@
+"""The Redis index against a real redis-server: what a lookup finds (depth, tiers, several
+pods, the first miss, cleared blocks), in one round trip; hash configurations kept apart by
+namespace, and the config handshake's messages. Fixtures: conftest.py (client, make_pod);
+helpers: index_fixtures.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from kvnode.pod.publisher import IndexPublisher
+from proto.index import (
+    IndexSchema,
+    PodMatch,
+    config_mismatch,
+    list_live_pods,
+    list_namespaces,
+    lookup_prefix,
+    register_scripts,
+)
+from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.integration.index_fixtures import SCHEMA, chain
+
+pytestmark = pytest.mark.integration
+
+
+def test_stored_gpu_blocks_are_found_with_depth_and_tiers(make_pod, client):
+    pod = make_pod("pod-a")
+    blocks = chain(6)
+    pod.store(blocks[:4])
+    assert pod.pub.flush()
+    got = lookup_prefix(client, SCHEMA, blocks)
+    assert got == {"pod-a": PodMatch(4, ["GPU"] * 4)}
+    assert got["pod-a"].tier_counts() == {"GPU": 4, "CPU": 0, "DISK": 0}
+    assert pod.pub.stats()["events_published"] == 1
+
+
+def test_medium_change_moves_the_claim_to_cpu(make_pod, client):
+    pod = make_pod("pod-a")
+    blocks = chain(3)
+    pod.store(blocks)
+    # Demotion of block 1 reported as store-then-remove in one batch: order must not matter.
+    pod.emit([BlockStored([blocks[1]], None, [], 16, medium="CPU"),
+              BlockRemoved([blocks[1]], medium="GPU")])
+    pod.emit([BlockRemoved([blocks[2]], medium="GPU"),
+              BlockStored([blocks[2]], None, [], 16, medium="DISK")])
+    assert pod.pub.flush()
+    assert lookup_prefix(client, SCHEMA, blocks)["pod-a"] == PodMatch(3, ["GPU", "CPU", "DISK"])
+
+
+def test_two_pods_with_different_depths(make_pod, client):
+    a, b = make_pod("pod-a"), make_pod("pod-b")
+    blocks = chain(8)
+    a.store(blocks[:2])
+    b.store(blocks[:5])
+    b.emit([BlockRemoved(blocks[3:5]), BlockStored(blocks[3:5], None, [], 16, medium="CPU")])
+    assert a.pub.flush() and b.pub.flush()
+    got = lookup_prefix(client, SCHEMA, blocks)
+    assert got["pod-a"] == PodMatch(2, ["GPU", "GPU"])
+    assert got["pod-b"] == PodMatch(5, ["GPU", "GPU", "GPU", "CPU", "CPU"])
+
+
+def test_lookup_stops_at_first_miss(make_pod, client):
+    a, b = make_pod("pod-a"), make_pod("pod-b")
+    blocks = chain(6)
+    a.store([blocks[0], blocks[1], blocks[3], blocks[4]])  # hole at block 2
+    b.store(blocks[1:6])  # everything but block 0
+    assert a.pub.flush() and b.pub.flush()
+    got = lookup_prefix(client, SCHEMA, blocks)
+    assert got["pod-a"].depth == 2
+    assert got["pod-b"] == PodMatch(0, [])
+    assert lookup_prefix(client, SCHEMA, []) == {"pod-a": PodMatch(0, []),
+                                                 "pod-b": PodMatch(0, [])}
+
+
+def test_all_blocks_cleared(make_pod, client):
+    pod = make_pod("pod-a")
+    blocks = chain(4)
+    pod.store(blocks[:2])
+    pod.store(blocks[2:], medium="CPU")
+    pod.emit([AllBlocksCleared(medium="GPU")])
+    assert pod.pub.flush()
+    assert lookup_prefix(client, SCHEMA, blocks[2:])["pod-a"].depth == 2
+    assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 0
+    pod.emit([AllBlocksCleared()])
+    assert pod.pub.flush()
+    assert lookup_prefix(client, SCHEMA, blocks[2:])["pod-a"].depth == 0
+    assert client.scard(SCHEMA.pod_blocks_key("pod-a")) == 0
+
+
+def test_config_mismatch_messages():
+    base = {"model": "m", "block_size": 16, "hash_algo": "sha256", "hash_seed": "x"}
+    assert config_mismatch(base, dict(base, block_size="16")) is None
+    assert config_mismatch(base, dict(base, hash_seed="y")) == "hash_seed differs: 'x' vs 'y'"
+    assert (config_mismatch(base, dict(base, block_size=32, hash_algo="xxhash"))
+            == "block_size differs: '16' vs '32'; hash_algo differs: 'sha256' vs 'xxhash'")
+    no_seed = {k: v for k, v in base.items() if k != "hash_seed"}
+    assert config_mismatch(base, no_seed) == "hash_seed differs: 'x' vs missing"
+    # Extra fields count only when both sides publish them.
+    assert config_mismatch(dict(base, kv_dtype="fp8"), base) is None
+    assert (config_mismatch(dict(base, lora="1"), dict(base, lora="2"))
+            == "lora differs: '1' vs '2'")
+    assert config_mismatch(IndexSchema("m", 16, "sha256", "x"), base) is None
+    with pytest.raises(ValueError, match="hash_seed differs"):
+        IndexPublisher("redis://127.0.0.1:1/0", SCHEMA, "p", "a", dict(base, hash_seed="z"),
+                       dict, dict)
+
+
+def test_namespaces_isolate_hash_configurations(make_pod, client):
+    pod = make_pod("pod-a")
+    blocks = chain(3)
+    pod.store(blocks)
+    assert pod.pub.flush()
+    other_seed = IndexSchema("tiny-llama", 16, "sha256", "seed-2")
+    assert other_seed.namespace != SCHEMA.namespace
+    assert lookup_prefix(client, other_seed, blocks) == {}
+    assert list_live_pods(client, other_seed) == []
+    # A router in the other namespace can still find out why it sees nobody.
+    spaces = list_namespaces(client)
+    assert spaces == {SCHEMA.namespace: SCHEMA.hash_config()}
+    assert (config_mismatch(other_seed, spaces[SCHEMA.namespace])
+            == "hash_seed differs: 'seed-2' vs 'seed-1'")
+    assert IndexSchema.from_config(spaces[SCHEMA.namespace]) == SCHEMA
+
+class CountingRedis(redis.Redis):
+    """Counts top-level commands sent by this client (each is one round trip here)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.sent: list[str] = []
+
+    def execute_command(self, *args: object, **options: object) -> object:
+        self.sent.append(str(args[0]).upper())
+        return super().execute_command(*args, **options)
+
+
+def test_lookup_is_one_round_trip(make_pod, redis_server, client):
+    pod, other = make_pod("pod-a"), make_pod("pod-b")
+    blocks = chain(64)
+    pod.store(blocks[:50])
+    other.store(blocks[:3])
+    assert pod.pub.flush() and other.pub.flush()
+    counting = CountingRedis.from_url(redis_server.url)
+    register_scripts(counting)
+    client.config_resetstat()
+    counting.sent.clear()
+    got = lookup_prefix(counting, SCHEMA, blocks)
+    assert got["pod-a"].depth == 50 and got["pod-b"].depth == 3
+    assert counting.sent == ["EVALSHA"]
+    stats = client.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 1
+    assert "cmdstat_eval" not in stats and "cmdstat_script" not in stats
+    counting.close()
