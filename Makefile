@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install kernels lint proto bench clean
+.PHONY: demo test install kernels tools lint proto bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,15 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[dev]'
 	$(MAKE) kernels
+	$(MAKE) tools
 	touch $(STAMP)
+
+# promtool (Debian's prometheus package): the tests check every metrics page and rules file.
+tools:
+	command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
+		echo "promtool not installed (apt-get install prometheus): the metrics tests will fail"
+
 
 # The C++ CPU kernel, compiled once here so that no pod compiles at start (a pod without it
 # uses the pure-torch path and says so).

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proto.serving import serve_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -87,5 +89,5 @@ class RouterMetrics:
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Expose /metrics on `port` (0 = not served)."""
         if port:
-            start_http_server(port, addr=host, registry=self.registry)
+            self.http = serve_metrics(self.registry, host, port)
             logger.info("router metrics on http://%s:%d/metrics", host, port)

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.index import REDIS_ERRORS, connect_async
 from proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from proto.requests import BadRequest, already_in_flight
+from proto.serving import HealthServicer
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.pods import PodEntry
@@ -267,7 +268,7 @@ class RouterServer:
         self.metrics_host = metrics_host
         self.metrics = RouterMetrics()
         self.router: Router | None = None
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._ready_task: asyncio.Task[None] | None = None
 

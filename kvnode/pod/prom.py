@@ -44,11 +44,13 @@ def _histogram_family(name: str, doc: str, h: PlainHistogram, label_names: list[
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine, labels: dict[str, str], extra: Callable[[], dict] | None = None):
+    def __init__(self, engine, labels: dict[str, str], extra: Callable[[], dict] | None = None,
+                 publish_lag: Callable[[], PlainHistogram] | None = None):
         self.engine = engine
         self.label_names = list(labels)
         self.label_values = list(labels.values())
         self.extra = extra  # e.g. the index publisher's stats
+        self.publish_lag = publish_lag  # its lag histogram (the stats only summarise it)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=self.label_names)
@@ -102,8 +104,14 @@ class EngineCollector(Collector):
         chain = eng.stats()["chain"]
         if chain is not None:
             yield from self._tier_metrics(chain)
+        if self.publish_lag is not None:
+            yield _histogram_family("pagekv_index_publish_lag_seconds",
+                                    "Index publisher: submit to visible in Redis, per batch",
+                                    self.publish_lag(), self.label_names, self.label_values)
         if self.extra is not None:
             for key, value in self.extra().items():
+                if key.startswith("publish_lag_"):
+                    continue  # summary figures of the histogram above
                 if isinstance(value, bool):  # connected, superseded: health as 0/1
                     yield self._gauge(f"pagekv_index_{key}", f"Index publisher: {key}", value)
                 elif key in INDEX_COUNTERS:

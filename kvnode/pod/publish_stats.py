@@ -9,6 +9,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvnode.memory.metrics import Histogram
+
+# Seconds from a batch's first event to its visibility in Redis (normally a few ms).
+LAG_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
 
 def _quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
@@ -17,7 +24,7 @@ def _quantile(ordered: list[float], q: float) -> float:
 @dataclass(slots=True)
 class PublishLag:
     """Lag of each published batch (its oldest event's wait): last, max, mean over all,
-    and quantiles over the most recent `keep` batches."""
+    and quantiles over the most recent `keep` batches; `histogram` is what Prometheus gets."""
 
     keep: int = 10_000
     last: float = 0.0
@@ -25,6 +32,7 @@ class PublishLag:
     total: float = 0.0
     count: int = 0
     recent: deque[float] = field(init=False)
+    histogram: Histogram = field(default_factory=lambda: Histogram(LAG_BUCKETS))
 
     def __post_init__(self) -> None:
         self.recent = deque(maxlen=self.keep)
@@ -35,6 +43,7 @@ class PublishLag:
         self.total += lag_s
         self.count += 1
         self.recent.append(lag_s)
+        self.histogram.observe(lag_s)
 
     def summary(self) -> dict[str, float]:
         ordered = sorted(self.recent)

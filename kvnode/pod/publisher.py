@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvnode.memory.metrics import Histogram
 from kvnode.pod.publish_stats import PublishCounters
 from proto.index import writes
 from proto.index.connect import REDIS_ERRORS, connect
@@ -205,6 +206,11 @@ class IndexPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.stop(clear=True)
+
+    @property
+    def lag_histogram(self) -> Histogram:
+        """Publish lag of every batch, for Prometheus (`stats()` has its summary)."""
+        return self._counters.lag.histogram
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

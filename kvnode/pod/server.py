@@ -21,7 +21,7 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from kvnode.engine.async_engine import AsyncEngine, QueueFull
 from kvnode.engine.config import EngineArgs
@@ -34,6 +34,7 @@ from proto.index import IndexSchema
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from proto.requests import BadRequest, already_in_flight, parse_prompt
+from proto.serving import HealthServicer, serve_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,10 @@ class PodServer:
         self.server: grpc.aio.Server | None = None
         self.health = None  # made in start(): the aio servicer needs the running loop
         self.registry = CollectorRegistry()
-        self.request_metrics = RequestMetricsExporter(self.registry, {"pod": pod_id})
+        # model_name as vLLM labels its pod metrics, so dashboards can select by model.
+        self.metric_labels = {"pod": pod_id, "model_name": engine_args.model}
+        self.request_metrics = RequestMetricsExporter(self.registry, self.metric_labels)
+        self.metrics_server = None
         self.schema: IndexSchema | None = None
 
     def load(self) -> dict[str, float]:
@@ -199,7 +203,7 @@ class PodServer:
         servicer = PodServicer(self)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         pb_grpc.add_KVNodeServicer_to_server(servicer, self.server)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
             pb.DESCRIPTOR.services_by_name["Generation"].full_name,
@@ -245,11 +249,13 @@ class PodServer:
             engine.event_sinks.append(self.publisher.submit)
         aengine.start()
         if self.metrics_port is not None:
+            pub = self.publisher
             self.registry.register(EngineCollector(
-                engine, {"pod": self.pod_id},
-                self.publisher.stats if self.publisher else None,
+                engine, self.metric_labels, pub.stats if pub else None,
+                (lambda: pub.lag_histogram) if pub else None,
             ))
-            start_http_server(self.metrics_port, addr=self.host, registry=self.registry)
+            self.metrics_server = serve_metrics(self.registry, self.host, self.metrics_port)
+            self.metrics_port = self.metrics_server.server_port
             logger.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)
         if self.publisher is not None and not await asyncio.to_thread(self.publisher.start):
             logger.warning("Redis index at %s unreachable; serving anyway, will retry",
@@ -267,6 +273,9 @@ class PodServer:
             await self.server.stop(grace=drain_timeout_s)
         if self.aengine is not None:
             self.aengine.shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()  # a restarted pod in this process rebinds the port
+            self.metrics_server.server_close()
         logger.info("pod %s stopped", self.pod_id)
 
 

@@ -82,7 +82,8 @@ def violations_in(path: Path, mod: str) -> list[str]:
     if layer is None:
         return [f"{mod}: belongs to no layer (add it to ALLOWED and ARCHITECTURE.md)"]
     bad = []
-    generated = mod.startswith("proto.pagekv.")
+    # grpc only in the generated code and in proto.serving (the servers' shared pieces)
+    serving = mod.startswith("proto.pagekv.") or mod == "proto.serving"
     for lineno, target in imports_of(path, mod):
         top = target.split(".")[0]
         where = f"{mod}:{lineno} imports {target}"
@@ -91,7 +92,7 @@ def violations_in(path: Path, mod: str) -> list[str]:
                 bad.append(f"{where}: layer {layer} may import only {sorted(ALLOWED[layer])}")
         elif top in FORBIDDEN_THIRD_PARTY.get(layer, set()):
             bad.append(f"{where}: layer {layer} must not import {top}")
-        elif top == "grpc" and layer == "proto" and not generated:
+        elif top in ("grpc", "grpc_health") and layer == "proto" and not serving:
             bad.append(f"{where}: the contract's own modules do not import grpc")
     return bad
 
@@ -124,3 +125,11 @@ def test_light_modules_do_not_pull_torch_in(module: str) -> None:
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_grpc_in_the_contract_only_where_servers_share_it(tmp_path: Path) -> None:
+    f = tmp_path / "probe.py"
+    f.write_text("import grpc\nfrom grpc_health.v1 import health\n")
+    assert len(violations_in(f, "proto.hashing_probe")) == 2
+    assert violations_in(f, "proto.serving") == []
+    assert violations_in(f, "proto.pagekv.v1.pagekv_pb2_grpc") == []
