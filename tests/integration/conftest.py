@@ -1,6 +1,7 @@
 """Integration fixtures: a real redis-server on a free loopback port, data in a tmp dir; for
 the router's tests, in-process routers and fake pods; for the index's tests, a Redis client
-and publishing pods."""
+and publishing pods; for the Generation contract's tests, one cluster of two pods and a
+router."""
 
 from __future__ import annotations
 
@@ -10,13 +11,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+import grpc
 import pytest
 import redis
 
+from deploy.local_cluster import LocalCluster
 from kvnode.pod.publisher import IndexPublisher
 from kvnode.pod.redis_server import RedisProcess, find_redis_server
 from proto.index import IndexSchema
+from proto.pagekv.v1 import pagekv_pb2 as pb
+from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from router.config import RouterConfig
+from tests.integration.contract_fixtures import POD_ARGS as CONTRACT_POD_ARGS
+from tests.integration.contract_fixtures import Target
 from tests.integration.index_fixtures import SCHEMA, PodState
 from tests.integration.router_fixtures import TEST_COSTS, FakePod, RouterHandle
 
@@ -111,3 +118,47 @@ def make_pod(redis_server: RedisProcess) -> Iterator[Callable[..., PodState]]:
     yield _make
     for pub in started:
         pub.stop(clear=False, timeout=2)
+
+
+# -- the Generation contract's tests (test_api_contract_*.py; helpers in contract_fixtures.py) --
+# One cluster serves all of those modules, as it served the single module they were split
+# from (session scope: no test needs a fresh cluster; idle_free_blocks is taken once too).
+
+@pytest.fixture(scope="session")
+def contract_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    run_dir = tmp_path_factory.mktemp("contract-run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # two pods and a router on two cores
+        with LocalCluster(nodes=2, run_dir=run_dir, node_args=CONTRACT_POD_ARGS) as c:
+            yield c
+
+
+@pytest.fixture(scope="session")
+def channels(contract_cluster: LocalCluster) -> Iterator[dict[str, grpc.Channel]]:
+    addrs = {"pod": contract_cluster.pods[0].address, "router": contract_cluster.router.address}
+    addrs.update({p.name: p.address for p in contract_cluster.pods})
+    chans = {name: grpc.insecure_channel(a) for name, a in addrs.items()}
+    yield chans
+    for ch in chans.values():
+        ch.close()
+
+
+@pytest.fixture(scope="session")
+def pods_kv(contract_cluster: LocalCluster, channels: dict[str, grpc.Channel]
+            ) -> dict[str, pb_grpc.KVNodeStub]:
+    return {p.name: pb_grpc.KVNodeStub(channels[p.name]) for p in contract_cluster.pods}
+
+
+@pytest.fixture(scope="session")
+def idle_free_blocks(pods_kv: dict[str, pb_grpc.KVNodeStub]) -> dict[str, int]:
+    """Each pod's num_free_blocks with nothing in flight (taken before any request)."""
+    return {name: kv.Stats(pb.StatsRequest(), timeout=10).num_free_blocks
+            for name, kv in pods_kv.items()}
+
+
+@pytest.fixture(params=["pod", "router"])
+def target(request: pytest.FixtureRequest, contract_cluster: LocalCluster,
+           channels: dict[str, grpc.Channel]) -> Target:
+    name = request.param
+    addr = contract_cluster.pods[0].address if name == "pod" else contract_cluster.router.address
+    return Target(name, addr, pb_grpc.GenerationStub(channels[name]), channels[name])
