@@ -1,0 +1,53 @@
+"""Unit-test fixtures shared by several modules: the SSD tier's (test_tiers_ssd_*.py, helpers
+in ssd_fixtures.py). Helpers are imported inside the fixtures, so that collecting a unit test
+that uses none of these imports nothing for them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from tiers.ssd import SsdTier
+
+
+# -- the SSD tier's tests (test_tiers_ssd_*.py) --------------------------------------------------
+
+@pytest.fixture
+def make_tier(tmp_path: Path) -> Iterator[Callable[..., SsdTier]]:
+    from tests.unit.ssd_fixtures import BB, LAYOUT, MiB
+    from tiers.ssd import SsdTier
+
+    made: list[SsdTier] = []
+
+    def make(directory: Path | None = None, **kw: object) -> SsdTier:
+        kw.setdefault("capacity_bytes", 64 * MiB)
+        tier = SsdTier(directory or tmp_path / "ssd", block_bytes=BB, layout=LAYOUT, **kw)  # type: ignore[arg-type]
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+@pytest.fixture
+def stalled_sync(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """While the returned event is clear, the writer stops before each write (starts set)."""
+    from tiers.ssd import SsdTier
+
+    release = threading.Event()
+    release.set()
+    real = SsdTier._write_batch
+
+    async def held(self: SsdTier, batch: object) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+        await real(self, batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SsdTier, "_write_batch", held)
+    return release
