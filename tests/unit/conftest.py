@@ -1,5 +1,6 @@
 """Unit-test fixtures shared by several modules: the SSD tier's (test_tiers_ssd_*.py, helpers
-in ssd_fixtures.py). Helpers are imported inside the fixtures, so that collecting a unit test
+in ssd_fixtures.py) and the checkpoint shapes' (test_model_shapes_*.py, helpers in
+model_shapes_cases.py). Helpers are imported inside the fixtures, so that collecting a unit test
 that uses none of these imports nothing for them."""
 
 from __future__ import annotations
@@ -51,3 +52,34 @@ def stalled_sync(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
     monkeypatch.setattr(SsdTier, "_write_batch", held)
     return release
+
+
+# -- the checkpoint shapes' tests (test_model_shapes_*.py) -------------------------------------
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """These models are tiny: threads only add synchronisation, which costs seconds per test
+    on a busy machine. (Each test_model_shapes_*.py module uses it for all its tests.)"""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    """case -> checkpoint directory, each written once per session (the tests only read
+    them: one that edits a checkpoint copies it first)."""
+    from tests.unit.model_shapes_cases import save_case
+
+    dirs: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in dirs:
+            dirs[case] = tmp_path_factory.mktemp(case)
+            save_case(dirs[case], case)
+        return dirs[case]
+
+    return get
