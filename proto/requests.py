@@ -1,7 +1,7 @@
 """A GenerateRequest's prompt, read and checked the same way by a pod and by the router.
 
 A client must not be able to tell which one answered: the router refuses a prompt a pod
-would refuse, before routing it, in the pod's words (tests/integration/test_api_contract.py
+would refuse, before routing it, in the pod's words (tests/integration/test_api_contract_errors.py
 compares the two word for word). What only a pod can know (vocabulary, max_model_len, the
 sampling limits) the router leaves to the pod, whose status it passes through unchanged.
 """
@@ -28,6 +28,17 @@ def already_in_flight(request_id: str) -> str:
 
 class BadRequest(ValueError):
     """The request cannot be served as sent: gRPC INVALID_ARGUMENT, the message as details."""
+
+
+NO_ADAPTERS = ("lora_id: LoRA adapters are not supported yet, so a request with lora_id would "
+               "be served by the base model; omit the field")
+
+
+def refuse_unsupported(request: GenerateRequest) -> None:
+    """BadRequest for a field the servers accept on the wire but cannot honour (a lora_id
+    would only change the cache key while the base model answered)."""
+    if request.HasField("lora_id"):
+        raise BadRequest(NO_ADAPTERS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.index import REDIS_ERRORS, connect_async
 from proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
-from proto.requests import BadRequest, already_in_flight
+from proto.requests import BadRequest, already_in_flight, refuse_unsupported
 from proto.serving import HealthServicer
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -85,6 +85,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
     async def _route(self, request: pagekv_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext) -> tuple[Prepared, Decision]:
         try:
+            refuse_unsupported(request)
             prepared = self.router.prepare(request)
         except BadRequest as exc:
             self.metrics.failures.labels(code="INVALID_ARGUMENT").inc()

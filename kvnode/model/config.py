@@ -29,7 +29,7 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM"}
 
 # What transformers' LlamaConfig / MistralConfig / Qwen2Config use when config.json omits a
-# field (tests/unit/test_model_shapes.py checks this table against the installed classes).
+# field (tests/unit/test_model_shapes_config.py checks this table against the installed classes).
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None,
                          "bos_token_id": 1, "eos_token_id": 2, "sliding_window": None},

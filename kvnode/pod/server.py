@@ -33,7 +33,7 @@ from proto.heap import freeze_startup_heap
 from proto.index import IndexSchema
 from proto.pagekv.v1 import pagekv_pb2 as pb
 from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from proto.requests import BadRequest, already_in_flight, parse_prompt
+from proto.requests import BadRequest, already_in_flight, parse_prompt, refuse_unsupported
 from proto.serving import HealthServicer, serve_metrics
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
 
     def _parse(self, request: pb.GenerateRequest):
         eng = self.pod.engine
+        refuse_unsupported(request)
         prompt = parse_prompt(request, eng.tokenizer.encode)
         tokens = list(prompt.token_ids)
         params = to_sampling_params(request.sampling, eng.max_model_len - len(tokens))

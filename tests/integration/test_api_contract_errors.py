@@ -47,6 +47,8 @@ BAD = {
     "top_p zero": (text_req("hi", sampling(2, top_p=0.0)), "top_p"),
     "top_p over 1": (text_req("hi", sampling(2, top_p=1.5)), "top_p"),
     "n too large": (text_req("hi", sampling(2, n=MAX_N + 1)), "max_n"),
+    # No adapter is loaded: a lora_id would only change the cache key (#13, #14).
+    "lora_id without adapters": (pb.GenerateRequest(text="hi", lora_id=3), "lora_id"),
 }
 
 
