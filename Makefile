@@ -29,13 +29,13 @@ tools:
 # The C++ CPU kernel, compiled once here so that no pod compiles at start (a pod without it
 # uses the pure-torch path and says so).
 kernels: | $(VPY)
-	$(VPY) -m kvnode.pod.cli build-kernels || echo "C++ kernel not built: pods use the pure-torch path"
+	$(VPY) -m pagekv build-kernels || echo "C++ kernel not built: pods use the pure-torch path"
 
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m kvnode.pod.cli bench-cluster --nodes 2
+	$(VPY) -m pagekv bench-cluster --nodes 2
 
 # pytest exit code 5 (no tests collected) is a failure, like any other non-zero code.
 test: $(STAMP)

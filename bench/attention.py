@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvnode.model.attention import cpu_kernel
+from pagekv.kvnode.model.attention import cpu_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def main() -> None:
     if not cpu_kernel.available():
         raise SystemExit("C++ paged attention could not be built; nothing to compare")
     try:
-        ref_mod = importlib.import_module("kvnode.model.attention.paged")
+        ref_mod = importlib.import_module("pagekv.kvnode.model.attention.paged")
         ref_fn = getattr(ref_mod, "paged_attention", None)
     except ImportError:
         ref_fn = None

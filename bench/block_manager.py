@@ -23,8 +23,8 @@ from collections import deque
 from bench.machine import machine_info
 from bench.stats import pct
 from bench.trace import TraceRequest, make_trace
-from kvnode.memory.kv_cache_manager import KVCacheManager
-from kvnode.memory.request import Request
+from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
+from pagekv.kvnode.memory.request import Request
 
 BS = 16
 # vLLM 0.33 KVCacheManager replaying a 5,000-request trace of this shape on this machine kind

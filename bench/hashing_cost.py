@@ -29,7 +29,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from proto.hashing import (  # noqa: E402
+from pagekv.proto.hashing import (  # noqa: E402
     DEFAULT_HASH_SEED,
     HASH_ALGOS,
     HashConfig,

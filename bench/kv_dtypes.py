@@ -32,9 +32,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
-from kvnode.model.attention.kv_cache import KVCacheSpec, resolve_kv_dtype  # noqa: E402
-from kvnode.model.presets import preset_config  # noqa: E402
-from kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
+from pagekv.kvnode.model.attention.kv_cache import KVCacheSpec, resolve_kv_dtype  # noqa: E402
+from pagekv.kvnode.model.presets import preset_config  # noqa: E402
+from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.machine import machine_info
 from bench.stats import pct
-from deploy.local_cluster import LocalCluster
-from kvnode.engine.llm import LLM
-from kvnode.engine.sampling_params import SamplingParams
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.deploy.local_cluster import LocalCluster
+from pagekv.kvnode.engine.llm import LLM
+from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
 MODEL = "pagekv-small"
 ENGINE = ["--num-gpu-blocks", "2048", "--max-model-len", "2048"]

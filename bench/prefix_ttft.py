@@ -31,8 +31,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
-from kvnode.model.attention import get_attention_backend  # noqa: E402
-from kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
+from pagekv.kvnode.model.attention import get_attention_backend  # noqa: E402
+from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -45,11 +45,11 @@ import redis  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
 from bench.stats import pct  # noqa: E402
-from deploy.local_cluster import Child, pagekv_cmd, spawn, stop_child, wait_healthy  # noqa: E402
-from kvnode.pod.redis_server import RedisProcess, free_port  # noqa: E402
-from proto.index import IndexSchema, list_live_pods  # noqa: E402
-from proto.pagekv.v1 import pagekv_pb2 as pb  # noqa: E402
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc  # noqa: E402
+from pagekv.deploy.local_cluster import Child, pagekv_cmd, spawn, stop_child, wait_healthy  # noqa: E402
+from pagekv.kvnode.pod.redis_server import RedisProcess, free_port  # noqa: E402
+from pagekv.proto.index import IndexSchema, list_live_pods  # noqa: E402
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb  # noqa: E402
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

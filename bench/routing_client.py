@@ -12,9 +12,9 @@ import grpc
 
 from bench.routing_workloads import BOS, Workload, group_requests, rand_tokens
 from bench.stats import pct
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from router.server import OVERHEAD_METADATA_KEY
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.router.server import OVERHEAD_METADATA_KEY
 
 # -- one request -----------------------------------------------------------------------------
 
@@ -99,10 +99,10 @@ async def decision_cost(redis_url: str, model: str, n: int, seed: int) -> dict:
     one Redis lookup + scoring for a prompt whose 1,024-token prefix one pod holds."""
     import redis.asyncio as aioredis
 
-    from router.config import RouterConfig
-    from router.metrics import RouterMetrics
-    from router.routing import Router
-    from router.tokenize import load_tokenizer
+    from pagekv.router.config import RouterConfig
+    from pagekv.router.metrics import RouterMetrics
+    from pagekv.router.routing import Router
+    from pagekv.router.tokenize import load_tokenizer
 
     client = aioredis.Redis.from_url(redis_url)
     router = Router(RouterConfig(redis_url=redis_url, model=model), client,

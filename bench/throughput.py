@@ -20,8 +20,8 @@ import time
 import torch
 
 from bench.machine import machine_info
-from kvnode.engine.llm import LLM
-from kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.llm import LLM
+from pagekv.kvnode.engine.sampling_params import SamplingParams
 
 MODEL = "pagekv-small"
 
@@ -87,7 +87,7 @@ def hf_model_from_preset(name: str):
     """A transformers LlamaForCausalLM holding exactly the preset's weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvnode.model.loader import load_model, weight_targets
+    from pagekv.kvnode.model.loader import load_model, weight_targets
 
     ours = load_model(name, torch.float32, torch.device("cpu"))
     c = ours.config

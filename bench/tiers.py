@@ -23,9 +23,9 @@ import torch
 
 from bench.machine import machine_info
 from bench.tiers_io import drop_page_cache
-from kvnode.engine.llm import LLM
-from kvnode.engine.sampling_params import SamplingParams
-from tiers import codec
+from pagekv.kvnode.engine.llm import LLM
+from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.tiers import codec
 
 MODEL = "pagekv-small"
 PREFIX_LEN, SUFFIX_LEN = 2048, 32

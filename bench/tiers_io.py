@@ -46,8 +46,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
-from tiers import codec  # noqa: E402
-from tiers.ssd import SsdTier  # noqa: E402
+from pagekv.tiers import codec  # noqa: E402
+from pagekv.tiers.ssd import SsdTier  # noqa: E402
 
 MiB = 1 << 20
 DTYPES: dict[str, torch.dtype] = {

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
 TIERS = ("gpu", "cpu", "disk")
 
@@ -77,7 +77,7 @@ def run_workload(address: str, groups: int, per_group: int, prefix_tokens: int,
         plan.append(("revisit", g, p + f" Follow-up for group {g}?"))
     from tqdm import tqdm
 
-    from kvnode.pod.cli import CliError
+    from pagekv.kvnode.pod.cli import CliError
 
     results = []
     with grpc.insecure_channel(address) as channel:
@@ -145,7 +145,7 @@ def report(results: list[Result]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from deploy.local_cluster import add_cluster_arguments
+    from pagekv.deploy.local_cluster import add_cluster_arguments
 
     add_cluster_arguments(p)
     p.set_defaults(model="pagekv-small", router_port=None)
@@ -160,7 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from deploy.local_cluster import LocalCluster
+    from pagekv.deploy.local_cluster import LocalCluster
 
     if args.router:
         results = run_workload(args.router, args.groups, args.per_group, args.prefix_tokens,

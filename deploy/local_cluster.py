@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvnode.pod.redis_server import RedisProcess, free_port
+from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def stop_child(child: Child, grace: float = 15.0) -> None:
 
 
 def pagekv_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvnode.pod.cli", *args]
+    return [sys.executable, "-m", "pagekv.kvnode.pod.cli", *args]
 
 
 @dataclass

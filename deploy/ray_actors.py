@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from proto.loop_thread import LoopThread
+from pagekv.proto.loop_thread import LoopThread
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,10 @@ class PodActor:
                  lease_ttl_s: float = 3.0, max_queue: int = 1024) -> None:
         _actor_logging()
         # Imported here: the driver (and the router actor) never load torch.
-        from kvnode.engine.config import EngineArgs
-        from kvnode.pod.redis_server import free_port
-        from kvnode.pod.server import PodServer
-        from proto.heap import freeze_startup_heap
+        from pagekv.kvnode.engine.config import EngineArgs
+        from pagekv.kvnode.pod.redis_server import free_port
+        from pagekv.kvnode.pod.server import PodServer
+        from pagekv.proto.heap import freeze_startup_heap
 
         self.pod_id = pod_id
         self.host = _bind_host(host)
@@ -114,10 +114,10 @@ class RouterActor:
                  port: int = 50050, metrics_port: int = 0,
                  advertise_host: str | None = None) -> None:
         _actor_logging()
-        from proto.heap import freeze_startup_heap
-        from router.config import RouterConfig
-        from router.scoring import CostModel
-        from router.server import RouterServer
+        from pagekv.proto.heap import freeze_startup_heap
+        from pagekv.router.config import RouterConfig
+        from pagekv.router.scoring import CostModel
+        from pagekv.router.server import RouterServer
 
         kwargs = dict(config_kwargs)
         if isinstance(kwargs.get("costs"), dict):

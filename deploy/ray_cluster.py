@@ -1,6 +1,6 @@
 """`pagekv ray-up`: deploy the pods and the router as Ray actors.
 
-    python -m deploy.ray_cluster --num-nodes 4 --redis-url redis://10.0.0.5:6380/0 \\
+    python -m pagekv.deploy.ray_cluster --num-nodes 4 --redis-url redis://10.0.0.5:6380/0 \\
         --model pagekv-small --address auto            # on a running Ray cluster
     pagekv ray-up --local --num-nodes 2 --redis-url redis://127.0.0.1:6380/0   # a local one
 
@@ -44,8 +44,8 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from deploy.ray_actors import START_TIMEOUT_S, PodActor, RouterActor, pod_name
-from deploy.ray_placement import plan_pod_cpus, wait_ready
+from pagekv.deploy.ray_actors import START_TIMEOUT_S, PodActor, RouterActor, pod_name
+from pagekv.deploy.ray_placement import plan_pod_cpus, wait_ready
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def deploy_cluster(
         raise RuntimeError("connect to Ray first: ray.init(address='auto') or ray.init()")
     if num_pods < 1:
         raise ValueError(f"num_pods must be >= 1, got {num_pods}")
-    from kvnode.engine.config import EngineArgs  # plain dataclass, no torch
+    from pagekv.kvnode.engine.config import EngineArgs  # plain dataclass, no torch
 
     ekw = {"model": model, **(engine_kwargs or {})}
     eargs = EngineArgs(**ekw)  # a misspelt option fails here, not in every actor
@@ -256,7 +256,7 @@ def write_prometheus_targets(handles: ClusterHandles, path: str) -> None:
 # -- the CLI ---------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvnode.pod.cli import add_engine_arguments
+    from pagekv.kvnode.pod.cli import add_engine_arguments
 
     p.add_argument("--num-nodes", "--num-pods", dest="num_pods", type=int, default=None,
                    metavar="N",
@@ -300,7 +300,7 @@ def _connect(args: argparse.Namespace, needed_cpus: float) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvnode.pod.cli import engine_args_from
+    from pagekv.kvnode.pod.cli import engine_args_from
 
     engine = asdict(engine_args_from(args))
     model = engine.pop("model")
@@ -366,7 +366,7 @@ def _watch(handles: ClusterHandles, sd_file: str | None, interval_s: float = 5.0
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.ray_cluster",
+    parser = argparse.ArgumentParser(prog="python -m pagekv.deploy.ray_cluster",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO")
     add_arguments(parser)
@@ -379,6 +379,6 @@ def cli_main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Re-import under the package name: Ray ships actor classes by module reference, and a
     # class defined in __main__ would not be importable on the workers.
-    from deploy.ray_cluster import cli_main as _cli_main
+    from pagekv.deploy.ray_cluster import cli_main as _cli_main
 
     sys.exit(_cli_main())

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from proto.hashing_cbor import cbor_block, cbor_dumps
+from pagekv.proto.hashing_cbor import cbor_block, cbor_dumps
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto.medium import Medium
+from pagekv.proto.medium import Medium
 
 
 @dataclass(slots=True, frozen=True)

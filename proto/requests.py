@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from proto.pagekv.v1.pagekv_pb2 import GenerateRequest
+    from pagekv.proto.pagekv.v1.pagekv_pb2 import GenerateRequest
 
 # Also the engine's word for a prompt without tokens (e.g. whitespace a tokenizer without
 # BOS drops), so the router cannot be told from a pod by it.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto.medium import Medium
+from pagekv.proto.medium import Medium
 
 # How the chain and the metrics name each place a block can be (`pool_to_dram`, ...).
 PLACE_NAMES = {Medium.GPU: "pool", Medium.CPU: "dram", Medium.DISK: "ssd"}

@@ -7,11 +7,11 @@ import asyncio
 import logging
 import signal
 
-from proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
-from proto.heap import freeze_startup_heap
-from router.config import DEFAULT_COSTS, POLICIES, RouterConfig
-from router.scoring import CostModel
-from router.server import RouterServer
+from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
+from pagekv.proto.heap import freeze_startup_heap
+from pagekv.router.config import DEFAULT_COSTS, POLICIES, RouterConfig
+from pagekv.router.scoring import CostModel
+from pagekv.router.server import RouterServer
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
-from router.scoring import CostModel
+from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
+from pagekv.router.scoring import CostModel
 
 POLICIES = ("prefix", "round_robin", "random")
 

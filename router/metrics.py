@@ -6,7 +6,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proto.serving import serve_metrics
+from pagekv.proto.serving import serve_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, config_mismatch
-from proto.pagekv.v1 import pagekv_pb2_grpc
-from router.metrics import RouterMetrics
+from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, config_mismatch
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc
+from pagekv.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto.hashing import HashConfig, RequestBlockHasher, lora_key
-from proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch
-from proto.pagekv.v1 import pagekv_pb2
-from proto.requests import parse_prompt
-from router.burst import BurstTracker
-from router.config import RouterConfig
-from router.metrics import RouterMetrics
-from router.pods import PodEntry, PodRegistry
-from router.scoring import (
+from pagekv.proto.hashing import HashConfig, RequestBlockHasher, lora_key
+from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch
+from pagekv.proto.pagekv.v1 import pagekv_pb2
+from pagekv.proto.requests import parse_prompt
+from pagekv.router.burst import BurstTracker
+from pagekv.router.config import RouterConfig
+from pagekv.router.metrics import RouterMetrics
+from pagekv.router.pods import PodEntry, PodRegistry
+from pagekv.router.scoring import (
     REASON_COOLDOWN,
     REASON_FALLBACK,
     REASON_RANDOM,
@@ -36,7 +36,7 @@ from router.scoring import (
     score_candidate,
     settle_prefill_costs,
 )
-from router.tokenize import PromptTokenizer
+from pagekv.router.tokenize import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proto.hashing import max_hit_blocks
-from proto.medium import MEDIUMS, Medium
+from pagekv.proto.hashing import max_hit_blocks
+from pagekv.proto.medium import MEDIUMS, Medium
 
 # Reasons reported in RoutingInfo.reason and as a metric label (a small fixed set).
 REASON_PREFIX = "prefix_hit"          # the chosen pod holds a prefix and is cheapest

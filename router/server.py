@@ -23,16 +23,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from proto.index import REDIS_ERRORS, connect_async
-from proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
-from proto.requests import BadRequest, already_in_flight, refuse_unsupported
-from proto.serving import HealthServicer
-from router.config import RouterConfig
-from router.metrics import RouterMetrics
-from router.pods import PodEntry
-from router.routing import Decision, Prepared, Router
-from router.scoring import REASON_RETRY, Score
-from router.tokenize import load_tokenizer
+from pagekv.proto.index import REDIS_ERRORS, connect_async
+from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
+from pagekv.proto.requests import BadRequest, already_in_flight, refuse_unsupported
+from pagekv.proto.serving import HealthServicer
+from pagekv.router.config import RouterConfig
+from pagekv.router.metrics import RouterMetrics
+from pagekv.router.pods import PodEntry
+from pagekv.router.routing import Decision, Prepared, Router
+from pagekv.router.scoring import REASON_RETRY, Score
+from pagekv.router.tokenize import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from kvnode.memory.block_pool import BlockPool, KVCacheBlock
-from kvnode.memory.kv_cache_manager import KVCacheManager
-from kvnode.memory.request import Request
+from pagekv.kvnode.memory.block_pool import BlockPool, KVCacheBlock
+from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
+from pagekv.kvnode.memory.request import Request
 
 
 def check_pool(pool: BlockPool, holders: Iterable[Iterable[KVCacheBlock]]) -> None:

@@ -9,10 +9,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Tier": "tiers.base",
-    "DramTier": "tiers.dram",
-    "SsdTier": "tiers.ssd",
-    "TierChain": "tiers.chain",
+    "Tier": "pagekv.tiers.base",
+    "DramTier": "pagekv.tiers.dram",
+    "SsdTier": "pagekv.tiers.ssd",
+    "TierChain": "pagekv.tiers.chain",
 }
 __all__ = sorted(_EXPORTS)
 

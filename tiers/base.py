@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from proto.medium import Medium
+from pagekv.proto.medium import Medium
 
 # What `put` accepts: a uint8 tensor (any device) or any bytes-like object.
 BlockData = torch.Tensor | bytes | bytearray | memoryview

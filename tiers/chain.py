@@ -26,12 +26,12 @@ from collections.abc import Sequence
 
 import torch
 
-from proto.kv_events import KVEvent
-from proto.medium import Medium
-from proto.tier_stats import MOVES, ChainStats, TierMove, TierStats, move_name
-from tiers.base import BlockData, Tier, as_uint8_tensor
-from tiers.chain_persist import PoolBatches, persist_locked
-from tiers.chain_tree import BlockTree, Node
+from pagekv.proto.kv_events import KVEvent
+from pagekv.proto.medium import Medium
+from pagekv.proto.tier_stats import MOVES, ChainStats, TierMove, TierStats, move_name
+from pagekv.tiers.base import BlockData, Tier, as_uint8_tensor
+from pagekv.tiers.chain_persist import PoolBatches, persist_locked
+from pagekv.tiers.chain_tree import BlockTree, Node
 
 _COUNTERS = (
     "demotions", "lookups", "dram_queries", "dram_hits", "ssd_queries", "ssd_hits",

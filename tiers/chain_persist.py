@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from proto.medium import Medium
-from tiers.base import BlockData, Tier
-from tiers.chain_tree import BlockTree
+from pagekv.proto.medium import Medium
+from pagekv.tiers.base import BlockData, Tier
+from pagekv.tiers.chain_tree import BlockTree
 
 # What a pool batch yields: (block hash, parent hash, row of block_bytes), LRU first.
 PoolBatches = Iterable[Sequence[tuple[bytes, bytes | None, torch.Tensor]]]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from proto.medium import OFFLOAD_MEDIUMS, Medium
+from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagekv.proto.medium import OFFLOAD_MEDIUMS, Medium
 
 
 @dataclass(slots=True)

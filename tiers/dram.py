@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from proto.medium import Medium
-from tiers.base import BlockData, Tier, as_uint8_tensor, clone_block, copy_block
+from pagekv.proto.medium import Medium
+from pagekv.tiers.base import BlockData, Tier, as_uint8_tensor, clone_block, copy_block
 
 logger = logging.getLogger(__name__)
 

@@ -34,13 +34,19 @@ from typing import Any
 import aiofiles.os
 import torch
 
-from proto.loop_thread import LoopThread
-from proto.medium import Medium
-from tiers.base import BlockData, RecoveredEntry, Tier, as_uint8_tensor
-from tiers.codec import CODEC_RAW, DEFAULT_MIN_RATIO, canonical_dtype, dtype_code, elem_size_of
-from tiers.ssd_batch import Batch, BatchEncoder
-from tiers.ssd_files import SegmentFiles, segment_header
-from tiers.ssd_format import (
+from pagekv.proto.loop_thread import LoopThread
+from pagekv.proto.medium import Medium
+from pagekv.tiers.base import BlockData, RecoveredEntry, Tier, as_uint8_tensor
+from pagekv.tiers.codec import (
+    CODEC_RAW,
+    DEFAULT_MIN_RATIO,
+    canonical_dtype,
+    dtype_code,
+    elem_size_of,
+)
+from pagekv.tiers.ssd_batch import Batch, BatchEncoder
+from pagekv.tiers.ssd_files import SegmentFiles, segment_header
+from pagekv.tiers.ssd_format import (
     MAX_ENTRY_HEADER_LEN,
     MAX_LAYOUT_LEN,
     align_up,
@@ -49,11 +55,11 @@ from tiers.ssd_format import (
     entry_header_size,
     layout_id_of,
 )
-from tiers.ssd_index import Segment, SsdIndex
-from tiers.ssd_reader import SsdReader
-from tiers.ssd_recovery import recover
-from tiers.ssd_ring import PendingRing
-from tiers.ssd_writer import SsdWriter
+from pagekv.tiers.ssd_index import Segment, SsdIndex
+from pagekv.tiers.ssd_reader import SsdReader
+from pagekv.tiers.ssd_recovery import recover
+from pagekv.tiers.ssd_ring import PendingRing
+from pagekv.tiers.ssd_writer import SsdWriter
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from tiers.codec import CODEC_RAW, encode
-from tiers.ssd_format import align_up, pack_entry_header
-from tiers.ssd_ring import Chunk, Pending
+from pagekv.tiers.codec import CODEC_RAW, encode
+from pagekv.tiers.ssd_format import align_up, pack_entry_header
+from pagekv.tiers.ssd_ring import Chunk, Pending
 
 
 @dataclass(slots=True)

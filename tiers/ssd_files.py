@@ -39,9 +39,9 @@ from typing import Any
 import aiofiles
 import aiofiles.os
 
-from proto.loop_thread import LoopThread
-from tiers.ssd_format import align_up, pack_segment_header
-from tiers.ssd_index import Segment, SsdIndex
+from pagekv.proto.loop_thread import LoopThread
+from pagekv.tiers.ssd_format import align_up, pack_segment_header
+from pagekv.tiers.ssd_index import Segment, SsdIndex
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tiers.codec import CODEC_RAW, decode_array
+from pagekv.tiers.codec import CODEC_RAW, decode_array
 
 SEG_MAGIC = b"PKVS"
 ENTRY_MAGIC = b"PKVB"

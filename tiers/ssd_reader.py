@@ -27,11 +27,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from proto.loop_thread import LoopThread
-from tiers.ssd_files import ReadHandle, SegmentFiles
-from tiers.ssd_format import align_up, decode_entry
-from tiers.ssd_index import Loc, SsdIndex
-from tiers.ssd_ring import PendingRing
+from pagekv.proto.loop_thread import LoopThread
+from pagekv.tiers.ssd_files import ReadHandle, SegmentFiles
+from pagekv.tiers.ssd_format import align_up, decode_entry
+from pagekv.tiers.ssd_index import Loc, SsdIndex
+from pagekv.tiers.ssd_ring import PendingRing
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Any
 import aiofiles
 import aiofiles.os
 
-from tiers.base import RecoveredEntry
-from tiers.ssd_files import SegmentFiles
-from tiers.ssd_format import (
+from pagekv.tiers.base import RecoveredEntry
+from pagekv.tiers.ssd_files import SegmentFiles
+from pagekv.tiers.ssd_format import (
     ENTRY_MAGIC,
     MAX_ENTRY_HEADER_LEN,
     MAX_LAYOUT_LEN,
@@ -36,7 +36,7 @@ from tiers.ssd_format import (
     parse_entry_header,
     parse_segment_header,
 )
-from tiers.ssd_index import Segment, SsdIndex
+from pagekv.tiers.ssd_index import Segment, SsdIndex
 
 logger = logging.getLogger(__name__)
 

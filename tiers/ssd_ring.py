@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiers.ssd_format import align_up
+from pagekv.tiers.ssd_format import align_up
 
 
 @dataclass(slots=True, eq=False)

@@ -17,11 +17,11 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-from proto.loop_thread import LoopThread
-from tiers.ssd_batch import Batch, BatchEncoder
-from tiers.ssd_files import SegmentFiles
-from tiers.ssd_index import SsdIndex
-from tiers.ssd_ring import Chunk, Pending, PendingRing
+from pagekv.proto.loop_thread import LoopThread
+from pagekv.tiers.ssd_batch import Batch, BatchEncoder
+from pagekv.tiers.ssd_files import SegmentFiles
+from pagekv.tiers.ssd_index import SsdIndex
+from pagekv.tiers.ssd_ring import Chunk, Pending, PendingRing
 
 logger = logging.getLogger(__name__)
 

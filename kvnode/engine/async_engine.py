@@ -16,10 +16,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from kvnode.engine.engine import DuplicateRequestId, Engine
-from kvnode.engine.outputs import RequestOutput
-from kvnode.engine.sampling_params import SamplingParams
-from proto.requests import already_in_flight
+from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine
+from pagekv.kvnode.engine.outputs import RequestOutput
+from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.proto.requests import already_in_flight
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from kvnode.memory.kv_cache_manager import VALID_BLOCK_SIZES
-from proto.hashing import HASH_ALGOS
+from pagekv.kvnode.memory.kv_cache_manager import VALID_BLOCK_SIZES
+from pagekv.proto.hashing import HASH_ALGOS
 
 
 @dataclass(slots=True)

@@ -17,19 +17,19 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from kvnode.engine.config import EngineArgs
-from kvnode.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvnode.engine.sampler import make_generator, sample
-from kvnode.engine.sampling_params import SamplingParams
-from kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
-from kvnode.engine.tier_connector import TierConnector, TierEvictor, build_tier_chain
-from kvnode.memory.kv_cache_manager import KVCacheManager
-from kvnode.memory.metrics import KVCacheMetrics
-from kvnode.memory.request import Request
-from kvnode.model.runner import ModelRunner, SeqBatchItem
-from proto.medium import Medium
-from proto.requests import EMPTY_PROMPT
-from proto.tier_stats import ChainStats, TierStats
+from pagekv.kvnode.engine.config import EngineArgs
+from pagekv.kvnode.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagekv.kvnode.engine.sampler import make_generator, sample
+from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
+from pagekv.kvnode.engine.tier_connector import TierConnector, TierEvictor, build_tier_chain
+from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
+from pagekv.kvnode.memory.metrics import KVCacheMetrics
+from pagekv.kvnode.memory.request import Request
+from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem
+from pagekv.proto.medium import Medium
+from pagekv.proto.requests import EMPTY_PROMPT
+from pagekv.proto.tier_stats import ChainStats, TierStats
 
 logger = logging.getLogger(__name__)
 

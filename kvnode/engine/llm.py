@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvnode.engine.config import EngineArgs
-from kvnode.engine.engine import Engine
-from kvnode.engine.outputs import CompletionOutput, RequestOutput
-from kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.config import EngineArgs
+from pagekv.kvnode.engine.engine import Engine
+from pagekv.kvnode.engine.outputs import CompletionOutput, RequestOutput
+from pagekv.kvnode.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proto.medium import MEDIUMS
+from pagekv.proto.medium import MEDIUMS
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.sampling_params import SamplingParams
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

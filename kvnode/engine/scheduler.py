@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvnode.engine.outputs import RequestMetrics
-from kvnode.engine.sampling_params import SamplingParams
-from kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
-from kvnode.memory.request import Request
-from proto.medium import MEDIUMS, Medium
+from pagekv.kvnode.engine.outputs import RequestMetrics
+from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
+from pagekv.kvnode.memory.request import Request
+from pagekv.proto.medium import MEDIUMS, Medium
 
 logger = logging.getLogger(__name__)
 

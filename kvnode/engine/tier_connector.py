@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvnode.memory.block_pool import KVCacheBlock
-from kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
-from kvnode.memory.request import Request
-from proto.kv_events import KVEvent
-from proto.medium import OFFLOAD_MEDIUMS, Medium
-from proto.tier_stats import ChainStats
-from tiers.chain import TierChain
-from tiers.dram import DramTier
-from tiers.ssd import SsdTier
+from pagekv.kvnode.memory.block_pool import KVCacheBlock
+from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
+from pagekv.kvnode.memory.request import Request
+from pagekv.proto.kv_events import KVEvent
+from pagekv.proto.medium import OFFLOAD_MEDIUMS, Medium
+from pagekv.proto.tier_stats import ChainStats
+from pagekv.tiers.chain import TierChain
+from pagekv.tiers.dram import DramTier
+from pagekv.tiers.ssd import SsdTier
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvnode.memory.metrics import KVCacheMetrics
-from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from proto.medium import Medium
+from pagekv.kvnode.memory.metrics import KVCacheMetrics
+from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagekv.proto.medium import Medium
 
 
 @dataclass(slots=True, eq=False)

@@ -16,18 +16,18 @@ import logging
 from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass
 
-from kvnode.memory.block_pool import BlockPool, EvictHook, EvictManyHook, KVCacheBlock
-from kvnode.memory.metrics import KVCacheMetrics
-from kvnode.memory.request import Request
-from proto.hashing import (
+from pagekv.kvnode.memory.block_pool import BlockPool, EvictHook, EvictManyHook, KVCacheBlock
+from pagekv.kvnode.memory.metrics import KVCacheMetrics
+from pagekv.kvnode.memory.request import Request
+from pagekv.proto.hashing import (
     DEFAULT_HASH_SEED,
     HashConfig,
     RequestBlockHasher,
     lora_key,
     max_hit_blocks,
 )
-from proto.kv_events import KVEvent
-from proto.medium import Medium
+from pagekv.proto.kv_events import KVEvent
+from pagekv.proto.medium import Medium
 
 logger = logging.getLogger(__name__)
 

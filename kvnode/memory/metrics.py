@@ -18,7 +18,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from proto.medium import MEDIUMS, Medium
+from pagekv.proto.medium import MEDIUMS, Medium
 
 # Seconds; spans a hot decode loop (ms) to a long idle conversation (minutes).
 LIFECYCLE_BUCKETS: tuple[float, ...] = (

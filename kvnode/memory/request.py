@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from proto.hashing import RequestBlockHasher
+    from pagekv.proto.hashing import RequestBlockHasher
 
 MMInput = tuple[str, int, int]  # (identifier, first token position, length in tokens)
 

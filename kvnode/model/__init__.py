@@ -1,17 +1,17 @@
 """The Llama-family model (Llama, Mistral, Qwen2), its loader, presets and tokenizers."""
 
-from kvnode.model.config import (
+from pagekv.kvnode.model.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     ModelLoadError,
     RopeConfig,
     config_from_hf_dict,
 )
-from kvnode.model.layers import AttentionMetadata
-from kvnode.model.llama import LlamaForCausalLM
-from kvnode.model.loader import LoadedModel, load_model
-from kvnode.model.presets import PRESETS
-from kvnode.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from pagekv.kvnode.model.layers import AttentionMetadata
+from pagekv.kvnode.model.llama import LlamaForCausalLM
+from pagekv.kvnode.model.loader import LoadedModel, load_model
+from pagekv.kvnode.model.presets import PRESETS
+from pagekv.kvnode.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
     "PRESETS",

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvnode.model.attention import AttentionBackend
-from kvnode.model.attention.kv_cache import KVCache
-from kvnode.model.config import ModelConfig, RopeConfig
+from pagekv.kvnode.model.attention import AttentionBackend
+from pagekv.kvnode.model.attention.kv_cache import KVCache
+from pagekv.kvnode.model.config import ModelConfig, RopeConfig
 
 
 @dataclass(slots=True)

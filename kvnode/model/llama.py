@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvnode.model.attention import AttentionBackend
-from kvnode.model.attention.kv_cache import KVCache
-from kvnode.model.config import ModelConfig
-from kvnode.model.layers import AttentionMetadata, DecoderLayer, RMSNorm, RotaryEmbedding
+from pagekv.kvnode.model.attention import AttentionBackend
+from pagekv.kvnode.model.attention.kv_cache import KVCache
+from pagekv.kvnode.model.config import ModelConfig
+from pagekv.kvnode.model.layers import AttentionMetadata, DecoderLayer, RMSNorm, RotaryEmbedding
 
 
 class LlamaForCausalLM(nn.Module):

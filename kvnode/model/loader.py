@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from kvnode.model.config import ModelConfig, ModelLoadError, config_from_hf_dict
-from kvnode.model.llama import LlamaForCausalLM
-from kvnode.model.presets import PRESETS, init_dummy_weights, preset_config
-from kvnode.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from pagekv.kvnode.model.config import ModelConfig, ModelLoadError, config_from_hf_dict
+from pagekv.kvnode.model.llama import LlamaForCausalLM
+from pagekv.kvnode.model.presets import PRESETS, init_dummy_weights, preset_config
+from pagekv.kvnode.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import math
 import torch
 from torch import nn
 
-from kvnode.model.config import ModelConfig, RopeConfig
-from kvnode.model.tokenizer import ByteTokenizer
+from pagekv.kvnode.model.config import ModelConfig, RopeConfig
+from pagekv.kvnode.model.tokenizer import ByteTokenizer
 
 _BYTE_VOCAB = 258  # 256 bytes + BOS + EOS
 

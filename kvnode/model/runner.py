@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnode.model.attention import ENV_VAR as ATTENTION_ENV_VAR
-from kvnode.model.attention import REFERENCE_BACKEND, AttentionBackend, get_attention_backend
-from kvnode.model.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_dtype
-from kvnode.model.config import ModelConfig
-from kvnode.model.layers import AttentionMetadata
-from kvnode.model.loader import load_model
-from kvnode.model.memory_planning import GiB, MemoryPlan, plan_kv_cache
-from kvnode.model.tokenizer import Tokenizer
+from pagekv.kvnode.model.attention import ENV_VAR as ATTENTION_ENV_VAR
+from pagekv.kvnode.model.attention import REFERENCE_BACKEND, AttentionBackend, get_attention_backend
+from pagekv.kvnode.model.attention.kv_cache import KVCache, KVCacheSpec, resolve_kv_dtype
+from pagekv.kvnode.model.config import ModelConfig
+from pagekv.kvnode.model.layers import AttentionMetadata
+from pagekv.kvnode.model.loader import load_model
+from pagekv.kvnode.model.memory_planning import GiB, MemoryPlan, plan_kv_cache
+from pagekv.kvnode.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

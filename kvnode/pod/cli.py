@@ -17,17 +17,17 @@ from dataclasses import fields
 from importlib import metadata
 from pathlib import Path
 
-from kvnode.engine.config import BYTE_SIZES, CHOICES, HELP, EngineArgs
+from pagekv.kvnode.engine.config import BYTE_SIZES, CHOICES, HELP, EngineArgs
 
 # subcommand -> (module, help)
 SUBCOMMANDS = {
-    "node": ("kvnode.pod.server", "run one pod: the engine behind a gRPC Generate service"),
-    "router": ("router.cli", "run the prefix-aware gRPC router over the Redis index"),
-    "up": ("deploy.local_cluster", "start a local cluster: Redis, N pods and the router"),
-    "generate": ("kvnode.pod.client", "send one Generate call to a router or a pod"),
-    "bench-cluster": ("deploy.bench_cluster", "drive a shared-prefix workload through a cluster"),
-    "ray-up": ("deploy.ray_cluster", "deploy pods and the router as Ray actors"),
-    "build-kernels": ("kvnode.model.attention.cpu_kernel",
+    "node": ("pagekv.kvnode.pod.server", "run one pod: the engine behind a gRPC Generate service"),
+    "router": ("pagekv.router.cli", "run the prefix-aware gRPC router over the Redis index"),
+    "up": ("pagekv.deploy.local_cluster", "start a local cluster: Redis, N pods and the router"),
+    "generate": ("pagekv.kvnode.pod.client", "send one Generate call to a router or a pod"),
+    "bench-cluster": ("pagekv.deploy.bench_cluster", "drive a shared-prefix workload through a cluster"),
+    "ray-up": ("pagekv.deploy.ray_cluster", "deploy pods and the router as Ray actors"),
+    "build-kernels": ("pagekv.kvnode.model.attention.cpu_kernel",
                       "compile the C++ CPU kernel now, so no pod compiles at start"),
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -154,6 +154,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
                                      parents=[common])
     parser.add_argument("--version", action="version", version=f"pagekv {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.set_defaults(_missing={})
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, parents=[common],
                            formatter_class=_DefaultsHelp)
@@ -162,7 +163,10 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(module)
         except ImportError as e:  # a part not installed here must not break the others
-            p.set_defaults(_missing=f"{name}: {e}")
+            # e.g. a light router host without torch: say what to install, in one line
+            extra = " 'pagekv[ray]'" if name == "ray-up" else " pagekv (with its dependencies)"
+            parser.get_default("_missing")[name] = (
+                f"{name}: needs {e.name or e} installed: pip install{extra}")
             continue
         mod.add_arguments(p)
         p.set_defaults(_main=mod.main)
@@ -187,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     selected = next((a for a in argv if a in SUBCOMMANDS), None)
     parser = build_parser(selected)
+    missing = parser.get_default("_missing").get(selected)
+    if missing is not None:
+        parser.exit(2, f"pagekv {missing}\n")
     try:
         args = parser.parse_args(_with_config(argv, parser, selected))
     except CliError as e:
@@ -195,14 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, getattr(args, "log_level", "INFO")),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if getattr(args, "_missing", None):
-        print(f"pagekv {args._missing}", file=sys.stderr)
-        return 2
     try:
         return int(args._main(args) or 0)
-    except (CliError, ValueError) as e:
-        # A value argparse could not judge (a model path, a length past the model's limit):
-        # one line naming it, as for a bad flag (the traceback only at --log-level DEBUG).
+    except (CliError, ValueError, OSError) as e:
+        # A value argparse could not judge (a model path, a length past the model's limit) or
+        # a missing piece (no redis-server for `pagekv up`): one line naming it, as for a bad
+        # flag (the traceback only at --log-level DEBUG).
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             raise
         parser.exit(2, f"pagekv {args.command}: error: {e}\n")

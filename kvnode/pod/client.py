@@ -5,29 +5,67 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator, Sequence
 
 import grpc
 
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+
+
+def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, seed: int | None = None, n: int = 1,
+                 stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                 cache_salt: str | None = None, request_id: str | None = None
+                 ) -> pb.GenerateRequest:
+    """A GenerateRequest; None leaves a field unset, so the server's default applies."""
+    sp = pb.SamplingParams(n=n, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids))
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                        ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sp, name, value)
+    req = pb.GenerateRequest(sampling=sp, cache_salt=cache_salt or "",
+                             request_id=request_id or "")
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    return req
+
+
+class Client:
+    """A pod or the router over gRPC (they serve the same API): `generate` returns the whole
+    GenerateResponse, `stream` yields GenerateChunks. Keywords as in `make_request`."""
+
+    def __init__(self, address: str = "127.0.0.1:50050", timeout: float = 120.0) -> None:
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> pb.GenerateResponse:
+        return self._stub.Generate(make_request(prompt, **kwargs), timeout=self.timeout)
+
+    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[pb.GenerateChunk]:
+        yield from self._stub.GenerateStream(make_request(prompt, **kwargs),
+                                             timeout=self.timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    sp = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, n=args.n,
-                           ignore_eos=args.ignore_eos, stop_token_ids=args.stop_token_ids)
-    if args.seed is not None:
-        sp.seed = args.seed
-    if args.top_p is not None:
-        sp.top_p = args.top_p
-    if args.top_k is not None:
-        sp.top_k = args.top_k
-    req = pb.GenerateRequest(sampling=sp, cache_salt=args.cache_salt or "",
-                             request_id=args.request_id or "")
-    if args.token_ids:
-        req.token_ids.ids.extend(int(t) for t in args.prompt.split(","))
-    else:
-        req.text = args.prompt
-    return req
+    prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
+    return make_request(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
+                        stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+                        cache_salt=args.cache_salt, request_id=args.request_id)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -3,10 +3,10 @@ completions and usage out, the same for Generate and GenerateStream."""
 
 from __future__ import annotations
 
-from kvnode.engine.sampling_params import SamplingParams
-from proto.medium import Medium
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.requests import BadRequest
+from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.proto.medium import Medium
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.requests import BadRequest
 
 FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,

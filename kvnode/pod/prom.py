@@ -18,8 +18,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvnode.memory.metrics import Histogram as PlainHistogram
-from proto.tier_stats import ChainStats
+from pagekv.kvnode.memory.metrics import Histogram as PlainHistogram
+from pagekv.proto.tier_stats import ChainStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Monotonic index-publisher statistics (exported as counters; the rest are gauges).

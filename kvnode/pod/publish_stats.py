@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvnode.memory.metrics import Histogram
+from pagekv.kvnode.memory.metrics import Histogram
 
 # Seconds from a batch's first event to its visibility in Redis (normally a few ms).
 LAG_BUCKETS: tuple[float, ...] = (

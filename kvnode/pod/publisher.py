@@ -21,14 +21,14 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvnode.memory.metrics import Histogram
-from kvnode.pod.publish_stats import PublishCounters
-from proto.index import writes
-from proto.index.connect import REDIS_ERRORS, connect
-from proto.index.handshake import config_mismatch
-from proto.index.mirror import ClaimMirror
-from proto.index.schema import IndexSchema, claim_values, new_epoch
-from proto.kv_events import KVEvent
+from pagekv.kvnode.memory.metrics import Histogram
+from pagekv.kvnode.pod.publish_stats import PublishCounters
+from pagekv.proto.index import writes
+from pagekv.proto.index.connect import REDIS_ERRORS, connect
+from pagekv.proto.index.handshake import config_mismatch
+from pagekv.proto.index.mirror import ClaimMirror
+from pagekv.proto.index.schema import IndexSchema, claim_values, new_epoch
+from pagekv.proto.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
 

@@ -23,18 +23,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from kvnode.engine.async_engine import AsyncEngine, QueueFull
-from kvnode.engine.config import EngineArgs
-from kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
-from kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
-from kvnode.pod.prom import EngineCollector, RequestMetricsExporter
-from kvnode.pod.publisher import IndexPublisher
-from proto.heap import freeze_startup_heap
-from proto.index import IndexSchema
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from proto.requests import BadRequest, already_in_flight, parse_prompt, refuse_unsupported
-from proto.serving import HealthServicer, serve_metrics
+from pagekv.kvnode.engine.async_engine import AsyncEngine, QueueFull
+from pagekv.kvnode.engine.config import EngineArgs
+from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
+from pagekv.kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
+from pagekv.kvnode.pod.prom import EngineCollector, RequestMetricsExporter
+from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.proto.heap import freeze_startup_heap
+from pagekv.proto.index import IndexSchema
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.requests import BadRequest, already_in_flight, parse_prompt, refuse_unsupported
+from pagekv.proto.serving import HealthServicer, serve_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class PodServer:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvnode.pod.cli import add_engine_arguments
+    from pagekv.kvnode.pod.cli import add_engine_arguments
 
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50051)
@@ -298,7 +298,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvnode.pod.cli import engine_args_from
+    from pagekv.kvnode.pod.cli import engine_args_from
 
     # A stable default id: a restarted pod replaces its own registration (new epoch)
     # instead of leaving a dead pod id in the index.

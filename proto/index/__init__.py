@@ -13,13 +13,19 @@ reasoning behind it. One module per concern:
 - `connect`: connections with the retry settings both sides use, and `REDIS_ERRORS`
 """
 
-from proto.index.client import IndexClient
-from proto.index.connect import REDIS_ERRORS, connect, connect_async
-from proto.index.handshake import config_mismatch
-from proto.index.queries import PodInfo, PodMatch, list_live_pods, list_namespaces, lookup_prefix
-from proto.index.schema import HASH_CONFIG_FIELDS, IndexSchema, claim_value, new_epoch
-from proto.index.scripts import register_scripts
-from proto.index.writes import clear_pod_claims
+from pagekv.proto.index.client import IndexClient
+from pagekv.proto.index.connect import REDIS_ERRORS, connect, connect_async
+from pagekv.proto.index.handshake import config_mismatch
+from pagekv.proto.index.queries import (
+    PodInfo,
+    PodMatch,
+    list_live_pods,
+    list_namespaces,
+    lookup_prefix,
+)
+from pagekv.proto.index.schema import HASH_CONFIG_FIELDS, IndexSchema, claim_value, new_epoch
+from pagekv.proto.index.scripts import register_scripts
+from pagekv.proto.index.writes import clear_pod_claims
 
 __all__ = [
     "HASH_CONFIG_FIELDS",

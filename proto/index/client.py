@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from proto.index import queries, scripts
-from proto.index.queries import PodInfo, PodMatch
-from proto.index.schema import IndexSchema, text
+from pagekv.proto.index import queries, scripts
+from pagekv.proto.index.queries import PodInfo, PodMatch
+from pagekv.proto.index.schema import IndexSchema, text
 
 
 class IndexClient:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from proto.index.queries import PodInfo
-from proto.index.schema import HASH_CONFIG_FIELDS, IndexSchema, text
+from pagekv.proto.index.queries import PodInfo
+from pagekv.proto.index.schema import HASH_CONFIG_FIELDS, IndexSchema, text
 
 
 def _as_config(obj: Mapping[str, Any] | IndexSchema | PodInfo) -> dict[str, str]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from proto.medium import ALL_BITS, MEDIUMS
+from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagekv.proto.medium import ALL_BITS, MEDIUMS
 
 _BIT = {m.value: m.bit for m in MEDIUMS}  # by wire name, a str or a Medium
 

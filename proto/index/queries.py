@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from proto.index import scripts
-from proto.index.schema import IndexSchema, namespace_config_key, namespaces_key, text
-from proto.medium import MEDIUMS, Medium
+from pagekv.proto.index import scripts
+from pagekv.proto.index.schema import IndexSchema, namespace_config_key, namespaces_key, text
+from pagekv.proto.medium import MEDIUMS, Medium
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto.medium import ALL_BITS, mask_codes
+from pagekv.proto.medium import ALL_BITS, mask_codes
 
 # The fields that change a block hash, in the order config_mismatch reports them.
 HASH_CONFIG_FIELDS: tuple[str, ...] = ("model", "block_size", "hash_algo", "hash_seed")

@@ -12,9 +12,9 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from proto.index import scripts
-from proto.index.mirror import Change
-from proto.index.schema import IndexSchema, text
+from pagekv.proto.index import scripts
+from pagekv.proto.index.mirror import Change
+from pagekv.proto.index.schema import IndexSchema, text
 
 PIPELINE_CHUNK = 4096  # commands per pipeline round trip when writing many claims
 

@@ -15,13 +15,13 @@ import grpc
 import pytest
 import redis
 
-from deploy.local_cluster import LocalCluster
-from kvnode.pod.publisher import IndexPublisher
-from kvnode.pod.redis_server import RedisProcess, find_redis_server
-from proto.index import IndexSchema
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from router.config import RouterConfig
+from pagekv.deploy.local_cluster import LocalCluster
+from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.kvnode.pod.redis_server import RedisProcess, find_redis_server
+from pagekv.proto.index import IndexSchema
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.router.config import RouterConfig
 from tests.integration.contract_fixtures import POD_ARGS as CONTRACT_POD_ARGS
 from tests.integration.contract_fixtures import Target
 from tests.integration.index_fixtures import SCHEMA, PodState

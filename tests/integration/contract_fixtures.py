@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
 MAX_MODEL_LEN = 4096  # room for a generation that outlives a client's deadline
 MAX_N = 4

@@ -8,9 +8,9 @@ from __future__ import annotations
 import hashlib
 import threading
 
-from kvnode.pod.publisher import IndexPublisher
-from proto.index import IndexSchema
-from proto.kv_events import BlockRemoved, BlockStored, KVEvent
+from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.proto.index import IndexSchema
+from pagekv.proto.kv_events import BlockRemoved, BlockStored, KVEvent
 
 SCHEMA = IndexSchema("tiny-llama", 16, "sha256", "seed-1")
 

@@ -15,15 +15,15 @@ from typing import Any
 
 import grpc
 
-from kvnode.pod.publisher import IndexPublisher
-from proto.hashing import HashConfig, hash_prompt
-from proto.index import IndexSchema
-from proto.kv_events import BlockStored
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from router.config import RouterConfig
-from router.scoring import CostModel
-from router.server import RouterServer
+from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.proto.hashing import HashConfig, hash_prompt
+from pagekv.proto.index import IndexSchema
+from pagekv.proto.kv_events import BlockStored
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.router.config import RouterConfig
+from pagekv.router.scoring import CostModel
+from pagekv.router.server import RouterServer
 
 BS = 16
 SEED = "vllm-none-hash"

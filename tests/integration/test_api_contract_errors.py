@@ -14,8 +14,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from tests.integration.contract_fixtures import (
     BOS,
     MAX_MODEL_LEN,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from proto.index import (
+from pagekv.proto.index import (
     IndexClient,
     IndexSchema,
     PodMatch,
@@ -20,8 +20,8 @@ from proto.index import (
     list_live_pods,
     lookup_prefix,
 )
-from proto.kv_events import BlockRemoved, BlockStored
-from proto.medium import Medium
+from pagekv.proto.kv_events import BlockRemoved, BlockStored
+from pagekv.proto.medium import Medium
 from tests.integration.index_fixtures import SCHEMA, chain
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kvnode.pod.publisher import IndexPublisher
-from proto.index import (
+from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.proto.index import (
     IndexSchema,
     PodMatch,
     config_mismatch,
@@ -19,7 +19,7 @@ from proto.index import (
     lookup_prefix,
     register_scripts,
 )
-from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.integration.index_fixtures import SCHEMA, chain
 
 pytestmark = pytest.mark.integration

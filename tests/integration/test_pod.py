@@ -12,14 +12,14 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.local_cluster import LocalCluster
-from kvnode.engine.llm import LLM
-from kvnode.engine.sampling_params import SamplingParams
-from kvnode.pod.redis_server import RedisProcess
-from proto.hashing import HashConfig, hash_prompt
-from proto.index import IndexSchema, list_live_pods, lookup_prefix
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.deploy.local_cluster import LocalCluster
+from pagekv.kvnode.engine.llm import LLM
+from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.pod.redis_server import RedisProcess
+from pagekv.proto.hashing import HashConfig, hash_prompt
+from pagekv.proto.index import IndexSchema, list_live_pods, lookup_prefix
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 

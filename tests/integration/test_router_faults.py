@@ -14,7 +14,7 @@ import grpc
 import pytest
 import redis
 
-from proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from tests.integration.router_fixtures import SCHEMA, tokens_req
 
 pytestmark = pytest.mark.integration
@@ -106,7 +106,7 @@ def test_redis_down_routes_by_load_then_recovers(redis_server, fake_pods, make_r
     router.wait_pods(3)
     prompt = list(range(1, 100))
     router.stub.Generate(tokens_req(prompt))
-    with caplog.at_level(logging.WARNING, logger="router.pods"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.router.pods"):
         redis_server.stop()
         served = set()
         for i in range(9):
@@ -142,7 +142,7 @@ def test_mismatched_pod_config_is_refused_once(redis_server, fake_pods, make_rou
     # publisher): never routed to, one warning naming the difference.
     client = redis.Redis.from_url(redis_server.url)
     client.hset(SCHEMA.pod_key("fake-c"), "cfg.hash_seed", "other-seed")
-    with caplog.at_level(logging.WARNING, logger="router.pods"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.router.pods"):
         router = make_router(redis_server.url)
         router.wait_pods(2)
         for i in range(6):
@@ -167,7 +167,7 @@ def test_dead_pod_is_reaped_from_the_index(redis_server, fake_pods, make_router,
     crashed = fake_pods[0]
     claims = client.scard(SCHEMA.pod_blocks_key(crashed.pod_id))
     assert claims > 0
-    with caplog.at_level(logging.WARNING, logger="router.pods"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.router.pods"):
         crashed.publisher.stop(clear=False)  # a crash: its keys stay, its lease runs out
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and client.sismember(SCHEMA.pods_key,

@@ -17,11 +17,11 @@ import grpc
 import pytest
 import redis
 
-from kvnode.pod.redis_server import RedisProcess
-from proto.hashing import HashConfig, hash_prompt
-from proto.index import lookup_prefix
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.kvnode.pod.redis_server import RedisProcess
+from pagekv.proto.hashing import HashConfig, hash_prompt
+from pagekv.proto.index import lookup_prefix
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from tests.integration.router_fixtures import BS, SCHEMA, SEED, tokens_req
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ OTHER_SEED = "seed-2"
 @pytest.fixture(scope="module")
 def cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """node-a and node-b share the router's hash config; node-c has another seed."""
-    from deploy.local_cluster import LocalCluster, wait_healthy
+    from pagekv.deploy.local_cluster import LocalCluster, wait_healthy
 
     run_dir = tmp_path_factory.mktemp("router-run")
     rp = RedisProcess(data_dir=run_dir / "redis", binary=redis_binary).start()
@@ -128,7 +128,7 @@ def test_dram_prefix_routes_back_to_its_pod(cluster, make_router) -> None:
 
 def test_other_hash_seed_is_never_chosen_and_logged(cluster, make_router, caplog) -> None:
     reset_all(cluster)
-    with caplog.at_level(logging.WARNING, logger="router.pods"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.router.pods"):
         router = make_router(cluster.redis_url)
         router.wait_pods(2)
         time.sleep(0.5)  # a namespace scan

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from router.server import OVERHEAD_METADATA_KEY
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.router.server import OVERHEAD_METADATA_KEY
 from tests.integration.router_fixtures import tokens_req
 
 pytestmark = pytest.mark.integration

@@ -20,15 +20,15 @@ import pytest
 import redis
 import yaml
 
-from kvnode.pod.redis_server import RedisProcess
-from proto.hashing import DEFAULT_HASH_SEED, HashConfig, hash_prompt
-from proto.index import IndexSchema, list_live_pods, lookup_prefix
-from proto.pagekv.v1 import pagekv_pb2 as pb
-from proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.kvnode.pod.redis_server import RedisProcess
+from pagekv.proto.hashing import DEFAULT_HASH_SEED, HashConfig, hash_prompt
+from pagekv.proto.index import IndexSchema, list_live_pods, lookup_prefix
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
 ray = pytest.importorskip("ray")
 
-from deploy.ray_cluster import (  # noqa: E402 - after the importorskip
+from pagekv.deploy.ray_cluster import (  # noqa: E402 - after the importorskip
     ClusterHandles,
     PodActor,
     deploy_cluster,
@@ -181,7 +181,7 @@ def test_pod_actor_retries_when_its_port_is_taken_before_bind(
         redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The actor class itself, in this process (no Ray needed): the first port it picks is
     taken by someone else by the time it binds."""
-    from kvnode.pod import redis_server
+    from pagekv.kvnode.pod import redis_server
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
@@ -243,7 +243,7 @@ def test_waiting_for_placement_logs_and_times_out_naming_what_is_missing(
     """It fits the cluster's total, but the running deployment holds the CPUs it needs."""
     import logging
 
-    from deploy import ray_placement
+    from pagekv.deploy import ray_placement
 
     monkeypatch.setattr(ray_placement, "LOG_EVERY_S", 0.5)
     t0 = time.monotonic()
@@ -259,7 +259,7 @@ def test_waiting_for_placement_logs_and_times_out_naming_what_is_missing(
 
 
 def test_pod_cpus_fit_the_router_in_when_not_given() -> None:
-    from deploy.ray_placement import plan_pod_cpus
+    from pagekv.deploy.ray_placement import plan_pod_cpus
 
     assert plan_pod_cpus(2, None, 1.0, True, 2.0) == 0.5
     assert plan_pod_cpus(2, None, 1.0, True, 16.0) == 1.0

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from tiers.ssd import SsdTier
+    from pagekv.tiers.ssd import SsdTier
 
 
 # -- the SSD tier's tests (test_tiers_ssd_*.py) --------------------------------------------------
 
 @pytest.fixture
 def make_tier(tmp_path: Path) -> Iterator[Callable[..., SsdTier]]:
+    from pagekv.tiers.ssd import SsdTier
     from tests.unit.ssd_fixtures import BB, LAYOUT, MiB
-    from tiers.ssd import SsdTier
 
     made: list[SsdTier] = []
 
@@ -40,7 +40,7 @@ def make_tier(tmp_path: Path) -> Iterator[Callable[..., SsdTier]]:
 @pytest.fixture
 def stalled_sync(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """While the returned event is clear, the writer stops before each write (starts set)."""
-    from tiers.ssd import SsdTier
+    from pagekv.tiers.ssd import SsdTier
 
     release = threading.Event()
     release.set()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvnode.engine.engine import DuplicateRequestId, Engine
-from kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine
+from pagekv.kvnode.engine.sampling_params import SamplingParams
 from tests.kv_invariants import check_all_free, check_lookup, check_manager, check_tier_chain
 
 MODEL = "pagekv-tiny"

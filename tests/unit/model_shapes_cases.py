@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
+from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
 
 BLOCK = 8
 STEPS = 7

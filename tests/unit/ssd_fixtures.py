@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tiers.ssd import SsdTier
+from pagekv.tiers.ssd import SsdTier
 
 LAYOUT = {"num_layers": 2, "block_size": 16, "num_kv_heads": 2, "head_size": 32, "dtype": "float16"}
 BB = 2 * 2 * 16 * 2 * 32 * 2  # layers * (K,V) * tokens * heads * head_size * 2 bytes = 8 KiB

@@ -4,10 +4,10 @@ import asyncio
 
 import pytest
 
-from kvnode.engine.async_engine import AsyncEngine
-from kvnode.engine.engine import Engine, RequestRejected
-from kvnode.engine.llm import LLM
-from kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.async_engine import AsyncEngine
+from pagekv.kvnode.engine.engine import Engine, RequestRejected
+from pagekv.kvnode.engine.llm import LLM
+from pagekv.kvnode.engine.sampling_params import SamplingParams
 
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

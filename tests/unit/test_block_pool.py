@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvnode.memory.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagekv.kvnode.memory.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def ids(blocks):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvnode.engine.config import CHOICES
-from kvnode.pod import cli
+from pagekv.kvnode.engine.config import CHOICES
+from pagekv.kvnode.pod import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,7 +92,7 @@ def test_bad_config_files_are_one_error(tmp_path: Path, text: str, says: str,
 
 def test_a_value_only_the_model_can_judge_is_one_line_too() -> None:
     """--max-model-len past the model's limit is found at load time: still one line."""
-    r = subprocess.run([sys.executable, "-m", "kvnode.pod.cli", "node", "--max-model-len",
+    r = subprocess.run([sys.executable, "-m", "pagekv.kvnode.pod.cli", "node", "--max-model-len",
                         "100000000", "--port", "0"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -111,6 +111,6 @@ def test_help_shows_each_default_once() -> None:
 
 
 def test_kv_dtype_choices_match_the_kv_cache() -> None:
-    from kvnode.model.attention.kv_cache import KV_CACHE_DTYPES
+    from pagekv.kvnode.model.attention.kv_cache import KV_CACHE_DTYPES
 
     assert tuple(CHOICES["kv_cache_dtype"]) == KV_CACHE_DTYPES

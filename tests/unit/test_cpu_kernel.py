@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvnode.model.attention import cpu_kernel
+from pagekv.kvnode.model.attention import cpu_kernel
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernel.available(), reason="C++ paged attention extension could not be built"
@@ -281,7 +281,7 @@ def test_query_longer_than_context_is_an_error() -> None:
 
 def test_matches_pure_torch_paged_path() -> None:
     try:
-        paged = importlib.import_module("kvnode.model.attention.paged")
+        paged = importlib.import_module("pagekv.kvnode.model.attention.paged")
     except ImportError:
         pytest.skip("kvnode.model.attention.paged not present yet")
     gen = torch.Generator().manual_seed(21)

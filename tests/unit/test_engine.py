@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
-from kvnode.engine.llm import LLM
-from kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
+from pagekv.kvnode.engine.llm import LLM
+from pagekv.kvnode.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from kvnode.engine.engine import Engine
-from kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.engine import Engine
+from pagekv.kvnode.engine.sampling_params import SamplingParams
 from tests.unit.engine_diff_harness import (
     KV_BYTES_PER_TOKEN,
     Req,

@@ -37,7 +37,7 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.sampling_params import SamplingParams
 from tests.unit.engine_diff_harness import (
     KV_BYTES_PER_TOKEN,
     Drain,
@@ -215,7 +215,7 @@ def test_cached_and_offloaded_paths_match_a_cold_run(w: Workload) -> None:
 
 
 def _request(prompt: list[int]):
-    from kvnode.memory.request import Request
+    from pagekv.kvnode.memory.request import Request
 
     return Request("probe", prompt)
 

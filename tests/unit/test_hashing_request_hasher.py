@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proto.hashing import (
+from pagekv.proto.hashing import (
     DEFAULT_HASH_SEED,
     HASH_ALGOS,
     HashConfig,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from proto.hashing import (
+from pagekv.proto.hashing import (
     DEFAULT_HASH_SEED,
     HASH_ALGOS,
     HashConfig,

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from bench.routing_workloads import FULL, group_oracle, scatter_bound
-from proto.heap import freeze_startup_heap
+from pagekv.proto.heap import freeze_startup_heap
 
 
 def test_freeze_moves_survivors_out_of_full_collections(caplog):

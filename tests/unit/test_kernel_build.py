@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvnode.model.attention import cpu_kernel, kernel_build
+from pagekv.kvnode.model.attention import cpu_kernel, kernel_build
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ("-O3", "-fopenmp")

@@ -11,8 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvnode.memory.kv_cache_manager import KVCacheManager
-from kvnode.memory.request import Request
+from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
+from pagekv.kvnode.memory.request import Request
 from tests.kv_invariants import check_lookup, check_manager
 
 BS = 8

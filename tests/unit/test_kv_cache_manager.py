@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvnode.memory.kv_cache_manager import KVCacheManager
-from kvnode.memory.request import Request
+from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
+from pagekv.kvnode.memory.request import Request
 
 BS = 16
 

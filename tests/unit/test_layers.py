@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Project packages a layer may import (its own included). Third-party imports are free
 # except where FORBIDDEN_THIRD_PARTY says otherwise.
+# Layers are named by their folders; installed (and imported) they live under `pagekv.`.
 ALLOWED: dict[str, set[str]] = {
     "proto": {"proto"},
     "tiers": {"proto", "tiers"},
@@ -27,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "kvnode.engine": {"proto", "tiers", "kvnode.memory", "kvnode.model", "kvnode.engine"},
     "kvnode.pod": {"proto", "tiers", "kvnode"},
     "kvnode": {"proto", "tiers", "kvnode"},  # the package's own face (kvnode/__init__.py)
+    "pagekv": {"proto", "tiers", "kvnode", "router", "deploy"},  # the public API, lazily
     "deploy": {"proto", "tiers", "kvnode", "router", "deploy"},
 }
 FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
@@ -35,6 +37,7 @@ FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
     "kvnode.memory": {"torch"},
 }
 PROJECT = ("proto", "tiers", "router", "kvnode", "deploy")
+NAMESPACE = "pagekv."
 
 
 def layer_of(module: str) -> str | None:
@@ -66,7 +69,7 @@ def imports_of(path: Path, mod: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
+                target = NAMESPACE + ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
             out.append((node.lineno, target))
@@ -74,7 +77,7 @@ def imports_of(path: Path, mod: str) -> list[tuple[int, str]]:
 
 
 def source_files() -> list[Path]:
-    return [p for top in PROJECT for p in sorted((ROOT / top).rglob("*.py"))]
+    return [p for top in (*PROJECT, "pagekv") for p in sorted((ROOT / top).rglob("*.py"))]
 
 
 def violations_in(path: Path, mod: str) -> list[str]:
@@ -85,8 +88,14 @@ def violations_in(path: Path, mod: str) -> list[str]:
     # grpc only in the generated code and in proto.serving (the servers' shared pieces)
     serving = mod.startswith("proto.pagekv.") or mod == "proto.serving"
     for lineno, target in imports_of(path, mod):
-        top = target.split(".")[0]
         where = f"{mod}:{lineno} imports {target}"
+        top = target.split(".")[0]
+        if top in PROJECT:
+            bad.append(f"{where}: import the project through its namespace (pagekv.{target})")
+            continue
+        if target.startswith(NAMESPACE):
+            target = target[len(NAMESPACE):]
+            top = target.split(".")[0]
         if top in PROJECT:
             if not any(target == a or target.startswith(a + ".") for a in ALLOWED[layer]):
                 bad.append(f"{where}: layer {layer} may import only {sorted(ALLOWED[layer])}")
@@ -105,17 +114,22 @@ def test_every_import_respects_the_layers() -> None:
 def test_the_checker_sees_violations(tmp_path: Path) -> None:
     """The walk finds imports inside functions, relative ones, and forbidden libraries."""
     f = tmp_path / "probe.py"
-    f.write_text("def f():\n    from kvnode.engine import engine\n    from . import base\n"
+    f.write_text("def f():\n    from pagekv.kvnode.engine import engine\n    from . import base\n"
                  "import torch\n")
-    assert sorted(t for _, t in imports_of(f, "tiers.probe")) == ["kvnode.engine", "tiers", "torch"]
+    assert sorted(t for _, t in imports_of(f, "tiers.probe")) == [
+        "pagekv.kvnode.engine", "pagekv.tiers", "torch"]
     assert len(violations_in(f, "tiers.probe")) == 1  # tiers may use torch, not kvnode
     assert len(violations_in(f, "router.probe")) == 2  # neither kvnode nor torch
     assert len(violations_in(f, "kvnode.pod.probe")) == 0
+    bare = tmp_path / "bare.py"
+    bare.write_text("from kvnode.engine import engine\n")  # not through the namespace
+    assert ["namespace" in v for v in violations_in(bare, "kvnode.pod.bare")] == [True]
 
 
 @pytest.mark.parametrize("module", [
-    "proto.hashing", "proto.kv_events", "proto.medium", "router.server", "router.cli",
-    "kvnode.memory.kv_cache_manager",
+    "pagekv", "pagekv.proto.hashing", "pagekv.proto.kv_events", "pagekv.proto.medium",
+    "pagekv.router.server", "pagekv.router.cli", "pagekv.kvnode.memory.kv_cache_manager",
+    "pagekv.kvnode.pod.client",
 ])
 def test_light_modules_do_not_pull_torch_in(module: str) -> None:
     """Importing the module in a fresh interpreter leaves torch (and ray) unloaded."""

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from proto.loop_thread import LoopThread
+from pagekv.proto.loop_thread import LoopThread
 
 
 async def _where() -> str:

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-import kvnode.model.memory_planning as mp
-from kvnode.model.memory_planning import cpu_available_bytes, plan_kv_cache
-from kvnode.model.runner import ModelRunner
+import pagekv.kvnode.model.memory_planning as mp
+from pagekv.kvnode.model.memory_planning import cpu_available_bytes, plan_kv_cache
+from pagekv.kvnode.model.runner import ModelRunner
 
 TINY = "pagekv-tiny"
 

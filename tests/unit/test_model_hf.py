@@ -13,8 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from kvnode.model import ModelLoadError  # noqa: E402
-from kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
+from pagekv.kvnode.model import ModelLoadError  # noqa: E402
+from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem  # noqa: E402
 
 VOCAB = 96
 PROMPTS = [

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from kvnode.model import ByteTokenizer
-from kvnode.model.attention.kv_cache import resolve_kv_dtype
-from kvnode.model.runner import ModelRunner, SeqBatchItem
+from pagekv.kvnode.model import ByteTokenizer
+from pagekv.kvnode.model.attention.kv_cache import resolve_kv_dtype
+from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem
 
 TINY = "pagekv-tiny"
 

@@ -14,9 +14,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from kvnode.model import ModelLoadError, config_from_hf_dict  # noqa: E402
-from kvnode.model.config import ALLOW_LONG_ENV  # noqa: E402
-from kvnode.model.loader import load_config  # noqa: E402
+from pagekv.kvnode.model import ModelLoadError, config_from_hf_dict  # noqa: E402
+from pagekv.kvnode.model.config import ALLOW_LONG_ENV  # noqa: E402
+from pagekv.kvnode.model.loader import load_config  # noqa: E402
 from tests.unit.model_shapes_cases import (  # noqa: E402
     ARCHS,
     CASES,
@@ -148,7 +148,7 @@ def test_dynamic_rope_limit_cannot_be_overridden(saved, monkeypatch):
 
 
 def test_sliding_window_picks_a_backend_that_has_it(saved, monkeypatch):
-    from kvnode.model.attention import cpu_kernel
+    from pagekv.kvnode.model.attention import cpu_kernel
 
     if not cpu_kernel.available():
         pytest.skip("C++ attention kernel unavailable")

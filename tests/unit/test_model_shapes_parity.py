@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from kvnode.model.runner import SeqBatchItem  # noqa: E402
+from pagekv.kvnode.model.runner import SeqBatchItem  # noqa: E402
 from tests.unit.model_shapes_cases import (  # noqa: E402
     BLOCK,
     CASES,
@@ -46,7 +46,7 @@ def test_checkpoint_matches_transformers(saved, case):
 
 @pytest.mark.parametrize("case", ["llama_head_dim_32", "llama_gqa_8_to_2", "qwen2_yarn_mqa"])
 def test_cpp_kernel_matches_transformers(saved, case):
-    from kvnode.model.attention import cpu_kernel
+    from pagekv.kvnode.model.attention import cpu_kernel
 
     if not cpu_kernel.available():
         pytest.skip("C++ attention kernel unavailable")
@@ -58,8 +58,8 @@ def test_cpp_kernel_matches_transformers(saved, case):
 def test_offline_llm_matches_transformers_and_prefix_hits(saved, case):
     """Through the engine (scheduler, prefix cache, default attention backend): greedy
     tokens equal HF's, and a second pass that continues cached blocks gives the same."""
-    from kvnode.engine.llm import LLM
-    from kvnode.engine.sampling_params import SamplingParams
+    from pagekv.kvnode.engine.llm import LLM
+    from pagekv.kvnode.engine.sampling_params import SamplingParams
 
     path = saved(case)
     hf = reference(path)

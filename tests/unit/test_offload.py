@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvnode.engine.llm import LLM
-from kvnode.engine.sampling_params import SamplingParams
-from kvnode.memory.request import Request
-from proto.kv_events import BlockRemoved, BlockStored
+from pagekv.kvnode.engine.llm import LLM
+from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.memory.request import Request
+from pagekv.proto.kv_events import BlockRemoved, BlockStored
 
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PREFIX = [(i * 37) % 250 + 1 for i in range(200)]  # 12 full blocks of 16
@@ -186,7 +186,7 @@ def test_unwritable_ssd_dir_disables_the_tier_and_keeps_serving(tmp_path, cold_t
 
 
 def test_request_hashed_for_another_block_size_is_rehashed():
-    from kvnode.memory.kv_cache_manager import KVCacheManager
+    from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
 
     req = Request("r", list(range(1, 70)))
     KVCacheManager(16, block_size=16).get_computed_blocks(req)
@@ -196,9 +196,9 @@ def test_request_hashed_for_another_block_size_is_rehashed():
 
 
 def test_demote_many_equals_one_by_one(tmp_path):
-    from tiers.chain import TierChain
-    from tiers.dram import DramTier
-    from tiers.ssd import SsdTier
+    from pagekv.tiers.chain import TierChain
+    from pagekv.tiers.dram import DramTier
+    from pagekv.tiers.ssd import SsdTier
 
     layout = {"num_layers": 1, "block_size": 16, "num_kv_heads": 1, "head_size": 64,
               "dtype": "uint8"}

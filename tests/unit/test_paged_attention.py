@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvnode.model.attention.paged as paged
-from kvnode.model.attention import REFERENCE_BACKEND, get_attention_backend
-from kvnode.model.attention.paged import paged_attention, write_kv_cache
+import pagekv.kvnode.model.attention.paged as paged
+from pagekv.kvnode.model.attention import REFERENCE_BACKEND, get_attention_backend
+from pagekv.kvnode.model.attention.paged import paged_attention, write_kv_cache
 
 
 def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int,
@@ -138,7 +138,7 @@ def test_slot_minus_one_is_skipped():
 
 
 # ---- dispatcher ------------------------------------------------------------------------------
-KERNEL = "kvnode.model.attention.cpu_kernel"
+KERNEL = "pagekv.kvnode.model.attention.cpu_kernel"
 
 
 def _fake_kernel(available: bool) -> types.ModuleType:

@@ -24,7 +24,7 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
 
 
 def test_generated_modules_import_as_a_package() -> None:
-    from proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
+    from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 
     services = pagekv_pb2.DESCRIPTOR.services_by_name
     assert set(services) == {"Generation", "KVNode"}
@@ -33,7 +33,7 @@ def test_generated_modules_import_as_a_package() -> None:
 
 
 def test_contract_field_names() -> None:
-    from proto.pagekv.v1 import pagekv_pb2 as pb
+    from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), cache_salt="s")
     assert req.WhichOneof("prompt") == "token_ids"

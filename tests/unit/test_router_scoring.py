@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from proto.hashing import HashConfig, hash_prompt
-from router.burst import BurstTracker
-from router.scoring import (
+from pagekv.proto.hashing import HashConfig, hash_prompt
+from pagekv.router.burst import BurstTracker
+from pagekv.router.scoring import (
     REASON_BURST,
     REASON_COST,
     REASON_PREFIX,
@@ -27,7 +27,7 @@ from router.scoring import (
     rank,
     score_candidate,
 )
-from router.tokenize import ByteEncoder, load_tokenizer
+from pagekv.router.tokenize import ByteEncoder, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 16
@@ -266,12 +266,12 @@ def test_importing_the_router_does_not_load_torch() -> None:
 ])
 def test_router_chain_equals_the_pods_chain(salt: str, lora_id: int | None, algo: str,
                                             seed: str) -> None:
-    from kvnode.memory.kv_cache_manager import KVCacheManager
-    from kvnode.memory.request import Request
-    from proto.pagekv.v1 import pagekv_pb2 as pb
-    from router.config import RouterConfig
-    from router.metrics import RouterMetrics
-    from router.routing import Router
+    from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
+    from pagekv.kvnode.memory.request import Request
+    from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+    from pagekv.router.config import RouterConfig
+    from pagekv.router.metrics import RouterMetrics
+    from pagekv.router.routing import Router
 
     router = Router(RouterConfig(hash_algo=algo, hash_seed=seed), None, ByteEncoder(),
                     RouterMetrics())
@@ -290,11 +290,11 @@ def test_router_chain_equals_the_pods_chain(salt: str, lora_id: int | None, algo
 
 
 def test_prepare_rejects_empty_prompts() -> None:
-    from proto.pagekv.v1 import pagekv_pb2 as pb
-    from proto.requests import BadRequest
-    from router.config import RouterConfig
-    from router.metrics import RouterMetrics
-    from router.routing import Router
+    from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+    from pagekv.proto.requests import BadRequest
+    from pagekv.router.config import RouterConfig
+    from pagekv.router.metrics import RouterMetrics
+    from pagekv.router.routing import Router
 
     router = Router(RouterConfig(), None, ByteEncoder(), RouterMetrics())
     for req in (pb.GenerateRequest(), pb.GenerateRequest(text=""),
@@ -307,7 +307,7 @@ def test_prepare_rejects_empty_prompts() -> None:
 def test_hf_tokenizer_matches_the_pods(tmp_path: Path, with_bos: bool) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    from kvnode.model.tokenizer import HFTokenizer
+    from pagekv.kvnode.model.tokenizer import HFTokenizer
 
     vocab = {"<s>": 0, "<unk>": 1, "hello": 2, "world": 3, "again": 4}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -324,7 +324,7 @@ def test_hf_tokenizer_matches_the_pods(tmp_path: Path, with_bos: bool) -> None:
 
 
 def test_speeds_within_the_band_count_as_the_median() -> None:
-    from router.scoring import settle_prefill_costs
+    from pagekv.router.scoring import settle_prefill_costs
 
     published = {"a": 160e-6, "b": 320e-6, "c": 250e-6, "d": 3e-3, "e": float("nan")}
     settled = settle_prefill_costs(published, band=2.0)

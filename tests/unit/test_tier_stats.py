@@ -3,13 +3,13 @@
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvnode.engine.config import EngineArgs
-from kvnode.engine.llm import LLM
-from kvnode.engine.sampling_params import SamplingParams
-from kvnode.pod.prom import EngineCollector
-from kvnode.pod.server import PodServer
-from proto.medium import OFFLOAD_MEDIUMS, Medium
-from proto.tier_stats import MOVES, ChainStats, TierMove, TierStats, move_name
+from pagekv.kvnode.engine.config import EngineArgs
+from pagekv.kvnode.engine.llm import LLM
+from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.pod.prom import EngineCollector
+from pagekv.kvnode.pod.server import PodServer
+from pagekv.proto.medium import OFFLOAD_MEDIUMS, Medium
+from pagekv.proto.tier_stats import MOVES, ChainStats, TierMove, TierStats, move_name
 
 P = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PREFIX = [(i * 37) % 250 + 1 for i in range(200)]

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from tiers import ssd_format
-from tiers.chain import TierChain
-from tiers.dram import DramTier
-from tiers.ssd import SsdTier
+from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagekv.tiers import ssd_format
+from pagekv.tiers.chain import TierChain
+from pagekv.tiers.dram import DramTier
+from pagekv.tiers.ssd import SsdTier
 
 LAYOUT = {"num_layers": 1, "block_size": 4, "num_kv_heads": 2, "head_size": 64, "dtype": "float16"}
 BB = 1 * 2 * 4 * 2 * 64 * 2  # 2 KiB

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiers import codec
+from pagekv.tiers import codec
 
 DTYPES = {
     "float32": torch.float32,

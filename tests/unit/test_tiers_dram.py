@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiers.dram import DramTier
+from pagekv.tiers.dram import DramTier
 
 BB = 256
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from pagekv.tiers import ssd_format
+from pagekv.tiers.ssd import SsdTier
 from tests.unit.ssd_fixtures import BB, block, h, segment_files, tokens
-from tiers import ssd_format
-from tiers.ssd import SsdTier
 
 
 # --- basic behaviour -----------------------------------------------------------------------------

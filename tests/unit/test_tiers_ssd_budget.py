@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from pagekv.tiers.ssd import SsdTier
 from tests.unit.ssd_fixtures import BB, MiB, block, h, segment_files
-from tiers.ssd import SsdTier
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:

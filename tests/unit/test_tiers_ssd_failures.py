@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagekv.tiers.ssd import SsdTier
 from tests.unit.ssd_fixtures import BB, LAYOUT, MiB, block, h
-from tiers.ssd import SsdTier
 
 
 # --- failures -------------------------------------------------------------------------------------
 def _errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "tiers.ssd" and r.levelno >= logging.ERROR]
+    return [r for r in caplog.records if r.name == "pagekv.tiers.ssd" and r.levelno >= logging.ERROR]
 
 
 def test_unwritable_directory_disables_with_one_log_line(

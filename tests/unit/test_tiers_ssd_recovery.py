@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
+from pagekv.tiers import ssd_format
+from pagekv.tiers.ssd import SsdTier
 from tests.unit.ssd_fixtures import BB, LAYOUT, MiB, block, h, segment_files, tokens
-from tiers import ssd_format
-from tiers.ssd import SsdTier
 
 
 def entries_in(path: Path) -> list[tuple[int, ssd_format.EntryHeader]]:

@@ -19,13 +19,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvnode.model.attention.paged import paged_attention, write_kv_cache
+from pagekv.kvnode.model.attention.paged import paged_attention, write_kv_cache
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "PAGEKV_ATTENTION_BACKEND"
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "cpp")
-_KERNEL_MODULE = "kvnode.model.attention.cpu_kernel"
+_KERNEL_MODULE = "pagekv.kvnode.model.attention.cpu_kernel"
 
 
 @dataclass(frozen=True, slots=True)

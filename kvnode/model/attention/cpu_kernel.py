@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from kvnode.model.attention.kernel_build import build_dir_for, compile_into, import_built
+from pagekv.kvnode.model.attention.kernel_build import build_dir_for, compile_into, import_built
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.pagekv.v1 import pagekv_pb2 as proto_dot_pagekv_dot_v1_dot_pagekv__pb2
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pagekv/v1/pagekv_pb2_grpc.py depends on'
+        + ' but the generated code in pagekv/proto/pagekv/v1/pagekv_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -46,13 +46,13 @@ class GenerationStub:
         """
         self.Generate = channel.unary_unary(
                 '/pagekv.v1.Generation/Generate',
-                request_serializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateResponse.FromString,
+                request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/pagekv.v1.Generation/GenerateStream',
-                request_serializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateChunk.FromString,
+                request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateChunk.FromString,
                 _registered_method=True)
 
 
@@ -91,13 +91,13 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.FromString,
+                    response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.FromString,
+                    response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,8 +135,8 @@ class Generation:
             request,
             target,
             '/pagekv.v1.Generation/Generate',
-            proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateResponse.FromString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.SerializeToString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -162,8 +162,8 @@ class Generation:
             request,
             target,
             '/pagekv.v1.Generation/GenerateStream',
-            proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateChunk.FromString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateRequest.SerializeToString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -187,13 +187,13 @@ class KVNodeStub:
         """
         self.Stats = channel.unary_unary(
                 '/pagekv.v1.KVNode/Stats',
-                request_serializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsResponse.FromString,
+                request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.ResetPrefixCache = channel.unary_unary(
                 '/pagekv.v1.KVNode/ResetPrefixCache',
-                request_serializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheRequest.SerializeToString,
-                response_deserializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheResponse.FromString,
+                request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
 
 
@@ -218,13 +218,13 @@ def add_KVNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsRequest.FromString,
+                    response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsResponse.SerializeToString,
             ),
             'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ResetPrefixCache,
-                    request_deserializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheRequest.FromString,
-                    response_serializer=proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheResponse.SerializeToString,
+                    request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -253,8 +253,8 @@ class KVNode:
             request,
             target,
             '/pagekv.v1.KVNode/Stats',
-            proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsRequest.SerializeToString,
-            proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsResponse.FromString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsRequest.SerializeToString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -280,8 +280,8 @@ class KVNode:
             request,
             target,
             '/pagekv.v1.KVNode/ResetPrefixCache',
-            proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheRequest.SerializeToString,
-            proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheResponse.FromString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheRequest.SerializeToString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
