@@ -116,7 +116,7 @@ def main() -> None:
         for source in ("GPU", "CPU", "DISK", "recompute"):
             ttft, tiers_used, toks = ttft_once(source, root / f"{source}-{trial}", trial)
             results.setdefault(source, []).append(ttft)
-            by_tier[source] = tiers_used
+            by_tier[source] = {str(k): v for k, v in tiers_used.items()}  # Medium -> "GPU"
             if trial == 0:
                 first_tokens[source] = toks
     med = {s: statistics.median(v) for s, v in results.items()}
