@@ -118,14 +118,40 @@ def offline(reqs, concurrency: int) -> dict:
                  time.perf_counter() - t0)
 
 
+LAG = "pagekv_index_publish_lag_seconds"
+
+
 def scrape(port: int) -> dict[str, float]:
+    """The pod's unlabelled series (besides pod/model_name), and the lag histogram's buckets
+    as `<LAG>_bucket:<le>`."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if not s.labels.keys() - {"pod"}:
+            extra = s.labels.keys() - {"pod", "model_name"}
+            if not extra:
                 out[s.name] = s.value
+            elif extra == {"le"} and s.name == LAG + "_bucket":
+                out[f"{s.name}:{s.labels['le']}"] = s.value
     return out
+
+
+def lag_quantile(before: dict[str, float], after: dict[str, float], q: float) -> float:
+    """q-quantile of the batches published between two scrapes, interpolated inside its
+    bucket as Prometheus' histogram_quantile does."""
+    edges = sorted((float(k.split(":", 1)[1]), after[k] - before.get(k, 0.0))
+                   for k in after if k.startswith(LAG + "_bucket:"))
+    total = edges[-1][1] if edges else 0.0
+    if total <= 0:
+        return 0.0
+    rank, prev_le, prev_n = q * total, 0.0, 0.0
+    for le, n in edges:
+        if n >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * (rank - prev_n) / max(n - prev_n, 1e-12)
+        prev_le, prev_n = le, n
+    return prev_le
 
 
 def main() -> None:
@@ -173,12 +199,15 @@ def main() -> None:
     print(f"server throughput / offline: {served['tokens_per_s'] / local['tokens_per_s']:.2f}x "
           f"with {args.concurrency} closed-loop clients, "
           f"{queued['tokens_per_s'] / local['tokens_per_s']:.2f}x with every request queued")
-    print("\n| index events published | events/s | publish lag p50 ms | p99 ms | max ms |")
-    print("|---|---|---|---|---|")
-    print(f"| {events:.0f} | {events / served['wall_s']:.0f} | "
-          f"{after.get('pagekv_index_publish_lag_p50_s', 0) * 1e3:.1f} | "
-          f"{after.get('pagekv_index_publish_lag_p99_s', 0) * 1e3:.1f} | "
-          f"{after.get('pagekv_index_publish_lag_max_s', 0) * 1e3:.1f} |")
+    batches = after.get(LAG + "_count", 0) - before.get(LAG + "_count", 0)
+    lag_sum = after.get(LAG + "_sum", 0) - before.get(LAG + "_sum", 0)
+    print("\n| index events published | events/s | batches | publish lag p50 ms | p99 ms | "
+          "mean ms |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {events:.0f} | {events / served['wall_s']:.0f} | {batches:.0f} | "
+          f"{lag_quantile(before, after, 0.5) * 1e3:.1f} | "
+          f"{lag_quantile(before, after, 0.99) * 1e3:.1f} | "
+          f"{lag_sum / batches * 1e3 if batches else 0.0:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "served": served, "queued": queued, "offline": local,
