@@ -114,3 +114,23 @@ def test_kv_dtype_choices_match_the_kv_cache() -> None:
     from pagekv.kvnode.model.attention.kv_cache import KV_CACHE_DTYPES
 
     assert tuple(CHOICES["kv_cache_dtype"]) == KV_CACHE_DTYPES
+
+
+def test_python_dash_m_pagekv_is_the_cli() -> None:
+    r = subprocess.run([sys.executable, "-m", "pagekv", "--version"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("pagekv "), r.stderr
+
+
+def test_bench_cluster_says_in_one_line_why_a_request_failed() -> None:
+    """A refused or failed call (here: nothing listens) is one line, not a gRPC traceback."""
+    from pagekv.kvnode.pod.redis_server import free_port
+
+    r = subprocess.run([sys.executable, "-m", "pagekv", "bench-cluster", "--router",
+                        f"127.0.0.1:{free_port()}", "--groups", "1", "--per-group", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagekv bench-cluster: error: the cold request of group 0 failed: "
+                           "UNAVAILABLE"), last
