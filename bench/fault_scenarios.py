@@ -1,0 +1,191 @@
+"""Fault scenarios against a real local cluster: each injects one fault under load and measures
+what a user of the cluster sees. The fault suite (tests/integration/test_faults.py) runs them
+short and asserts the properties; `bench/faults.py` runs them longer and prints the figures.
+
+Every scenario is bounded in calls and time and stops by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagekv.deploy.local_cluster import Child, LocalCluster, wait_healthy
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+
+# The router tried the dead pod first, or skipped it while it cooled down.
+ROUTED_AROUND = ("retry_after_unavailable", "best_pod_cooling_down")
+
+
+def prompts(groups: int, per_group: int, prefix_tokens: int = 96, seed: int = 0
+            ) -> list[list[int]]:
+    """Prompts of the byte-tokenizer presets sharing one prefix per group, interleaved."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 256) for _ in range(prefix_tokens)] for _ in range(groups)]
+    return [prefixes[g] + [rng.randrange(1, 256) for _ in range(8)]
+            for _ in range(per_group) for g in range(groups)]
+
+
+@dataclass
+class Call:
+    done_at: float  # monotonic
+    code: str
+    reason: str = ""
+    served_by: str = ""
+    predicted_cached: int = 0  # tokens the router found in the index for this prompt
+    eligible: tuple[str, ...] = ()  # pods the router could have chosen
+
+
+@dataclass
+class Load:
+    """Unary Generate calls from `concurrency` threads until stopped or `max_calls` are made."""
+
+    address: str
+    prompts: list[list[int]]
+    concurrency: int = 2
+    max_calls: int = 50_000  # a bound; scenarios stop the load by time first
+    max_tokens: int = 2
+    calls: list[Call] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> Load:
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(self.concurrency)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _run(self, worker: int) -> None:
+        with grpc.insecure_channel(self.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            i = worker
+            while not self._stop.is_set() and len(self.calls) < self.max_calls:
+                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=self.prompts[i % len(
+                    self.prompts)]), sampling=pb.SamplingParams(max_tokens=self.max_tokens,
+                                                                temperature=0.0))
+                i += self.concurrency
+                try:
+                    resp = stub.Generate(req, timeout=30)
+                    r = resp.routing
+                    call = Call(time.monotonic(), "OK", r.reason, resp.served_by,
+                                r.predicted_cached_tokens,
+                                tuple(c.pod_id for c in r.candidates if c.eligible))
+                except grpc.RpcError as e:
+                    call = Call(time.monotonic(), e.code().name)
+                with self._lock:
+                    self.calls.append(call)
+
+    def stop(self) -> list[Call]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        return list(self.calls)
+
+
+def codes(calls: list[Call]) -> Counter:
+    return Counter(c.code for c in calls)
+
+
+def failed(calls: list[Call]) -> int:
+    return sum(c.code != "OK" for c in calls)
+
+
+def first_after(calls: list[Call], t: float, pred) -> float | None:
+    """Seconds from `t` to the first call completed after it that satisfies `pred`."""
+    hits = [c.done_at for c in calls if c.done_at >= t and pred(c)]
+    return min(hits) - t if hits else None
+
+
+def redis_restart(cluster: LocalCluster, down_s: float = 2.0, warm_s: float = 2.0,
+                  after_s: float = 6.0, concurrency: int = 2) -> dict:
+    """Redis SIGKILLed under load and restarted on the same port (empty: pods republish)."""
+    load = Load(cluster.router.address, prompts(4, 8), concurrency).start()
+    time.sleep(warm_s)
+    assert cluster.redis is not None
+    os.kill(cluster.redis.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    time.sleep(down_s)
+    cluster.redis.start()
+    back = time.monotonic()
+    time.sleep(after_s)
+    calls = load.stop()
+    during = [c for c in calls if killed <= c.done_at < back]
+    return {"calls": len(calls), "failed": failed(calls), "codes": dict(codes(calls)),
+            "calls_while_down": len(during),
+            "fallback_while_down": sum(c.reason == "index_down_least_loaded" for c in during),
+            # The index answers again with the pods' republished blocks (the reason alone
+            # would not say it: both pods may hold every prefix after load-only routing).
+            "prefix_routing_back_s": first_after(calls, back, lambda c: c.predicted_cached > 0)}
+
+
+def pod_kill(cluster: LocalCluster, victim: Child, warm_s: float = 2.0, dead_s: float = 5.0,
+             after_s: float = 5.0, concurrency: int = 2) -> dict:
+    """A pod SIGKILLed under load, then restarted with the same pod id."""
+    load = Load(cluster.router.address, prompts(4, 8), concurrency).start()
+    time.sleep(warm_s)
+    os.killpg(victim.proc.pid, signal.SIGKILL)  # no clean shutdown: only its lease can expire
+    victim.proc.wait(10)
+    killed = time.monotonic()
+    time.sleep(dead_s)
+    cluster.children.remove(victim)
+    cluster.pods.remove(victim)
+    reborn = cluster.start_pod(victim.name)
+    wait_healthy(reborn.address, 120, reborn.proc)
+    back = time.monotonic()
+    time.sleep(after_s)
+    calls = load.stop()
+    around = [c.done_at for c in calls if killed <= c.done_at < back and c.reason in ROUTED_AROUND]
+    return {"calls": len(calls), "failed": failed(calls), "codes": dict(codes(calls)),
+            "routed_around": len(around),
+            "dropped_after_s": (max(around) - killed) if around else 0.0,
+            "served_by_dead_pod": sum(c.served_by == victim.name
+                                      for c in calls if killed <= c.done_at < back),
+            # A candidate again (it serves once its load or a prefix makes it the cheapest).
+            "rejoined_after_s": first_after(calls, back, lambda c: victim.name in c.eligible),
+            "restarted": reborn}
+
+
+def free_blocks(address: str) -> tuple[int, int]:
+    """(free blocks, pool blocks) of a pod."""
+    with grpc.insecure_channel(address) as ch:
+        st = pb_grpc.KVNodeStub(ch).Stats(pb.StatsRequest(), timeout=10)
+    return st.num_free_blocks, st.num_blocks
+
+
+def burst(address: str, streams: int, pods: list[str], max_tokens: int = 16) -> dict:
+    """`streams` concurrent streams at once to `address` (a pod or the router); every one must
+    end with OK or RESOURCE_EXHAUSTED, none may hang, and every block of `pods` come back."""
+    idle = [free_blocks(p)[0] for p in pods]
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts(1, 1)[0]),
+                             sampling=pb.SamplingParams(max_tokens=max_tokens,
+                                                        ignore_eos=True))
+
+    def one(_: int) -> str:
+        with grpc.insecure_channel(address) as ch:
+            try:
+                for _chunk in pb_grpc.GenerationStub(ch).GenerateStream(req, timeout=120):
+                    pass
+                return "OK"
+            except grpc.RpcError as e:
+                return e.code().name
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=min(streams, 64)) as pool:
+        got = Counter(pool.map(one, range(streams)))
+    wall = time.monotonic() - t0
+    deadline = time.monotonic() + 10
+    while [free_blocks(p)[0] for p in pods] != idle and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {"streams": streams, "codes": dict(got), "wall_s": wall,
+            "blocks_back": [free_blocks(p)[0] for p in pods] == idle}
