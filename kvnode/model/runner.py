@@ -137,15 +137,17 @@ class ModelRunner:
 
     # ---- the forward step ------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: Sequence[SeqBatchItem]) -> torch.Tensor:
+    def execute(self, batch: Sequence[SeqBatchItem], all_positions: bool = False
+                ) -> torch.Tensor:
         """Run one step; returns the logits [num_seqs, vocab] (float32) of each sequence's
-        last new token, in batch order."""
+        last new token, in batch order — or, with `all_positions`, of every new token
+        [num_new_tokens, vocab] (perplexity, prompt log-probabilities)."""
         vocab = self.model_config.vocab_size
         if not batch:
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
         input_ids, positions, meta, last = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attention)
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden if all_positions else hidden[last])
 
     def _prepare(
         self, batch: Sequence[SeqBatchItem]
