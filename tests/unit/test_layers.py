@@ -85,8 +85,9 @@ def violations_in(path: Path, mod: str) -> list[str]:
     if layer is None:
         return [f"{mod}: belongs to no layer (add it to ALLOWED and ARCHITECTURE.md)"]
     bad = []
-    # grpc only in the generated code and in proto.serving (the servers' shared pieces)
-    serving = mod.startswith("proto.pagekv.") or mod == "proto.serving"
+    # grpc only in the generated code, in proto.serving (the servers' shared pieces) and in
+    # proto.grpc_security (TLS and tokens: pods, the router and every client need the same)
+    serving = mod.startswith("proto.pagekv.") or mod in ("proto.serving", "proto.grpc_security")
     for lineno, target in imports_of(path, mod):
         where = f"{mod}:{lineno} imports {target}"
         top = target.split(".")[0]

@@ -1,0 +1,163 @@
+"""TLS and bearer tokens for gRPC, the same for a pod, the router and their clients.
+
+`bind` serves a port over TLS (mutual when the server's TlsFiles has a CA) or plaintext;
+`open_channel` dials one the same way. `TokenGuard` is a server interceptor: admin methods
+need the admin token, health and reflection need nothing (probes and discovery), every other
+method needs the API token (the admin token works there too); a role without a configured
+token is open. A refused call gets UNAUTHENTICATED (no, malformed or unknown token) or
+PERMISSION_DENIED (the API token on an admin method), never the handler.
+
+With `proto/serving.py` the only contract modules that import grpc (see the layer test):
+the client side (`pagekv generate`, `pagekv.Client`, the router's pod channels, health
+checks) needs it as much as the servers do.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from pagekv.proto.credentials import TlsFiles
+
+logger = logging.getLogger(__name__)
+
+# Method prefixes that never need a token: a load balancer's health probe carries none, and
+# reflection only describes the API (it serves no data).
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    tls.require_identity()
+    cert, key, ca = tls.read()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
+    cert, key, ca = tls.read()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                        certificate_chain=cert)
+
+
+def transport(tls: TlsFiles | None) -> str:
+    """How a server's port is served, for its start-up line."""
+    if tls is None:
+        return "plaintext"
+    return "mutual TLS: client certificates required" if tls.client_auth else "TLS"
+
+
+def bind(server: Any, address: str, tls: TlsFiles | None) -> int:
+    """Add `address` to a grpc (or grpc.aio) server; the bound port, 0 when it failed."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, server_credentials(tls))
+
+
+def open_channel(address: str, tls: TlsFiles | None = None,
+                 options: Sequence[tuple[str, Any]] = (), *, aio: bool = False,
+                 credentials: grpc.ChannelCredentials | None = None) -> Any:
+    """A channel to `address`: TLS when `tls` (or ready `credentials`) is given.
+    `aio=True`: a grpc.aio channel."""
+    mod = grpc.aio if aio else grpc
+    if credentials is None and tls is not None:
+        credentials = channel_credentials(tls)
+    if credentials is None:
+        return mod.insecure_channel(address, options=list(options))
+    return mod.secure_channel(address, credentials, options=list(options))
+
+
+# -- bearer tokens ------------------------------------------------------------------------------
+
+def _same(given: str, want: str) -> bool:
+    return hmac.compare_digest(given.encode(), want.encode())  # no timing hint
+
+
+class TokenGuard(grpc.aio.ServerInterceptor):
+    """Checks `authorization: Bearer <token>` before a call reaches its handler.
+
+    `admin_methods`: full method names (`/pagekv.v1.KVNode/ResetPrefixCache`) that need the
+    admin token. `on_refused(method, code)` is called once per refused call (a metric); the
+    method is the short name of an existing method (unknown ones are UNIMPLEMENTED first), so
+    a metric label stays bounded."""
+
+    def __init__(self, api_token: str | None, admin_token: str | None,
+                 admin_methods: Sequence[str] = (),
+                 on_refused: Callable[[str, str], None] | None = None) -> None:
+        self.api_token = api_token
+        self.admin_token = admin_token
+        self.admin_methods = frozenset(admin_methods)
+        self.on_refused = on_refused
+        self._warned: set[tuple[str, str]] = set()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.api_token or self.admin_token)
+
+    def describe(self) -> str:
+        admin = "token required" if self.admin_token else "OPEN to anyone who reaches the port"
+        api = "token required" if self.api_token else "open"
+        return f"admin calls: {admin}; API calls: {api}; health and reflection: open"
+
+    def check(self, method: str, metadata: Sequence[Any] | None
+              ) -> tuple[grpc.StatusCode, str] | None:
+        """None when the call may proceed, else (code, message)."""
+        if method.startswith(OPEN_PREFIXES):
+            return None
+        admin = method in self.admin_methods
+        if not (self.admin_token if admin else self.api_token):
+            return None  # this role has no token configured: open
+        accepted = [t for t in (self.admin_token, None if admin else self.api_token) if t]
+        role = "an admin" if admin else "an API"
+        header = next((m.value for m in (metadata or ()) if m.key == "authorization"), None)
+        if header is None:
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    f"{method.rsplit('/', 1)[-1]} needs {role} token: send the metadata "
+                    "'authorization: Bearer <token>'")
+        scheme, _, token = str(header).partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    "the authorization metadata must read 'Bearer <token>'")
+        token = token.strip()
+        if any(_same(token, t) for t in accepted):
+            return None
+        if admin and self.api_token and _same(token, self.api_token):
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"the API token does not allow {method.rsplit('/', 1)[-1]}: it needs the "
+                    "admin token")
+        return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # no such method: UNIMPLEMENTED, as without the guard
+        method = handler_call_details.method
+        refusal = self.check(method, handler_call_details.invocation_metadata)
+        if refusal is None:
+            return handler
+        return self._refusing(handler, method, *refusal)
+
+    def _refusing(self, handler: grpc.RpcMethodHandler, method: str,
+                  code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+        short = method.rsplit("/", 1)[-1]
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if self.on_refused is not None:
+                self.on_refused(short, code.name)
+            key = (short, code.name)
+            # One warning per method and code: a client retrying in a loop must not flood
+            # the log (the metric counts every refusal). Never the token itself.
+            log = logger.debug if key in self._warned else logger.warning
+            self._warned.add(key)
+            log("refused %s from %s: %s (%s)", short, context.peer(), code.name, message)
+            await context.abort(code, message)
+
+        make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary else
+                grpc.unary_stream_rpc_method_handler if handler.unary_stream else
+                grpc.stream_unary_rpc_method_handler if handler.stream_unary else
+                grpc.stream_stream_rpc_method_handler)
+        return make(refuse, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
