@@ -6,7 +6,8 @@
 `ssd_writer` + `ssd_batch` (the task that turns the ring into writes, compressed where that
 pays), `ssd_files` (segment files, O_DIRECT, fdatasync, deletion), `ssd_index` (where each
 written block is, LRU first, and the byte budget), `ssd_reader` (verified, concurrent reads)
-and `ssd_recovery` (the start-up scan: the segments are the log, there is no manifest).
+and `ssd_recovery` (the start-up scan: the segments are the log, there is no manifest) and
+`ssd_space` (the budget against the filesystem: a full disk shrinks it).
 
 Files: `<directory>/layout-<layout id>/seg-<seq>.pkv`, one sub-directory per KV layout, so a
 pod restarted with another model never mixes blocks.
@@ -16,13 +17,16 @@ the blocking file calls on a small executor, also the loop's default one. The bo
 index, counters, flags) are under one lock, `_lock`, which callers' threads and the loop thread
 take alike, never across an await; so a block moves from the ring to the index atomically.
 
-Failure: ENOSPC, EIO or an unwritable directory disable the tier with one `logger.error` line;
-from then on every lookup misses and every put is refused. Nothing raises to callers. Blocks
-the tier lost without being asked (evicted, corrupt, disabled) are queued for `take_dropped()`,
-which the chain drains to publish removals and drop orphans.
+Failure: a full disk (ENOSPC) is an operating condition: the whole entries of a short write
+are kept, the budget shrinks to what fits and the tier goes on (`ssd_space`). EIO or an
+unwritable directory disable the tier with one `logger.error` line; from then on every lookup
+misses and every put is refused. Nothing raises to callers. Blocks the tier lost without being
+asked (evicted, corrupt, cut short, disabled) are queued for `take_dropped()`, which the chain
+drains to publish removals and drop orphans.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -38,13 +42,12 @@ from pagekv.proto.loop_thread import LoopThread
 from pagekv.proto.medium import Medium
 from pagekv.tiers.base import BlockData, RecoveredEntry, Tier, as_uint8_tensor
 from pagekv.tiers.codec import (
-    CODEC_RAW,
     DEFAULT_MIN_RATIO,
     canonical_dtype,
     dtype_code,
     elem_size_of,
 )
-from pagekv.tiers.ssd_batch import Batch, BatchEncoder
+from pagekv.tiers.ssd_batch import BatchEncoder
 from pagekv.tiers.ssd_files import SegmentFiles, segment_header
 from pagekv.tiers.ssd_format import (
     MAX_ENTRY_HEADER_LEN,
@@ -55,10 +58,11 @@ from pagekv.tiers.ssd_format import (
     entry_header_size,
     layout_id_of,
 )
-from pagekv.tiers.ssd_index import Segment, SsdIndex
+from pagekv.tiers.ssd_index import SsdIndex
 from pagekv.tiers.ssd_reader import SsdReader
 from pagekv.tiers.ssd_recovery import recover
 from pagekv.tiers.ssd_ring import PendingRing
+from pagekv.tiers.ssd_space import DiskSpace, room_for, segment_bytes_for
 from pagekv.tiers.ssd_writer import SsdWriter
 
 logger = logging.getLogger(__name__)
@@ -69,7 +73,7 @@ _COUNTERS = (
     "bytes_written", "raw_bytes_written", "encode_seconds", "write_seconds", "syncs",
     "reads", "read_hits", "bytes_read", "read_seconds", "evictions",
     "checksum_failures", "torn_entries", "read_errors", "recovered_entries",
-    "discarded_segments", "deleted_segments",
+    "discarded_segments", "deleted_segments", "disk_full_events",
 )  # fmt: skip
 
 
@@ -110,9 +114,9 @@ class SsdTier(Tier):
         self.directory = Path(directory) / f"layout-{self.layout_id:016x}"
         header = segment_header(self.layout_bytes)
         self._max_entry = align_up(block_bytes + MAX_ENTRY_HEADER_LEN)
-        # A small budget gets small segments, so that deleting one frees a useful fraction.
-        self.segment_bytes = max(min(segment_bytes, capacity_bytes // 4), len(header) + self._max_entry)
-        self.batch_bytes = align_up(max(self._max_entry, min(batch_bytes, self.segment_bytes)))
+        room = room_for(self.directory, capacity_bytes)  # a budget past the disk sizes nothing
+        seg_bytes = segment_bytes_for(room, segment_bytes, len(header) + self._max_entry)
+        self.batch_bytes = align_up(max(self._max_entry, min(batch_bytes, seg_bytes)))
         io_threads = max(1, io_threads)
 
         self._lock = threading.Lock()
@@ -130,9 +134,14 @@ class SsdTier(Tier):
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="pagekv-ssd-io")
         self._loop = LoopThread("pagekv-ssd", self._executor)
         self._files = SegmentFiles(
-            self._loop, self.directory, header, self.segment_bytes, books_lock=self._lock,
+            self._loop, self.directory, header, seg_bytes, books_lock=self._lock,
             index=self._index, sync=sync, direct_io=direct_io is not False and hasattr(os, "O_DIRECT"),
-            counters=self._c, on_error=self._disable,
+            counters=self._c, on_error=self._io_error,
+        )  # fmt: skip
+        self._space = DiskSpace(
+            self.directory, index=self._index, files=self._files, books_lock=self._lock,
+            counters=self._c, wanted_segment_bytes=segment_bytes,
+            smallest_segment_bytes=len(header) + self._max_entry,
         )  # fmt: skip
         elem_size = elem_size_of(self.dtype)
         self._reader = SsdReader(
@@ -148,15 +157,20 @@ class SsdTier(Tier):
         )  # fmt: skip
         self._writer = SsdWriter(
             self._loop, cond=self._cond, ring=self._ring, index=self._index, encoder=encoder,
-            files=self._files, write_batch=self._write_batch, closing=lambda: self._closing,
-            on_error=self._disable, counters=self._c, sync_delay_s=sync_delay_s,
+            files=self._files, closing=lambda: self._closing,
+            on_error=self._io_error, counters=self._c, sync_delay_s=sync_delay_s,
         )  # fmt: skip
         self._loop.run(self._start())
 
     # --- sizes and state -------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
+        """The budget in effect: the configured one, less what a full disk took (ssd_space)."""
         return self._index.capacity
+
+    @property
+    def segment_bytes(self) -> int:
+        return self._files.segment_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -203,6 +217,7 @@ class SsdTier(Tier):
                 pending_bytes=self._ring.nbytes,
                 used_bytes=self._index.disk_bytes,
                 capacity_bytes=self._index.capacity,
+                configured_capacity_bytes=self._space.configured,
                 segments=len(self._index.segments),
                 direct_io=int(self._files.direct_io),
                 disabled=int(self._disabled),
@@ -336,50 +351,20 @@ class SsdTier(Tier):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- writing (the loop thread) -----------------------------------------------------------
-    async def _write_batch(self, batch: Batch) -> None:
-        """The writer's one call per batch: make room in the budget, append the batch to the
-        active segment, then move its entries from the ring to the index."""
-        async with self._files.lock:
-            with self._lock:
-                doomed, keep = self._make_room_locked(batch)
-            await self._files.delete(doomed)
-            if not keep:
-                return
-            size = batch.size_of_first(keep)
-            seg, start, elapsed = await self._files.append(batch.view[:size])
-            with self._cond:
-                for p, offset, length, codec in batch.items[:keep]:
-                    if self._ring.landed(p):
-                        self._index.add(p.block_hash, seg, start + offset, length)
-                        self._c["entries_written"] += 1
-                        self._c["raw_bytes_written"] += p.nbytes
-                        if codec != CODEC_RAW:
-                            self._c["compressed_entries"] += 1
-                    else:
-                        self._c["dead_entries_written"] += 1
-                self._c["bytes_written"] += size
-                self._c["write_seconds"] += elapsed
-                if seg.live == 0:
-                    self._files.schedule_reclaim_locked()
-                self._cond.notify_all()
-
-    def _make_room_locked(self, batch: Batch) -> tuple[list[Segment], int]:
-        """Evict until the batch fits the budget. Returns (segments to delete, how many of the
-        batch's entries to write); the rest are dropped when its chunk is recycled."""
-        header = self._files.header_len if self._files.rolls_for(batch.size) else 0
-        doomed = self._index.make_room(batch.size + header, self._files.active)
-        keep = batch.fitting(self._index.capacity - self._index.disk_bytes - header)
-        # Nothing left to evict (reads pin it, or a tiny budget): the rest is refused.
-        self._c["put_drops"] += sum(self._ring.is_live(p) for p, *_ in batch.items[keep:])
-        return doomed, keep
-
     # --- bookkeeping (callers hold _lock) ----------------------------------------------------
     def _remove_locked(self, block_hash: bytes) -> bool:
         if self._ring.remove(block_hash):
             self._cond.notify_all()  # flush() may be waiting for the ring to empty
             return True
         return self._index.remove(block_hash)
+
+    def _io_error(self, what: str, exc: BaseException) -> None:
+        """A failed write or sync, from the writer or the files: a full disk shrinks the
+        budget, anything else disables the tier."""
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            self._space.full(what, exc)
+        else:
+            self._disable(what, exc)
 
     def _disable(self, what: str, exc: BaseException | None) -> None:
         with self._cond:
@@ -401,8 +386,14 @@ class SsdTier(Tier):
                 self._files, self._index, self._lock, self._c,
                 layout_id=self.layout_id, block_bytes=self.block_bytes,
             )  # fmt: skip
+            self._space.check_at_start()
             async with self._files.lock:
-                await self._files.open_segment()  # eagerly: proves the directory is writable now
+                try:  # eagerly: proves the directory is writable now
+                    await self._files.open_segment()
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    self._space.full("starting a segment", exc)  # full, yet it serves what it holds
         except OSError as exc:
             self._disable("cannot use the directory", exc)
         self._writer.start()

@@ -15,6 +15,11 @@ on) and on `sync_now` (the writer's idle sync, `flush`, `close`); never per batc
 cost a journal commit per write. A crash loses at most the unsynced tail, which the start-up
 scan sees as torn (or never sees).
 
+A full disk. Writes are positional (`os.pwrite`); a short one is retried for the rest, which
+lands or fails with the real error. On ENOSPC `append` keeps the whole entries that landed,
+cuts the torn tail off the file (so the file ends at an entry boundary and a restart finds no
+tear), and reports the error in its result: the tier shrinks its budget, it does not stop.
+
 Every coroutine runs on the tier's loop thread; `lock` serialises appends and deletions. The
 books (sizes, live entries) are the index's, updated under the tier's lock. A segment left
 with no entries is deleted (`schedule_reclaim_locked`): there is no compaction.
@@ -23,6 +28,7 @@ with no entries is deleted (`schedule_reclaim_locked`): there is no compaction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import mmap
@@ -55,6 +61,52 @@ def segment_header(layout_bytes: bytes) -> mmap.mmap:
     buf = mmap.mmap(-1, align_up(len(header)))
     buf.write(header)
     return buf
+
+
+class IncompleteWrite(OSError):
+    """A write that failed part way: `written` of its bytes landed, from its start."""
+
+    def __init__(self, err: int, message: str, written: int) -> None:
+        super().__init__(err, message)
+        self.written = written
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int, path: str) -> None:
+    """Write all of `data` at `offset` (blocking). A short write is continued: the rest
+    lands, or its error (ENOSPC, typically) is raised as an IncompleteWrite saying how much
+    landed, with the errno the system gave (a short count alone is no error)."""
+    done = 0
+    while done < len(data):
+        try:
+            n = os.pwrite(fd, data[done:], offset + done)
+        except OSError as exc:
+            raise IncompleteWrite(exc.errno or errno.EIO, f"{exc.strerror}: writing {path} "
+                                  f"({done} of {len(data)} bytes written)", done) from exc
+        if n <= 0:  # never for a regular file, by POSIX; do not loop on it
+            raise IncompleteWrite(errno.EIO, f"write to {path} made no progress "
+                                  f"({done} of {len(data)} bytes written)", done)
+        done += n
+
+
+def held_bytes(directory: Path) -> int:
+    """Bytes of the segment files in `directory` (0 if it is not there yet); blocking."""
+    try:
+        return sum(e.stat().st_size for e in os.scandir(directory) if _SEG_RE.match(e.name))
+    except OSError:
+        return 0
+
+
+@dataclass(slots=True)
+class Appended:
+    """What `append` wrote: `written` bytes at `start` of `seg` (all it was given unless
+    `full`, the ENOSPC that stopped it; then only whole entries, and `seg` is None if no
+    segment could be started)."""
+
+    seg: Segment | None
+    start: int
+    written: int
+    seconds: float
+    full: OSError | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -119,23 +171,45 @@ class SegmentFiles:
         seg = self.active
         return seg is not None and seg.size > seg.first_entry and seg.size + nbytes > self.segment_bytes
 
-    async def append(self, data: memoryview) -> tuple[Segment, int, float]:
+    async def append(self, data: memoryview, whole: Callable[[int], int]) -> Appended:
         """Write `data` at the end of the active segment (a new one if it would overflow).
-        Returns (segment, offset written at, seconds the write took)."""
+        `whole(n)`: how many of the first `n` bytes of `data` are whole entries. ENOSPC is
+        reported in the result; any other error raises."""
         if self._full_for(len(data)):
             self.close_active()  # sealed: it stays, read-only from now on
         if self.active is None:
-            await self.open_segment()
+            try:
+                await self.open_segment()
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                return Appended(None, 0, 0, 0.0, exc)
         seg, f = self.active, self._active_file
         assert seg is not None
         start = seg.size
         with self._books_lock:  # reserve: the file grows now, whatever happens next
             self._index.grow(seg, len(data))
         t0 = time.perf_counter()
-        written = await f.write(data)
-        if written != len(data):
-            raise OSError(errno.EIO, f"short write to {seg.path} ({written} of {len(data)} bytes)")
-        return seg, start, time.perf_counter() - t0
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, pwrite_all, f.fileno(), data, start, seg.path)
+        except IncompleteWrite as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            kept = whole(exc.written)
+            await self._cut(seg, f, start + kept)
+            return Appended(seg, start, kept, time.perf_counter() - t0, exc)
+        return Appended(seg, start, len(data), time.perf_counter() - t0)
+
+    async def _cut(self, seg: Segment, f: Any, size: int) -> None:
+        """After a short write: the file and its books end at `size`, the end of its last whole
+        entry (the torn tail would only cost a warning at the next start)."""
+        with self._books_lock:
+            self._index.resize(seg, size)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, os.ftruncate, f.fileno(), size)
+        except OSError as exc:  # harmless: the start-up scan stops at a torn tail
+            logger.warning("SSD tier: cannot cut the torn tail off %s: %s", seg.path, exc)
 
     async def open_segment(self) -> None:
         seq = self._next_seq
@@ -150,15 +224,16 @@ class SegmentFiles:
             logger.info("SSD tier: %s does not support O_DIRECT; using buffered I/O", self.directory)
             self.direct_io = False
             f = await aiofiles.open(path, "xb", buffering=0, opener=self.opener)
+        loop = asyncio.get_running_loop()
         try:
-            if await f.write(memoryview(self._header)) != self.header_len:
-                raise OSError(errno.EIO, f"short write to {path}")
+            await loop.run_in_executor(None, pwrite_all, f.fileno(), memoryview(self._header), 0, path)
             if self.sync:
-                loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, os.fdatasync, f.fileno())
                 await loop.run_in_executor(None, _fsync_dir, str(self.directory))
         except BaseException:
             await f.close()
+            with contextlib.suppress(OSError):  # a headless file only costs a warning at start
+                await aiofiles.os.remove(path)
             raise
         seg = Segment(seq, path, size=self.header_len, first_entry=self.header_len)
         with self._books_lock:

@@ -81,6 +81,11 @@ class SsdIndex:
         seg.dirty = True
         self.disk_bytes += nbytes
 
+    def resize(self, seg: Segment, size: int) -> None:
+        """A segment's file is now `size` bytes (a short write, cut back to its whole entries)."""
+        self.disk_bytes += size - seg.size
+        seg.size = size
+
     def unlink(self, seg: Segment) -> Segment:
         """Take a segment off the books (the caller deletes its file)."""
         del self.segments[seg.seq]

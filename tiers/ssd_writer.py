@@ -2,9 +2,10 @@
 
 `put` never waits for the disk: it copies into the ring (`tiers.ssd_ring`) and wakes the
 writer, at most one wake-up in flight. The writer takes the ring's chunks in order, prepares
-chunk N+1 (headers, compression: `tiers.ssd_batch`) while batch N is written, and hands each
-batch to `write_batch` (the tier's: budget, append, index). A chunk goes back to the ring after
-its write, whatever happened; what it held and did not write is reported lost. When it runs
+chunk N+1 (headers, compression: `tiers.ssd_batch`) while batch N is written, and writes each
+batch (`write_batch`: evict to fit the budget, append, index). A chunk goes back to the ring
+after its write, whatever happened; what it held and did not write (refused by the budget, cut
+short by a full disk) is reported lost. When it runs
 out of work it syncs once, `sync_delay_s` later (at most one idle sync pending: a steady
 trickle of puts must not sync every batch).
 """
@@ -15,12 +16,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from pagekv.proto.loop_thread import LoopThread
+from pagekv.tiers.codec import CODEC_RAW
 from pagekv.tiers.ssd_batch import Batch, BatchEncoder
 from pagekv.tiers.ssd_files import SegmentFiles
-from pagekv.tiers.ssd_index import SsdIndex
+from pagekv.tiers.ssd_index import Segment, SsdIndex
 from pagekv.tiers.ssd_ring import Chunk, Pending, PendingRing
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,6 @@ class SsdWriter:
         index: SsdIndex,
         encoder: BatchEncoder,
         files: SegmentFiles,
-        write_batch: Callable[[Batch], Awaitable[None]],
         closing: Callable[[], bool],
         on_error: Callable[[str, BaseException], None],
         counters: dict[str, float],
@@ -48,7 +49,6 @@ class SsdWriter:
         self._index = index
         self._encoder = encoder
         self._files = files
-        self._write_batch = write_batch
         self._closing = closing
         self._on_error = on_error
         self._c = counters
@@ -125,7 +125,7 @@ class SsdWriter:
                 batch = await task
                 task = start(self._take_chunk())
                 try:
-                    await self._write_batch(batch)
+                    await self.write_batch(batch)
                 finally:
                     self._recycle(batch.chunk)
             if self._idle_sync is None:
@@ -145,6 +145,49 @@ class SsdWriter:
             with self._cond:
                 self.busy = False
                 self._cond.notify_all()
+
+    async def write_batch(self, batch: Batch) -> None:
+        """Make room in the budget, append the batch to the active segment, then move its
+        entries from the ring to the index. A full disk keeps what landed whole and is
+        reported to `on_error` (which shrinks the budget) without stopping the writer."""
+        async with self._files.lock:
+            with self._cond:
+                doomed, keep = self._make_room_locked(batch)
+            await self._files.delete(doomed)
+            if not keep:
+                return
+            done = await self._files.append(batch.view[: batch.size_of_first(keep)],
+                                            lambda n: batch.size_of_first(batch.fitting(n)))
+            if done.full is not None:
+                self._on_error("write", done.full)
+            seg, start, keep = done.seg, done.start, batch.fitting(done.written)
+            if seg is None:
+                return
+            with self._cond:
+                for p, offset, length, codec in batch.items[:keep]:
+                    if self._ring.landed(p):
+                        self._index.add(p.block_hash, seg, start + offset, length)
+                        self._c["entries_written"] += 1
+                        self._c["raw_bytes_written"] += p.nbytes
+                        if codec != CODEC_RAW:
+                            self._c["compressed_entries"] += 1
+                    else:
+                        self._c["dead_entries_written"] += 1
+                self._c["bytes_written"] += done.written
+                self._c["write_seconds"] += done.seconds
+                if seg.live == 0:
+                    self._files.schedule_reclaim_locked()
+                self._cond.notify_all()
+
+    def _make_room_locked(self, batch: Batch) -> tuple[list[Segment], int]:
+        """Evict until the batch fits the budget. Returns (segments to delete, how many of the
+        batch's entries to write); the rest are dropped when its chunk is recycled."""
+        header = self._files.header_len if self._files.rolls_for(batch.size) else 0
+        doomed = self._index.make_room(batch.size + header, self._files.active)
+        keep = batch.fitting(self._index.capacity - self._index.disk_bytes - header)
+        # Nothing left to evict (reads pin it, or a tiny budget): the rest is refused.
+        self._c["put_drops"] += sum(self._ring.is_live(p) for p, *_ in batch.items[keep:])
+        return doomed, keep
 
     def _start_idle_sync(self) -> None:
         self._idle_sync = None

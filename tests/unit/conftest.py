@@ -40,17 +40,17 @@ def make_tier(tmp_path: Path) -> Iterator[Callable[..., SsdTier]]:
 @pytest.fixture
 def stalled_sync(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """While the returned event is clear, the writer stops before each write (starts set)."""
-    from pagekv.tiers.ssd import SsdTier
+    from pagekv.tiers.ssd_writer import SsdWriter
 
     release = threading.Event()
     release.set()
-    real = SsdTier._write_batch
+    real = SsdWriter.write_batch
 
-    async def held(self: SsdTier, batch: object) -> None:
+    async def held(self: SsdWriter, batch: object) -> None:
         await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
         await real(self, batch)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(SsdTier, "_write_batch", held)
+    monkeypatch.setattr(SsdWriter, "write_batch", held)
     return release
 
 

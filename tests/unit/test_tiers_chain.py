@@ -300,11 +300,11 @@ def test_ssd_failure_publishes_losses_and_keeps_serving_dram(
     chain.demote(h("b"), None, toks("b"), data("b"))  # a -> SSD
     ssd.flush(30)
 
-    def full(fd: int) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def broken(fd: int) -> None:  # an I/O error (a full disk would only shrink the budget)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(os, "fdatasync", full)
-    chain.demote(h("c"), None, toks("c"), data("c"))  # b -> SSD -> write fails -> disabled
+    monkeypatch.setattr(os, "fdatasync", broken)
+    chain.demote(h("c"), None, toks("c"), data("c"))  # b -> SSD -> sync fails -> disabled
     ssd.flush(30)
     assert ssd.disabled
     chain.demote(h("d"), None, toks("d"), data("d"))  # c has nowhere to go now: dropped

@@ -1,6 +1,6 @@
-"""The SSD tier on real files: failures (an unwritable directory, a full disk: disabled with one
-log line; a block of the wrong size). Fixtures: conftest.py (make_tier,
-stalled_sync); helpers: ssd_fixtures.py.
+"""The SSD tier on real files: failures (an unwritable directory, an I/O error: disabled with one
+log line; a block of the wrong size). A full disk does not disable it: test_tiers_ssd_full.py.
+Fixtures: conftest.py (make_tier, stalled_sync); helpers: ssd_fixtures.py.
 """
 
 from __future__ import annotations
@@ -43,17 +43,17 @@ def test_unwritable_directory_disables_with_one_log_line(
         tier.close()
 
 
-def test_disk_full_disables_with_one_log_line_and_reports_losses(
+def test_io_error_disables_with_one_log_line_and_reports_losses(
     make_tier: Callable[..., SsdTier], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = make_tier()
     tier.put(h(0), block(0))
     tier.flush(30)
 
-    def full(fd: int) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(os, "fdatasync", full)
+    monkeypatch.setattr(os, "fdatasync", broken)
     caplog.set_level(logging.INFO)
     accepted = {h(i) for i in range(1, 6) if tier.put(h(i), block(i))}
     assert accepted  # refused only once the failure is known
@@ -61,7 +61,7 @@ def test_disk_full_disables_with_one_log_line_and_reports_losses(
     assert tier.disabled
     assert tier.stats()["disabled"] == 1
     errors = _errors(caplog)
-    assert len(errors) == 1 and "No space left" in errors[0].getMessage()
+    assert len(errors) == 1 and "[Errno 5] Input/output error" in errors[0].getMessage()
     # Everything it held is reported lost; from now on it is an always-miss tier.
     assert set(tier.take_dropped()) == {h(0)} | accepted
     assert tier.get(h(0)) is None and not tier.put(h(9), block(9))
