@@ -1,5 +1,5 @@
-"""Load a model: a built-in preset name or a local Hugging Face directory
-(``config.json``, ``*.safetensors`` single or sharded, ``tokenizer.json``)."""
+"""Load a model: a built-in preset name, a local Hugging Face directory (``config.json``,
+``*.safetensors`` single or sharded, ``tokenizer.json``) or a GGUF file (kvnode.model.gguf_loader)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ import torch
 
 from pagekv.kvnode.model.config import ModelConfig, ModelLoadError, config_from_hf_dict
 from pagekv.kvnode.model.llama import LlamaForCausalLM
-from pagekv.kvnode.model.presets import PRESETS, init_dummy_weights, preset_config
+from pagekv.kvnode.model.presets import (
+    FILE_PRESETS,
+    PRESETS,
+    init_dummy_weights,
+    preset_config,
+    resolve_file_preset,
+)
 from pagekv.kvnode.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,11 +43,18 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device) -> L
         model = LlamaForCausalLM(cfg, dtype, device)
         init_dummy_weights(model, PRESETS[name_or_path][1])
         return LoadedModel(model.eval(), cfg, ByteTokenizer())
-    path = Path(name_or_path)
+    path = resolve_file_preset(name_or_path) if name_or_path in FILE_PRESETS else Path(name_or_path)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {name_or_path!r} does not exist")
+        from pagekv.kvnode.model.gguf_loader import load_gguf  # imports this module
+
+        model, cfg, tokenizer = load_gguf(path, dtype, device)
+        return LoadedModel(model.eval(), cfg, tokenizer)
     if not path.is_dir():
         raise ModelLoadError(
-            f"{name_or_path!r} is neither a built-in preset ({', '.join(PRESETS)}) nor a "
-            f"local model directory"
+            f"{name_or_path!r} is neither a built-in preset "
+            f"({', '.join([*PRESETS, *FILE_PRESETS])}), a local model directory nor a .gguf file"
         )
     cfg = load_config(path)
     tokenizer = _load_tokenizer(path, cfg)
@@ -70,7 +83,21 @@ def load_config(path: Path) -> ModelConfig:
 
 def _load_tokenizer(path: Path, cfg: ModelConfig) -> HFTokenizer:
     tok_file = _require(path / "tokenizer.json", "Hugging Face fast tokenizer")
-    return HFTokenizer(tok_file, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+    return HFTokenizer(tok_file, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                       chat_template=_chat_template(path))
+
+
+def _chat_template(path: Path) -> str | None:
+    """chat_template.jinja (transformers >= 4.43 saves it apart), else tokenizer_config.json's
+    chat_template (a string, or a list of named ones: the "default")."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = path / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -15,6 +15,11 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_token_id: int | None
     eos_token_id: int | None
+    # The model's Jinja chat template (None: the model has none) and the text of its BOS and
+    # EOS tokens, which templates refer to as bos_token / eos_token.
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
@@ -31,6 +36,9 @@ class ByteTokenizer:
         self.vocab_size = 258
         self.bos_token_id: int | None = self.BOS
         self.eos_token_id: int | None = self.EOS
+        self.chat_template: str | None = None
+        self.bos_token: str | None = "<s>"
+        self.eos_token: str | None = "</s>"
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -56,16 +64,21 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` loaded with the ``tokenizers`` library."""
+    """A ``tokenizers`` tokenizer: a ``tokenizer.json`` path, or one already built (from a
+    GGUF file's vocabulary, kvnode.model.gguf_tokenizer)."""
 
-    def __init__(self, path: str | Path, bos_token_id: int | None = None,
-                 eos_token_id: int | None = None) -> None:
+    def __init__(self, source: str | Path | Any, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None, chat_template: str | None = None) -> None:
         from tokenizers import Tokenizer as _RustTokenizer
 
-        self._tok = _RustTokenizer.from_file(str(path))
+        is_path = isinstance(source, str | Path)
+        self._tok = _RustTokenizer.from_file(str(source)) if is_path else source
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.bos_token = None if bos_token_id is None else self._tok.id_to_token(bos_token_id)
+        self.eos_token = None if eos_token_id is None else self._tok.id_to_token(eos_token_id)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         # The tokenizer's own post-processor decides whether a BOS goes in front (Llama and

@@ -1,0 +1,114 @@
+"""ggml tensor types: their sizes, and dequantization to float32 of the ones we load.
+
+A quantized tensor is a sequence of blocks along its rows (the fastest-varying GGUF
+dimension); each block stores ``block_size`` values in ``type_size`` bytes. Dequantized here,
+block-parallel in numpy (no per-element Python): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1.
+Every other type is refused by name (the k-quants and i-quants of llama.cpp are not
+implemented). Block layouts are ggml's (``ggml-common.h``):
+
+* Q8_0: fp16 scale ``d``, 32 int8 ``q``: ``x = d * q``
+* Q4_0: ``d``, 16 bytes of nibbles: element ``j`` is the low nibble of byte ``j``, element
+  ``j + 16`` its high nibble: ``x = d * (q - 8)``
+* Q4_1: ``d``, fp16 minimum ``m``, nibbles as Q4_0: ``x = d * q + m``
+* Q5_0 / Q5_1: as Q4_0 / Q4_1 plus a uint32 ``qh`` holding bit 4 of element ``j`` at bit ``j``:
+  ``x = d * (q - 16)`` / ``x = d * q + m``
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pagekv.kvnode.model.config import ModelLoadError
+
+# ggml type id -> (name, values per block, bytes per block), as in gguf-py's GGML_QUANT_SIZES.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+}
+
+_F16 = "<f2"
+_BLOCKS = {
+    "Q8_0": np.dtype([("d", _F16), ("q", "i1", (32,))]),
+    "Q4_0": np.dtype([("d", _F16), ("qs", "u1", (16,))]),
+    "Q4_1": np.dtype([("d", _F16), ("m", _F16), ("qs", "u1", (16,))]),
+    "Q5_0": np.dtype([("d", _F16), ("qh", "<u4"), ("qs", "u1", (16,))]),
+    "Q5_1": np.dtype([("d", _F16), ("m", _F16), ("qh", "<u4"), ("qs", "u1", (16,))]),
+}
+DEQUANTIZABLE: tuple[str, ...] = ("F32", "F16", "BF16", *_BLOCKS)
+_BIT_POSITIONS = np.arange(32, dtype=np.uint32)
+
+
+def ggml_type_name(ggml_type: int) -> str:
+    entry = GGML_TYPES.get(ggml_type)
+    return entry[0] if entry else f"unknown ggml type {ggml_type}"
+
+
+def tensor_nbytes(ggml_type: int, shape: tuple[int, ...], name: str) -> int:
+    """Bytes a tensor of this type and (row-major) shape takes in the file."""
+    entry = GGML_TYPES.get(ggml_type)
+    if entry is None:
+        raise ModelLoadError(f"tensor {name!r} has unknown ggml type {ggml_type}")
+    type_name, block, size = entry
+    if shape[-1] % block:
+        raise ModelLoadError(
+            f"tensor {name!r}: rows of {shape[-1]} values are not a whole number of {type_name} "
+            f"blocks of {block}"
+        )
+    return math.prod(shape) // block * size
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes -> [n, 32] values: the 16 low nibbles, then the 16 high ones."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[n] uint32 -> [n, 32] bit 4 of each element (bit j of qh is element j's)."""
+    return (((qh[:, None] >> _BIT_POSITIONS) & 1) << 4).astype(np.uint8)
+
+
+def dequantize(raw: memoryview | bytes, ggml_type: int, shape: tuple[int, ...],
+               name: str = "tensor") -> np.ndarray:
+    """The tensor's values as a float32 array of ``shape`` (row-major); a new array, never a
+    view of ``raw``. ModelLoadError for a type not in DEQUANTIZABLE or a size mismatch."""
+    type_name = ggml_type_name(ggml_type)
+    if type_name not in DEQUANTIZABLE:
+        raise ModelLoadError(
+            f"tensor {name!r} is {type_name}, which this loader does not dequantize; "
+            f"supported: {', '.join(DEQUANTIZABLE)}"
+        )
+    expected = tensor_nbytes(ggml_type, shape, name)
+    if len(raw) != expected:
+        raise ModelLoadError(f"tensor {name!r}: {len(raw)} bytes, {type_name} {shape} needs "
+                             f"{expected}")
+    if type_name == "F32":
+        return np.frombuffer(raw, dtype="<f4").astype(np.float32).reshape(shape)
+    if type_name == "F16":
+        return np.frombuffer(raw, dtype=_F16).astype(np.float32).reshape(shape)
+    if type_name == "BF16":  # the top half of a float32
+        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    b = np.frombuffer(raw, dtype=_BLOCKS[type_name])
+    d = b["d"].astype(np.float32)[:, None]
+    if type_name == "Q8_0":
+        out = d * b["q"].astype(np.float32)
+    elif type_name == "Q4_0":
+        out = d * (_nibbles(b["qs"]).astype(np.float32) - 8.0)
+    elif type_name == "Q4_1":
+        out = d * _nibbles(b["qs"]).astype(np.float32) + b["m"].astype(np.float32)[:, None]
+    else:  # Q5_0, Q5_1
+        q = (_nibbles(b["qs"]) | _high_bits(b["qh"])).astype(np.float32)
+        if type_name == "Q5_0":
+            out = d * (q - 16.0)
+        else:
+            out = d * q + b["m"].astype(np.float32)[:, None]
+    return out.reshape(shape)
