@@ -24,15 +24,31 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
+from pagekv.proto.credentials import (
+    ADMIN_TOKEN_ENV,
+    API_TOKEN_ENV,
+    POD_API_TOKEN_ENV,
+    REDIS_URL_ENV,
+    TlsFiles,
+    add_redis_tls_arguments,
+    add_token_argument,
+    redis_url_from,
+    tls_from,
+    token_from,
+)
+from pagekv.proto.grpc_security import open_channel
+from pagekv.proto.redact import redact_url
 
 logger = logging.getLogger(__name__)
 
 
 def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None,
-                 service: str = "") -> None:
-    """Poll grpc.health.v1 until SERVING; fail early if the process died."""
+                 service: str = "", tls: TlsFiles | None = None) -> None:
+    """Poll grpc.health.v1 until SERVING; fail early if the process died. `tls`: the
+    server's CA (and a client certificate, for a server that requires one). Health needs no
+    token."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -97,7 +113,7 @@ class LocalCluster:
     nodes: int = 2
     model: str = "pagekv-tiny"
     run_dir: Path | None = None
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may hold a password
     host: str = "127.0.0.1"
     router_port: int | None = None
     node_args: list[str] = field(default_factory=list)  # extra flags for every pod
@@ -107,6 +123,47 @@ class LocalCluster:
     redis: RedisProcess | None = None
     router: Child | None = None
     pods: list[Child] = field(default_factory=list)
+    # Security (README "Security"). One certificate for every server here, signed by tls_ca;
+    # tls_client_auth: the servers require client certificates too, and the router and the
+    # health checks present that same certificate. Secrets reach the children through their
+    # environment, never their command lines (`ps` shows those).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_client_auth: bool = False
+    admin_token: str | None = field(default=None, repr=False)
+    api_token: str | None = field(default=None, repr=False)
+    redis_tls: TlsFiles | None = None  # an external rediss:// index
+
+    def server_tls(self) -> TlsFiles | None:
+        if self.tls_cert is None:
+            return None
+        return TlsFiles(self.tls_cert, self.tls_key,
+                        self.tls_ca if self.tls_client_auth else None)
+
+    def client_tls(self) -> TlsFiles | None:
+        """What a client of this cluster's servers presents (health checks, the router's pod
+        channels, a test's stubs)."""
+        if self.tls_cert is None:
+            return None
+        if self.tls_client_auth:
+            return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
+        return TlsFiles(ca=self.tls_ca)
+
+    def _security(self, router: bool) -> tuple[list[str], dict[str, str]]:
+        """(flags, environment) of one child. '' unsets a token the parent's environment
+        may carry: a cluster's children get exactly the cluster's secrets."""
+        flags: list[str] = []
+        tls = self.server_tls()
+        for prefix, files in (("tls", tls), ("redis", self.redis_tls),
+                              ("pod-tls", self.client_tls() if router else None)):
+            for part in ("cert", "key", "ca"):
+                if files is not None and getattr(files, part):
+                    flags += [f"--{prefix}-{part}", getattr(files, part)]
+        env = {REDIS_URL_ENV: self.redis_url or "", API_TOKEN_ENV: self.api_token or "",
+               ADMIN_TOKEN_ENV: "" if router else self.admin_token or "",
+               POD_API_TOKEN_ENV: (self.api_token or "") if router else ""}
+        return flags, env
 
     def start(self, timeout: float = 180.0) -> LocalCluster:
         if self.run_dir is None:
@@ -122,7 +179,7 @@ class LocalCluster:
             if self.start_router:
                 self.start_router_process()
             for child in self.children:
-                wait_healthy(child.address, timeout, child.proc)
+                wait_healthy(child.address, timeout, child.proc, tls=self.client_tls())
         except BaseException:
             for child in self.children:
                 if child.proc.poll() is not None:
@@ -139,12 +196,13 @@ class LocalCluster:
         if not any(a.startswith("--num-threads") for a in node_args):
             # Pods sharing this host split its cores instead of oversubscribing them.
             node_args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(1, self.nodes)))]
+        flags, env = self._security(router=False)
         argv = pagekv_cmd(
             "node", "--model", self.model, "--host", self.host, "--port", str(port),
-            "--metrics-port", str(mport), "--redis-url", self.redis_url, "--pod-id", pod_id,
+            "--metrics-port", str(mport), "--pod-id", pod_id, *flags,
             *node_args, *(extra or []),
         )
-        child = spawn(pod_id, argv, self.run_dir)
+        child = spawn(pod_id, argv, self.run_dir, env)
         child.address, child.metrics_port = f"{self.host}:{port}", mport
         self.children.append(child)
         self.pods.append(child)
@@ -153,11 +211,12 @@ class LocalCluster:
     def start_router_process(self) -> Child:
         port = self.router_port or free_port()
         mport = free_port()
+        flags, env = self._security(router=True)
         argv = pagekv_cmd(
             "router", "--model", self.model, "--host", self.host, "--port", str(port),
-            "--metrics-port", str(mport), "--redis-url", self.redis_url, *self.router_args,
+            "--metrics-port", str(mport), *flags, *self.router_args,
         )
-        child = spawn("router", argv, self.run_dir)
+        child = spawn("router", argv, self.run_dir, env)
         child.address, child.metrics_port = f"{self.host}:{port}", mport
         self.children.append(child)
         self.router = child
@@ -186,13 +245,15 @@ class LocalCluster:
         self.stop()
 
     def describe(self) -> str:
-        lines = [f"router:  {self.router.address}" if self.router else "router:  (none)"]
+        tls = self.server_tls()
+        how = f"  ({'mutual TLS' if tls and tls.client_auth else 'TLS'})" if tls else ""
+        lines = [f"router:  {self.router.address}{how}" if self.router else "router:  (none)"]
         for pod in self.pods:
             lines.append(f"{pod.name}:  grpc {pod.address}   metrics "
                          f"http://{self.host}:{pod.metrics_port}/metrics")
         if self.router:
             lines.append(f"router metrics: http://{self.host}:{self.router.metrics_port}/metrics")
-        lines.append(f"redis:   {self.redis_url}")
+        lines.append(f"redis:   {redact_url(self.redis_url)}")
         lines.append(f"logs:    {self.run_dir}")
         return "\n".join(lines)
 
@@ -209,13 +270,48 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_arguments(p)
+    group = p.add_argument_group("security (README \"Security\")")
+    group.add_argument("--tls-cert", default=None, metavar="PEM",
+                       help="every pod's and the router's certificate (its names must cover "
+                            "the addresses dialled, e.g. IP 127.0.0.1)")
+    group.add_argument("--tls-key", default=None, metavar="PEM")
+    group.add_argument("--tls-ca", default=None, metavar="PEM",
+                       help="the CA that signed --tls-cert (clients verify the servers by it)")
+    group.add_argument("--tls-client-auth", action="store_true",
+                       help="mutual TLS: servers also require client certificates signed by "
+                            "--tls-ca (the router and health checks present --tls-cert)")
+    add_token_argument(group, "--admin-token", ADMIN_TOKEN_ENV, "the pods' admin token")
+    add_token_argument(group, "--api-token", API_TOKEN_ENV,
+                       "the pods' and the router's API token (the router uses it for the pods)")
+    add_redis_tls_arguments(p)
 
 
 def cluster_from(args: argparse.Namespace) -> LocalCluster:
     run_dir = Path(args.run_dir) if args.run_dir else None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if (args.tls_ca or args.tls_client_auth) and args.tls_cert is None:
+        raise ValueError("--tls-ca/--tls-client-auth need --tls-cert and --tls-key")
     return LocalCluster(nodes=args.nodes, model=args.model, run_dir=run_dir,
-                        redis_url=args.redis_url, router_port=args.router_port,
-                        node_args=list(args.node_arg))
+                        redis_url=redis_url_from(args), router_port=args.router_port,
+                        node_args=list(args.node_arg), tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, tls_ca=args.tls_ca,
+                        tls_client_auth=args.tls_client_auth,
+                        admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
+                        api_token=token_from(args.api_token, API_TOKEN_ENV),
+                        redis_tls=tls_from(args, "redis"))
+
+
+def try_line(cluster: LocalCluster) -> str:
+    """The `pagekv generate` command that reaches this cluster's router."""
+    argv = f"pagekv generate 'Hello' --router {cluster.router.address}"
+    tls = cluster.client_tls()
+    for part in ("ca", "cert", "key"):
+        if tls is not None and getattr(tls, part):
+            argv += f" --tls-{part} {getattr(tls, part)}"
+    if cluster.api_token:
+        argv = f"{API_TOKEN_ENV}=... " + argv
+    return argv
 
 
 def main(args: argparse.Namespace) -> int:
@@ -230,7 +326,7 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     cluster.start()
     print("PageKV local cluster is up:\n" + cluster.describe(), flush=True)
-    print(f"try: pagekv generate 'Hello' --router {cluster.router.address}", flush=True)
+    print(f"try: {try_line(cluster)}", flush=True)
     try:
         while not stop:
             for child in cluster.children:

@@ -39,6 +39,7 @@ _EXPORTS = {
     "CompletionOutput": "pagekv.kvnode.engine.outputs",
     "EngineArgs": "pagekv.kvnode.engine.config",
     "Client": "pagekv.kvnode.pod.client",
+    "TlsFiles": "pagekv.proto.credentials",  # Client(..., tls=TlsFiles(ca=...))
 }
 __all__ = sorted([*_EXPORTS, "__version__"])
 

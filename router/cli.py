@@ -7,6 +7,17 @@ import asyncio
 import logging
 import signal
 
+from pagekv.proto.credentials import (
+    API_TOKEN_ENV,
+    POD_API_TOKEN_ENV,
+    add_redis_arguments,
+    add_server_tls_arguments,
+    add_tls_arguments,
+    add_token_argument,
+    redis_url_from,
+    tls_from,
+    token_from,
+)
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from pagekv.proto.heap import freeze_startup_heap
 from pagekv.router.config import DEFAULT_COSTS, POLICIES, RouterConfig
@@ -24,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50050, help="gRPC port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=9100,
                         help="Prometheus /metrics port (0: not served)")
-    parser.add_argument("--redis-url", default=d.redis_url)
+    add_redis_arguments(parser, d.redis_url)
     parser.add_argument("--index-prefix", default=d.index_prefix,
                         help="key prefix of the Redis index (the pods' prefix)")
     group = parser.add_argument_group("hashing (must equal the pods')")
@@ -63,6 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--redis-timeout-s", type=float, default=d.redis_timeout_s)
     group.add_argument("--random-seed", type=int, default=None,
                        help="seed of --policy random")
+    add_server_tls_arguments(parser)
+    add_token_argument(parser, "--api-token", API_TOKEN_ENV,
+                       "bearer token that clients' Generate and GenerateStream calls need")
+    add_tls_arguments(parser, "pod-tls", "TLS to the pods (plaintext without any of these)",
+                      "CA the pods' certificates must be signed by; --pod-tls-cert/"
+                      "--pod-tls-key: the router's client certificate for pods that require "
+                      "one (their --tls-ca)")
+    add_token_argument(parser, "--pod-api-token", POD_API_TOKEN_ENV,
+                       "the router's own bearer token for the pods' --api-token (a client's "
+                       "token is never forwarded)")
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:
@@ -75,12 +96,17 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         speed_band=args.speed_band,
     )
     return RouterConfig(
-        redis_url=args.redis_url, model=args.model, block_size=args.block_size,
+        redis_url=redis_url_from(args, RouterConfig().redis_url), model=args.model,
+        block_size=args.block_size,
         hash_algo=args.hash_algo, hash_seed=args.hash_seed, index_prefix=args.index_prefix,
         policy=args.policy, costs=costs, burst_ttl_s=args.burst_ttl_s,
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
         reap_dead_after_s=args.reap_dead_after_s,
         redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,
+        tls=tls_from(args), api_token=token_from(args.api_token, API_TOKEN_ENV),
+        pod_tls=tls_from(args, "pod-tls"),
+        pod_api_token=token_from(args.pod_api_token, POD_API_TOKEN_ENV),
+        redis_tls=tls_from(args, "redis"),
     )
 
 

@@ -19,9 +19,12 @@ one pod with 2 torch threads:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
+from pagekv.proto.index.connect import check_tls_url
+from pagekv.proto.redact import redact_url
 from pagekv.router.scoring import CostModel
 
 POLICIES = ("prefix", "round_robin", "random")
@@ -52,6 +55,18 @@ class RouterConfig:
     max_attempts: int = 3             # pods tried per request when earlier ones are UNAVAILABLE
     unavailable_cooldown_s: float = 2.0  # a pod that was UNAVAILABLE is tried last this long
     random_seed: int | None = None    # for --policy random (reproducible benchmarks)
+    # Security (README "Security"). tls: the router's own port; pod_tls / pod_api_token:
+    # what it presents to pods (its own, never a client's); redis_tls: rediss:// files.
+    tls: TlsFiles | None = None
+    api_token: str | None = field(default=None, repr=False)
+    pod_tls: TlsFiles | None = None
+    pod_api_token: str | None = field(default=None, repr=False)
+    redis_tls: TlsFiles | None = None
+
+    def __repr__(self) -> str:  # the URL's password and the tokens never reach a log
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        values["redis_url"] = redact_url(self.redis_url)
+        return f"RouterConfig({', '.join(f'{k}={v!r}' for k, v in values.items())})"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -65,6 +80,9 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.reap_dead_after_s < 0:
             raise ValueError(f"reap_dead_after_s must be >= 0, got {self.reap_dead_after_s}")
+        if self.tls is not None:
+            self.tls.require_identity()
+        check_tls_url(self.redis_url, self.redis_tls)
         if self.burst_ttl_s < 0 or self.refresh_interval_s <= 0 or self.redis_timeout_s <= 0:
             raise ValueError("burst_ttl_s must be >= 0; refresh_interval_s and "
                              "redis_timeout_s must be positive")

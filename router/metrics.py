@@ -79,6 +79,10 @@ class RouterMetrics:
         self.inflight = Gauge(
             "pagekv_router_inflight_requests", "Requests being forwarded right now",
             registry=r)
+        self.auth_refused = Counter(
+            "pagekv_router_auth_refused_total",
+            "Calls refused for a missing or wrong bearer token (--api-token), by method and "
+            "gRPC code", ["method", "code"], registry=r)
 
     def observe_cached(self, predicted: int, actual: int, prompt_tokens: int) -> None:
         self.predicted_tokens.observe(predicted)

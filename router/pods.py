@@ -10,6 +10,9 @@ namespaces and warns once per such pod, so an operator sees why it is never chos
 When Redis cannot be read the registry keeps the last known pods, flags the index as down
 (the router then routes by load only) and keeps probing; the first successful read flips it
 back.
+
+Pod channels use the router's own pod credentials (`RouterConfig.pod_tls`,
+`pod_api_token`), never a client's: a client's token authenticates it to the router only.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pagekv.proto.credentials import TlsFiles, bearer
+from pagekv.proto.grpc_security import channel_credentials, open_channel
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, config_mismatch
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc
 from pagekv.router.metrics import RouterMetrics
@@ -39,10 +44,26 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+class BearerStub:
+    """A pod's Generation stub that sends the router's token with every call."""
+
+    __slots__ = ("_metadata", "_stub")
+
+    def __init__(self, stub: pagekv_pb2_grpc.GenerationStub, token: str) -> None:
+        self._stub = stub
+        self._metadata = bearer(token)
+
+    def Generate(self, request, **kwargs):  # noqa: N802 - the stub's method names
+        return self._stub.Generate(request, metadata=self._metadata, **kwargs)
+
+    def GenerateStream(self, request, **kwargs):  # noqa: N802
+        return self._stub.GenerateStream(request, metadata=self._metadata, **kwargs)
+
+
 @dataclass(slots=True)
 class PodEntry:
     info: PodInfo
-    stub: pagekv_pb2_grpc.GenerationStub
+    stub: pagekv_pb2_grpc.GenerationStub | BearerStub
     excluded_reason: str = ""  # non-empty: never routed to (hash configuration mismatch)
     inflight: int = 0
     unavailable_until: float = 0.0  # monotonic time; tried last until then
@@ -92,14 +113,15 @@ class ForeignPod:
 @dataclass(slots=True)
 class _Channel:
     channel: grpc.aio.Channel
-    stub: pagekv_pb2_grpc.GenerationStub
+    stub: pagekv_pb2_grpc.GenerationStub | BearerStub
     last_seen: float = field(default_factory=time.monotonic)
 
 
 class PodRegistry:
     def __init__(self, index: IndexClient, metrics: RouterMetrics,
                  refresh_interval_s: float = 0.5, namespace_check_interval_s: float = 2.0,
-                 reap_dead_after_s: float = 60.0) -> None:
+                 reap_dead_after_s: float = 60.0, *, pod_tls: TlsFiles | None = None,
+                 pod_token: str | None = None) -> None:
         self.index = index
         self.schema = index.schema
         self.metrics = metrics
@@ -116,6 +138,11 @@ class PodRegistry:
         self.reap_dead_after_s = reap_dead_after_s  # 0: never
         self._dead_since: dict[tuple[str, str], float] = {}  # (pod, epoch) -> first seen
         self._task: asyncio.Task[None] | None = None
+        # Read once: a bad file fails the router's start, not each new pod's channel.
+        self._pod_credentials = channel_credentials(pod_tls) if pod_tls is not None else None
+        self._pod_token = pod_token
+        logger.info("pod channels: %s%s", "TLS, " + pod_tls.describe() if pod_tls else
+                    "plaintext", "; with the router's pod token" if pod_token else "")
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -295,8 +322,11 @@ class PodRegistry:
     def _channel(self, address: str, now: float) -> _Channel:
         ch = self._channels.get(address)
         if ch is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            ch = _Channel(channel, pagekv_pb2_grpc.GenerationStub(channel), now)
+            channel = open_channel(address, options=_CHANNEL_OPTIONS, aio=True,
+                                   credentials=self._pod_credentials)
+            stub = pagekv_pb2_grpc.GenerationStub(channel)
+            ch = _Channel(channel, BearerStub(stub, self._pod_token) if self._pod_token
+                          else stub, now)
             self._channels[address] = ch
         ch.last_seen = now
         return ch

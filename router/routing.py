@@ -88,7 +88,8 @@ class Router:
         self.index = IndexClient(redis_client, self.schema)  # redis_client: redis.asyncio
         self.registry = PodRegistry(self.index, metrics,
                                     config.refresh_interval_s, config.namespace_check_interval_s,
-                                    config.reap_dead_after_s)
+                                    config.reap_dead_after_s, pod_tls=config.pod_tls,
+                                    pod_token=config.pod_api_token)
         self.burst = BurstTracker(config.burst_ttl_s)
         self._counter = 0
         self._rng = random.Random(config.random_seed)

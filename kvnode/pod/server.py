@@ -21,7 +21,7 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from pagekv.kvnode.engine.async_engine import AsyncEngine, QueueFull
 from pagekv.kvnode.engine.config import EngineArgs
@@ -29,14 +29,32 @@ from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejec
 from pagekv.kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
 from pagekv.kvnode.pod.prom import EngineCollector, RequestMetricsExporter
 from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.proto.credentials import (
+    ADMIN_TOKEN_ENV,
+    API_TOKEN_ENV,
+    TlsFiles,
+    add_redis_arguments,
+    add_server_tls_arguments,
+    add_token_argument,
+    redis_url_from,
+    tls_from,
+    token_from,
+)
+from pagekv.proto.grpc_security import TokenGuard, bind, transport
 from pagekv.proto.heap import freeze_startup_heap
-from pagekv.proto.index import IndexSchema
+from pagekv.proto.index import IndexSchema, check_tls_url
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import BadRequest, already_in_flight, parse_prompt, refuse_unsupported
 from pagekv.proto.serving import HealthServicer, serve_metrics
 
 logger = logging.getLogger(__name__)
+
+# What --admin-token guards: the calls that change a pod's state for everyone. Stats is
+# read-only (the metrics page shows as much): it is an API call, under --api-token.
+ADMIN_METHODS = (f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/ResetPrefixCache",)
+
 
 class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
     def __init__(self, pod: PodServer) -> None:
@@ -140,6 +158,11 @@ class PodServer:
         advertise_address: str | None = None,
         max_queue: int = 1024,
         lease_ttl_s: float = 3.0,
+        *,
+        tls: TlsFiles | None = None,
+        admin_token: str | None = None,
+        api_token: str | None = None,
+        redis_tls: TlsFiles | None = None,
     ) -> None:
         self.args = engine_args
         self.pod_id = pod_id
@@ -162,6 +185,16 @@ class PodServer:
         self.request_metrics = RequestMetricsExporter(self.registry, self.metric_labels)
         self.metrics_server = None
         self.schema: IndexSchema | None = None
+        check_tls_url(redis_url, redis_tls)
+        self.tls = tls
+        self.redis_tls = redis_tls
+        refused = Counter("pagekv_auth_refused", "Calls refused for a missing or wrong bearer "
+                          "token, by method and gRPC code",
+                          [*self.metric_labels, "method", "code"], registry=self.registry)
+        self.guard = TokenGuard(
+            api_token, admin_token, ADMIN_METHODS,
+            lambda method, code: refused.labels(**self.metric_labels, method=method,
+                                                code=code).inc())
 
     def load(self) -> dict[str, float]:
         eng = self.engine
@@ -200,7 +233,8 @@ class PodServer:
     async def start(self) -> None:
         """Listen first (health NOT_SERVING while the model loads), then join the index, then
         report SERVING: the router never sees an address that refuses connections."""
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                      interceptors=[self.guard] if self.guard.active else [])
         servicer = PodServicer(self)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         pb_grpc.add_KVNodeServicer_to_server(servicer, self.server)
@@ -213,7 +247,7 @@ class PodServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self.server)
-        bound = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        bound = bind(self.server, f"{self.host}:{self.port}", self.tls)
         if bound == 0:
             raise RuntimeError(f"cannot bind {self.host}:{self.port}")
         self.port = bound
@@ -229,7 +263,8 @@ class PodServer:
             raise
         for name in ("", *names[:2]):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("pod %s serving gRPC on %s:%d", self.pod_id, self.host, self.port)
+        logger.info("pod %s serving gRPC on %s:%d (%s); %s", self.pod_id, self.host, self.port,
+                    transport(self.tls), self.guard.describe())
 
     async def _start_engine(self) -> None:
         # Building the engine loads weights: keep the event loop free meanwhile. It is built
@@ -245,7 +280,7 @@ class PodServer:
                 self.redis_url, self.schema, self.pod_id, self.address,
                 self.schema.hash_config(), self.load,
                 lambda: aengine.call(engine.full_state), self.tier_costs,
-                lease_ttl_s=self.lease_ttl_s,
+                lease_ttl_s=self.lease_ttl_s, redis_tls=self.redis_tls,
             )
             engine.event_sinks.append(self.publisher.submit)
         aengine.start()
@@ -260,7 +295,7 @@ class PodServer:
             logger.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)
         if self.publisher is not None and not await asyncio.to_thread(self.publisher.start):
             logger.warning("Redis index at %s unreachable; serving anyway, will retry",
-                           self.redis_url)
+                           redact_url(self.redis_url))
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Leave the index first (routers stop sending here), then stop the gRPC server:
@@ -286,7 +321,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    p.add_argument("--redis-url", default=None, help="Redis index, e.g. redis://127.0.0.1:6380/0")
     p.add_argument("--pod-id", default=None, help="default: <hostname>-<port>")
     p.add_argument("--advertise-address", default=None,
                    help="host:port the router dials (default: host:port)")
@@ -294,6 +328,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests in flight before RESOURCE_EXHAUSTED")
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    add_redis_arguments(p, None)
+    add_server_tls_arguments(p)
+    add_token_argument(p, "--admin-token", ADMIN_TOKEN_ENV,
+                       "bearer token that KVNode.ResetPrefixCache requires (without one, "
+                       "anyone who reaches the port may clear the cache)")
+    add_token_argument(p, "--api-token", API_TOKEN_ENV,
+                       "bearer token that Generate, GenerateStream and Stats require")
     add_engine_arguments(p)
 
 
@@ -305,7 +346,9 @@ def main(args: argparse.Namespace) -> int:
     pod_id = args.pod_id or f"{socket.gethostname()}-{args.port}"
     pod = PodServer(
         engine_args_from(args), pod_id, args.host, args.port, args.metrics_port,
-        args.redis_url, args.advertise_address, args.max_queue, args.lease_ttl_s,
+        redis_url_from(args), args.advertise_address, args.max_queue, args.lease_ttl_s,
+        tls=tls_from(args), admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
+        api_token=token_from(args.api_token, API_TOKEN_ENV), redis_tls=tls_from(args, "redis"),
     )
 
     async def run() -> None:

@@ -14,7 +14,7 @@ reasoning behind it. One module per concern:
 """
 
 from pagekv.proto.index.client import IndexClient
-from pagekv.proto.index.connect import REDIS_ERRORS, connect, connect_async
+from pagekv.proto.index.connect import REDIS_ERRORS, check_tls_url, connect, connect_async
 from pagekv.proto.index.handshake import config_mismatch
 from pagekv.proto.index.queries import (
     PodInfo,
@@ -34,6 +34,7 @@ __all__ = [
     "IndexSchema",
     "PodInfo",
     "PodMatch",
+    "check_tls_url",
     "claim_value",
     "clear_pod_claims",
     "config_mismatch",

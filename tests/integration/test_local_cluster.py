@@ -23,15 +23,18 @@ def pagekv(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def processes_mentioning(needle: str) -> list[int]:
+    """Processes with `needle` in their command line or environment (`pagekv up` hands its
+    children the Redis URL as $PAGEKV_REDIS_URL: it may hold a password)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            seen = b" ".join((entry / f).read_bytes() for f in ("cmdline", "environ"))
         except OSError:
             continue
-        if needle in cmd and int(entry.name) != os.getpid():
+        if needle in seen.replace(b"\0", b" ").decode(errors="replace") and (
+                int(entry.name) != os.getpid()):
             pids.append(int(entry.name))
     return pids
 
