@@ -134,10 +134,16 @@ def test_restart_on_the_full_disk_recovers_every_whole_entry(
     assert st["torn_entries"] == 0 and st["checksum_failures"] == 0
     assert _reads_back_exactly(again) == len(held)
     assert len(_lines(caplog, "is more than the filesystem can give it")) == 1
-    # Still full, still on: new blocks replace the oldest.
-    _put_rounds(again, range(FILL, FILL + 64))
+    # Still (nearly) full, still on: write until it hits the end of the disk again, then the
+    # next round replaces the oldest blocks.
+    start = FILL
+    while again.stats()["disk_full_events"] == 0 and start < FILL + 20 * 32:
+        _put_rounds(again, range(start, start + 32))
+        start += 32
+    assert again.stats()["disk_full_events"] >= 1
+    _put_rounds(again, range(start, start + 32))
     assert not again.disabled
-    assert all(again.contains(h(i)) for i in range(FILL + 32, FILL + 64))
+    assert all(again.contains(h(i)) for i in range(start, start + 32))
     assert _reads_back_exactly(again) > 200
     assert not _errors(caplog)
 
