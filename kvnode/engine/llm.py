@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.engine.engine import Engine
 from pagekv.kvnode.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.model.chat import apply_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,30 @@ class LLM:
             for delta in self.engine.step():
                 results[delta.request_id] = merge(results.get(delta.request_id), delta)
         return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or
+        several, each rendered with the model's chat template and generated together. The
+        template writes its own special tokens, so no BOS is added (as vLLM does)."""
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [
+            self.tokenizer.encode(
+                apply_chat_template(self.tokenizer, conv, chat_template=chat_template,
+                                    add_generation_prompt=add_generation_prompt,
+                                    **(chat_template_kwargs or {})),
+                add_bos=False)
+            for conv in convs
+        ]
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt)
 
 
 def merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 PRESET = "smollm2-135m-instruct"
-SYSTEM = ("You are PageKV's helpful assistant. Answer in one or two short sentences, plainly, "
-          "without lists.")
+# Long enough (~55 tokens) to fill whole KV blocks of 16 and 32 tokens: a prefix to hit.
+SYSTEM = ("You are PageKV's helpful assistant. PageKV serves language models from several pods "
+          "and keeps their KV cache in blocks. Answer every question in one or two short, plain "
+          "sentences, without lists or headings, and say so when you do not know.")
 
 
 def smollm2_file() -> Path:
