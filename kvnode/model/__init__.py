@@ -11,7 +11,7 @@ from pagekv.kvnode.model.layers import AttentionMetadata
 from pagekv.kvnode.model.llama import LlamaForCausalLM
 from pagekv.kvnode.model.loader import LoadedModel, load_model
 from pagekv.kvnode.model.presets import PRESETS
-from pagekv.kvnode.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from pagekv.proto.model_files.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
     "PRESETS",

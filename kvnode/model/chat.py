@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from pagekv.kvnode.model.tokenizer import Tokenizer
+from pagekv.proto.model_files.tokenizer import Tokenizer
 
 Message = Mapping[str, Any]
 

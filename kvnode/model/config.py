@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagekv.proto.model_files.errors import ModelLoadError  # noqa: E402 - one definition for pod and router
+
 logger = logging.getLogger(__name__)
 
 # Architectures the Llama-family implementation covers, and what distinguishes them.
@@ -46,11 +48,6 @@ _COMMON_DEFAULTS: dict[str, Any] = {
 
 # vLLM's escape hatch for a max_model_len above what the checkpoint declares.
 ALLOW_LONG_ENV = "PAGEKV_ALLOW_LONG_MAX_MODEL_LEN"
-
-
-class ModelLoadError(ValueError):
-    """A model directory, preset or config that cannot be loaded (missing file,
-    unsupported architecture, tensor of the wrong shape...)."""
 
 
 @dataclass(slots=True)

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from pagekv.kvnode.model.config import ModelConfig, ModelLoadError, config_from_hf_dict
-from pagekv.kvnode.model.gguf import GGUFFile
 from pagekv.kvnode.model.gguf_quant import dequantize
-from pagekv.kvnode.model.gguf_tokenizer import end_of_turn_ids, gguf_tokenizer
 from pagekv.kvnode.model.llama import LlamaForCausalLM
 from pagekv.kvnode.model.loader import weight_targets
-from pagekv.kvnode.model.tokenizer import HFTokenizer
+from pagekv.proto.model_files.gguf import GGUFFile
+from pagekv.proto.model_files.gguf_tokenizer import end_of_turn_ids, gguf_tokenizer
+from pagekv.proto.model_files.tokenizer import HFTokenizer
 
 logger = logging.getLogger(__name__)
 

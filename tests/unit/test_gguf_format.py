@@ -11,8 +11,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from pagekv.kvnode.model.config import ModelLoadError  # noqa: E402
-from pagekv.kvnode.model.gguf import GGUFFile  # noqa: E402
 from pagekv.kvnode.model.gguf_quant import DEQUANTIZABLE, GGML_TYPES, dequantize  # noqa: E402
+from pagekv.proto.model_files.gguf import GGUFFile  # noqa: E402
 from tests.unit.gguf_fixtures import write_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType

@@ -11,8 +11,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from pagekv.kvnode.model.chat import apply_chat_template  # noqa: E402
-from pagekv.kvnode.model.gguf import GGUFFile  # noqa: E402
-from pagekv.kvnode.model.gguf_tokenizer import gguf_tokenizer  # noqa: E402
+from pagekv.proto.model_files.gguf import GGUFFile  # noqa: E402
+from pagekv.proto.model_files.gguf_tokenizer import gguf_tokenizer  # noqa: E402
 from tests.unit.smollm2_reference import (  # noqa: E402
     SYSTEM,
     conversations,

@@ -307,7 +307,7 @@ def test_prepare_rejects_empty_prompts() -> None:
 def test_hf_tokenizer_matches_the_pods(tmp_path: Path, with_bos: bool) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    from pagekv.kvnode.model.tokenizer import HFTokenizer
+    from pagekv.proto.model_files.tokenizer import HFTokenizer
 
     vocab = {"<s>": 0, "<unk>": 1, "hello": 2, "world": 3, "again": 4}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagekv.kvnode.model.config import ModelLoadError
-from pagekv.kvnode.model.gguf_quant import ggml_type_name, tensor_nbytes
+from pagekv.proto.model_files.errors import ModelLoadError
+from pagekv.proto.model_files.ggml_types import ggml_type_name, tensor_nbytes
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagekv.kvnode.model.config import ModelLoadError
-from pagekv.kvnode.model.tokenizer import HFTokenizer
+from pagekv.proto.model_files.errors import ModelLoadError
+from pagekv.proto.model_files.tokenizer import HFTokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 SUPPORTED_MODELS = ("gpt2",)
