@@ -105,3 +105,21 @@ def test_llm_chat_on_a_model_without_template():
     llm = LLM("pagekv-tiny", num_gpu_blocks=16, max_model_len=64, max_num_batched_tokens=64)
     with pytest.raises(ChatTemplateError, match="has no chat template"):
         llm.chat(CONV)
+
+
+def test_a_model_directorys_template(tmp_path):
+    """chat_template.jinja wins over tokenizer_config.json, whose chat_template is a string
+    or a list of named templates (the "default" one is used)."""
+    import json
+
+    from pagekv.proto.model_files import chat_template_of
+
+    assert chat_template_of(tmp_path) is None
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": "{{ 'plain' }}"}))
+    assert chat_template_of(tmp_path) == "{{ 'plain' }}"
+    config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "t"},
+                                                    {"name": "default", "template": "d"}]}))
+    assert chat_template_of(tmp_path) == "d"
+    (tmp_path / "chat_template.jinja").write_text("j")
+    assert chat_template_of(tmp_path) == "j"
