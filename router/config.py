@@ -25,6 +25,7 @@ from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from pagekv.proto.index.connect import check_tls_url
 from pagekv.proto.redact import redact_url
+from pagekv.proto.requests import PromptLimits
 from pagekv.router.scoring import CostModel
 
 POLICIES = ("prefix", "round_robin", "random")
@@ -55,6 +56,8 @@ class RouterConfig:
     max_attempts: int = 3             # pods tried per request when earlier ones are UNAVAILABLE
     unavailable_cooldown_s: float = 2.0  # a pod that was UNAVAILABLE is tried last this long
     random_seed: int | None = None    # for --policy random (reproducible benchmarks)
+    # --max-prompt-bytes / --max-prompt-tokens: the pods' own, so refusals read the same
+    prompt_limits: PromptLimits = field(default_factory=PromptLimits)
     # Security (README "Security"). tls: the router's own port; pod_tls / pod_api_token:
     # what it presents to pods (its own, never a client's); redis_tls: rediss:// files.
     tls: TlsFiles | None = None

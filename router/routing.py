@@ -46,7 +46,7 @@ class Prepared:
     """A request made ready to forward: token ids in place of text, its block hashes."""
 
     forward: pagekv_pb2.GenerateRequest
-    token_ids: Sequence[int]
+    token_ids: Sequence[int]   # forward's own ids: no second copy held for the whole call
     block_hashes: list[bytes]  # every full block of the prompt (what the pod will cache)
     lookup_blocks: int         # the blocks that can hit: (len - 1) // block_size
 
@@ -97,7 +97,7 @@ class Router:
     # -- request preparation ---------------------------------------------------------------
     def prepare(self, request: pagekv_pb2.GenerateRequest) -> Prepared:
         """Tokens and block hashes, read as a pod reads them (BadRequest in its words)."""
-        prompt = parse_prompt(request, self.tokenizer.encode)
+        prompt = parse_prompt(request, self.tokenizer.encode, self.config.prompt_limits)
         forward = pagekv_pb2.GenerateRequest()
         forward.CopyFrom(request)
         if prompt.kind == "text":
@@ -107,7 +107,7 @@ class Router:
         RequestBlockHasher(self.hash_config, self.config.block_size, prompt.cache_salt,
                            lora_key(prompt.lora_id)).extend(ids, hashes)
         lookup = min(len(hashes), max_hit_blocks(len(ids), self.config.block_size))
-        return Prepared(forward, ids, hashes, lookup)
+        return Prepared(forward, forward.token_ids.ids, hashes, lookup)
 
     # -- the decision ----------------------------------------------------------------------
     def _next_counter(self) -> int:

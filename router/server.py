@@ -27,8 +27,8 @@ from pagekv.proto.grpc_security import TokenGuard, bind, transport
 from pagekv.proto.index import REDIS_ERRORS, connect_async
 from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from pagekv.proto.redact import redact_url
-from pagekv.proto.requests import BadRequest, already_in_flight, refuse_unsupported
-from pagekv.proto.serving import HealthServicer
+from pagekv.proto.requests import BadRequest, already_in_flight, check_request, prompt_is_large
+from pagekv.proto.serving import HealthServicer, add_servicer
 from pagekv.router.config import RouterConfig
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.pods import PodEntry
@@ -87,8 +87,11 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
     async def _route(self, request: pagekv_pb2.GenerateRequest,
                      context: grpc.aio.ServicerContext) -> tuple[Prepared, Decision]:
         try:
-            refuse_unsupported(request)
-            prepared = self.router.prepare(request)
+            check_request(request, self.router.config.prompt_limits)  # before any real work
+            if prompt_is_large(request):  # milliseconds of tokenizing and hashing: not here
+                prepared = await asyncio.to_thread(self.router.prepare, request)
+            else:
+                prepared = self.router.prepare(request)
         except BadRequest as exc:
             self.metrics.failures.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -292,11 +295,14 @@ class RouterServer:
         guard = TokenGuard(cfg.api_token, None, on_refused=lambda method, code:
                            self.metrics.auth_refused.labels(method=method, code=code).inc())
         server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            # A bigger request could only be refused: gRPC does it before reading it.
+            ("grpc.max_receive_message_length", cfg.prompt_limits.max_message_bytes),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ], interceptors=[guard] if guard.active else [])
-        pagekv_pb2_grpc.add_GenerationServicer_to_server(RouterService(router, self.metrics),
-                                                         server)
+        add_servicer(server, pagekv_pb2.DESCRIPTOR.services_by_name["Generation"],
+                     RouterService(router, self.metrics),
+                     self.metrics.failures.labels(code="INVALID_ARGUMENT").inc)
+        logger.info("limits: %s", cfg.prompt_limits.describe())
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # Like a pod: grpcurl-style clients discover the API by reflection.
         reflection.enable_server_reflection(

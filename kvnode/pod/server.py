@@ -46,8 +46,17 @@ from pagekv.proto.index import IndexSchema, check_tls_url
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from pagekv.proto.redact import redact_url
-from pagekv.proto.requests import BadRequest, already_in_flight, parse_prompt, refuse_unsupported
-from pagekv.proto.serving import HealthServicer, serve_metrics
+from pagekv.proto.requests import (
+    BadRequest,
+    PromptLimits,
+    add_prompt_limit_arguments,
+    already_in_flight,
+    check_request,
+    parse_prompt,
+    prompt_is_large,
+    prompt_limits_from,
+)
+from pagekv.proto.serving import HealthServicer, add_servicer, serve_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +69,14 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
     def __init__(self, pod: PodServer) -> None:
         self.pod = pod
 
-    def _parse(self, request: pb.GenerateRequest):
+    async def _parse(self, request: pb.GenerateRequest):
         eng = self.pod.engine
-        refuse_unsupported(request)
-        prompt = parse_prompt(request, eng.tokenizer.encode)
+        limits = self.pod.prompt_limits
+        check_request(request, limits)  # before any work that grows with the request
+        if prompt_is_large(request):  # milliseconds of tokenizing: not on the event loop
+            prompt = await asyncio.to_thread(parse_prompt, request, eng.tokenizer.encode, limits)
+        else:
+            prompt = parse_prompt(request, eng.tokenizer.encode, limits)
         tokens = list(prompt.token_ids)
         params = to_sampling_params(request.sampling, eng.max_model_len - len(tokens))
         rid = request.request_id or uuid.uuid4().hex
@@ -76,7 +89,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is starting")
         rid = request.request_id
         try:
-            rid, tokens, params, salt, lora = self._parse(request)
+            rid, tokens, params, salt, lora = await self._parse(request)
             # aclosing: a cancelled call aborts its request now, not when collected.
             async with contextlib.aclosing(
                 pod.aengine.generate(engine_request_id(rid), tokens, params, salt, lora)
@@ -163,6 +176,7 @@ class PodServer:
         admin_token: str | None = None,
         api_token: str | None = None,
         redis_tls: TlsFiles | None = None,
+        prompt_limits: PromptLimits | None = None,
     ) -> None:
         self.args = engine_args
         self.pod_id = pod_id
@@ -174,6 +188,7 @@ class PodServer:
         self.address = advertise_address or f"{host}:{port}"
         self.max_queue = max_queue
         self.lease_ttl_s = lease_ttl_s
+        self.prompt_limits = prompt_limits or PromptLimits()
         self.engine: Engine | None = None
         self.aengine: AsyncEngine | None = None
         self.publisher: IndexPublisher | None = None
@@ -233,11 +248,15 @@ class PodServer:
     async def start(self) -> None:
         """Listen first (health NOT_SERVING while the model loads), then join the index, then
         report SERVING: the router never sees an address that refuses connections."""
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
-                                      interceptors=[self.guard] if self.guard.active else [])
+        self.server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 0),
+            # A bigger request could only be refused: gRPC does it before reading it.
+            ("grpc.max_receive_message_length", self.prompt_limits.max_message_bytes),
+        ], interceptors=[self.guard] if self.guard.active else [])
         servicer = PodServicer(self)
-        pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
-        pb_grpc.add_KVNodeServicer_to_server(servicer, self.server)
+        for service in ("Generation", "KVNode"):
+            add_servicer(self.server, pb.DESCRIPTOR.services_by_name[service], servicer)
+        logger.info("limits: %s", self.prompt_limits.describe())
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
@@ -328,6 +347,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests in flight before RESOURCE_EXHAUSTED")
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    add_prompt_limit_arguments(p)
     add_redis_arguments(p, None)
     add_server_tls_arguments(p)
     add_token_argument(p, "--admin-token", ADMIN_TOKEN_ENV,
@@ -349,6 +369,7 @@ def main(args: argparse.Namespace) -> int:
         redis_url_from(args), args.advertise_address, args.max_queue, args.lease_ttl_s,
         tls=tls_from(args), admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
         api_token=token_from(args.api_token, API_TOKEN_ENV), redis_tls=tls_from(args, "redis"),
+        prompt_limits=prompt_limits_from(args),
     )
 
     async def run() -> None:

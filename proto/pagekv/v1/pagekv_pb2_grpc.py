@@ -30,9 +30,11 @@ class GenerationStub:
     same tokens, text, status codes and messages (the router adds `routing`). Errors:
     - INVALID_ARGUMENT: a request that can never be served; the message names the field or
     the limit (empty prompt, token id outside the vocabulary, prompt + max_tokens over
-    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n).
+    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n, a field past its limit
+    (README "Limits"), a body that cannot be decoded: cut short, or a string not UTF-8).
     - ALREADY_EXISTS: request_id is already in flight.
-    - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue).
+    - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue), or the message is larger
+    than the prompt limits allow (gRPC's own check, before the message is read).
     - UNAVAILABLE: no pod can serve it (router), or the pod is starting or stopping.
     - DEADLINE_EXCEEDED, CANCELLED: the client's deadline or cancel also aborts the request
     on the pod, which frees its KV blocks.
@@ -61,9 +63,11 @@ class GenerationServicer:
     same tokens, text, status codes and messages (the router adds `routing`). Errors:
     - INVALID_ARGUMENT: a request that can never be served; the message names the field or
     the limit (empty prompt, token id outside the vocabulary, prompt + max_tokens over
-    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n).
+    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n, a field past its limit
+    (README "Limits"), a body that cannot be decoded: cut short, or a string not UTF-8).
     - ALREADY_EXISTS: request_id is already in flight.
-    - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue).
+    - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue), or the message is larger
+    than the prompt limits allow (gRPC's own check, before the message is read).
     - UNAVAILABLE: no pod can serve it (router), or the pod is starting or stopping.
     - DEADLINE_EXCEEDED, CANCELLED: the client's deadline or cancel also aborts the request
     on the pod, which frees its KV blocks.
@@ -112,9 +116,11 @@ class Generation:
     same tokens, text, status codes and messages (the router adds `routing`). Errors:
     - INVALID_ARGUMENT: a request that can never be served; the message names the field or
     the limit (empty prompt, token id outside the vocabulary, prompt + max_tokens over
-    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n).
+    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n, a field past its limit
+    (README "Limits"), a body that cannot be decoded: cut short, or a string not UTF-8).
     - ALREADY_EXISTS: request_id is already in flight.
-    - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue).
+    - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue), or the message is larger
+    than the prompt limits allow (gRPC's own check, before the message is read).
     - UNAVAILABLE: no pod can serve it (router), or the pod is starting or stopping.
     - DEADLINE_EXCEEDED, CANCELLED: the client's deadline or cancel also aborts the request
     on the pod, which frees its KV blocks.
