@@ -16,10 +16,19 @@ import pytest
 
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.requests import (
+    DEFAULT_MAX_PROMPT_BYTES,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    MAX_CACHE_SALT_BYTES,
+    MAX_REQUEST_ID_BYTES,
+    MAX_STOP_TOKEN_IDS,
+    PromptLimits,
+)
 from tests.integration.contract_fixtures import (
     BOS,
     MAX_MODEL_LEN,
     MAX_N,
+    SERVICE,
     VOCAB,
     Target,
     as_dict,
@@ -49,7 +58,37 @@ BAD = {
     "n too large": (text_req("hi", sampling(2, n=MAX_N + 1)), "max_n"),
     # No adapter is loaded: a lora_id would only change the cache key (#13, #14).
     "lora_id without adapters": (pb.GenerateRequest(text="hi", lora_id=3), "lora_id"),
+    # Every field bounded (#14, README "Limits"): refused before any work, not echoed back.
+    "request_id too long": (text_req("hi", request_id="r" * (MAX_REQUEST_ID_BYTES + 1)),
+                            f"the limit is {MAX_REQUEST_ID_BYTES}"),
+    "cache_salt too long": (text_req("hi", cache_salt="s" * (MAX_CACHE_SALT_BYTES + 1)),
+                            "cache_salt has"),
+    "too many stop_token_ids": (
+        text_req("hi", sampling(2, stop_token_ids=[5] * (MAX_STOP_TOKEN_IDS + 1))),
+        "sampling.stop_token_ids has"),
+    "text past max prompt bytes": (text_req("a" * (DEFAULT_MAX_PROMPT_BYTES + 1)),
+                                   "(--max-prompt-bytes)"),
+    "token_ids past max prompt tokens": (ids_req([65] * (DEFAULT_MAX_PROMPT_TOKENS + 1)),
+                                         "prompt token_ids has"),
+    "text past max prompt tokens": (text_req("a" * DEFAULT_MAX_PROMPT_TOKENS),  # + BOS
+                                    f"has {DEFAULT_MAX_PROMPT_TOKENS + 1} tokens"),
+    # Bodies protobuf cannot decode, sent as raw bytes (#14: these were UNKNOWN).
+    "invalid UTF-8 in text": (b"\x12\x02\xff\xfe", "String field had bad UTF-8"),
+    "invalid UTF-8 in request_id": (b"\x0a\x01\x80\x12\x02hi", "bad UTF-8"),
+    "invalid UTF-8 in cache_salt": (b"\x12\x02hi\x2a\x02\xc3\x28", "bad UTF-8"),
+    "truncated message": (text_req("hello there").SerializeToString()[:-3], "cannot decode"),
 }
+
+
+def calls(channel: grpc.Channel, req: pb.GenerateRequest | bytes) -> tuple:
+    """Generate and GenerateStream (drained), with stubs, or raw for a body given as bytes."""
+    if isinstance(req, bytes):
+        unary = channel.unary_unary(f"/{SERVICE}/Generate")
+        stream = channel.unary_stream(f"/{SERVICE}/GenerateStream")
+    else:
+        stub = pb_grpc.GenerationStub(channel)
+        unary, stream = stub.Generate, stub.GenerateStream
+    return unary, lambda r, timeout: list(stream(r, timeout=timeout))
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -58,14 +97,27 @@ def test_bad_input_is_invalid_argument_alike(case: str,
     req, needle = BAD[case]
     seen = []
     for name in ("pod", "router"):
-        stub = pb_grpc.GenerationStub(channels[name])
-        for call in (stub.Generate, lambda r, timeout, s=stub: list(s.GenerateStream(r, timeout=timeout))):
+        for call in calls(channels[name], req):
             with pytest.raises(grpc.RpcError) as err:
                 call(req, timeout=30)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
             assert needle in err.value.details()
             seen.append(err.value.details())
     assert len(set(seen)) == 1, seen  # word for word the same from pod and router
+
+
+def test_oversized_message_is_refused_by_grpc_alike(channels: dict[str, grpc.Channel]) -> None:
+    """Past the message limit that the prompt limits imply, gRPC refuses the call itself,
+    before reading it: RESOURCE_EXHAUSTED, in gRPC's words, the same from pod and router."""
+    req = pb.GenerateRequest(text="a" * (PromptLimits().max_message_bytes + 1))
+    seen = []
+    for name in ("pod", "router"):
+        for call in calls(channels[name], req):
+            with pytest.raises(grpc.RpcError) as err:
+                call(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+            seen.append(err.value.details())
+    assert len(set(seen)) == 1 and "larger than max" in seen[0], seen
 
 
 def test_duplicate_in_flight_request_id(target: Target, pods_kv, idle_free_blocks) -> None:
