@@ -1,13 +1,15 @@
 """Engine throughput: PageKV's continuous batching vs. Hugging Face `generate`, same weights.
 
-1. The same requests (prompt 64–1,024 tokens, output 16–256) on `pagekv-small`: output
-   tokens/s of PageKV's engine vs. `transformers` `generate` with static padded batches of
-   the same model and weights (greedy, ignore EOS; only each request's own tokens count).
+1. The same requests (prompt 64–1,024 tokens, output 16–256) on `--model` (`pagekv-small`, or
+   a real model: `smollm2-135m-instruct`, a .gguf file): output tokens/s of PageKV's engine vs.
+   `transformers` `generate` with static padded batches of the same model and weights (a GGUF
+   file is loaded by transformers itself; greedy, ignore EOS; only each request's own tokens
+   count).
 2. With 40% of requests sharing a 1,024-token system prompt: prefix caching on vs. off.
 3. Scheduler overhead per step (everything but the forward pass) as a share of step time;
    `--profile` adds a pyinstrument profile of one run.
 
-    python -m bench.throughput [--quick] [--json PATH] [--profile]
+    python -m bench.throughput [--quick] [--json PATH] [--profile] [--model NAME]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -83,8 +86,17 @@ def run_pagekv(reqs, enable_prefix_caching: bool = True, profile: bool = False) 
     }
 
 
-def hf_model_from_preset(name: str):
-    """A transformers LlamaForCausalLM holding exactly the preset's weights."""
+def hf_model(name: str):
+    """transformers' model of `name`: a GGUF file (or file preset) loaded by transformers
+    itself, else a LlamaForCausalLM holding exactly the preset's weights."""
+    from pagekv.proto.model_files.presets import FILE_PRESETS, resolve_file_preset
+
+    path = resolve_file_preset(name) if name in FILE_PRESETS else Path(name)
+    if path.suffix == ".gguf":
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    torch_dtype=torch.float32).eval()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagekv.kvnode.model.loader import load_model, weight_targets
@@ -110,7 +122,7 @@ def hf_model_from_preset(name: str):
 
 @torch.inference_mode()
 def run_hf(reqs, batch_size: int) -> dict:
-    model = hf_model_from_preset(MODEL)
+    model = hf_model(MODEL)
     outputs = []
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
@@ -133,12 +145,15 @@ def run_hf(reqs, batch_size: int) -> dict:
 
 
 def main() -> None:
+    global MODEL  # --model replaces the default the helpers read
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests")
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="pyinstrument profile of PageKV")
     ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--model", default=MODEL)
     args = ap.parse_args()
+    MODEL = args.model
     torch.set_num_threads(2)
     n = 48 if args.quick else 256
     info = machine_info()

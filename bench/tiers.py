@@ -98,11 +98,14 @@ def codec_rows(n_blocks: int) -> list[dict]:
 
 
 def main() -> None:
+    global MODEL  # --model replaces the default the helpers read
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--dir", help="directory for the SSD tier (default: a temp dir in /var/tmp)")
+    ap.add_argument("--model", default=MODEL, help="e.g. smollm2-135m-instruct (a real model)")
     args = ap.parse_args()
+    MODEL = args.model
     torch.set_num_threads(2)
     info = machine_info()
     print(f"# Tier benchmark ({MODEL}) — {info}")
