@@ -79,7 +79,7 @@ class ChatRenderer:
             raise ValueError(f"{model!r} has no chat template")
 
     def render(self, system: str, question: str) -> list[int]:
-        from pagekv.kvnode.model.chat import apply_chat_template
+        from pagekv.proto.model_files.chat import apply_chat_template
 
         text = apply_chat_template(self.tokenizer, [
             {"role": "system", "content": system}, {"role": "user", "content": question}],

@@ -10,7 +10,7 @@ from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.engine.engine import Engine
 from pagekv.kvnode.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.kvnode.engine.sampling_params import SamplingParams
-from pagekv.kvnode.model.chat import apply_chat_template
+from pagekv.proto.model_files.chat import apply_chat_template
 
 logger = logging.getLogger(__name__)
 

@@ -76,8 +76,26 @@ class Client:
         self.close()
 
 
+def chat_token_ids(model: str, user: str, system: str | None = None) -> list[int]:
+    """A one-turn conversation rendered with `model`'s chat template and tokenized here, as
+    the model's pods would (no torch: pagekv.proto.model_files), ready to send as token ids."""
+    from pagekv.proto.model_files import prompt_tokenizer
+    from pagekv.proto.model_files.chat import apply_chat_template
+
+    tok = prompt_tokenizer(model)
+    messages = [{"role": "system", "content": system}] if system else []
+    text = apply_chat_template(tok, [*messages, {"role": "user", "content": user}],
+                               add_generation_prompt=True)
+    return tok.encode(text, add_bos=False)  # the template writes its own special tokens
+
+
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
+    if args.chat:
+        prompt: str | list[int] = chat_token_ids(args.model, args.prompt, args.system)
+    elif args.token_ids:
+        prompt = [int(t) for t in args.prompt.split(",")]
+    else:
+        prompt = args.prompt
     return make_request(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
                         stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
@@ -100,6 +118,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--cache-salt", default=None)
     p.add_argument("--token-ids", action="store_true")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user message: render it with --model's chat template "
+                        "(the answer stops at the model's end of turn)")
+    p.add_argument("--system", default=None, help="with --chat: a system message")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="with --chat: the model whose tokenizer and template to use (the one "
+                        "the pods serve)")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
     p.add_argument("--timeout", type=float, default=120.0)
     add_client_tls_arguments(p)

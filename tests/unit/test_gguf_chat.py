@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagekv.kvnode.model import ByteTokenizer
-from pagekv.kvnode.model.chat import ChatTemplateError, apply_chat_template, render_chat
+from pagekv.proto.model_files.chat import ChatTemplateError, apply_chat_template, render_chat
 
 CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]

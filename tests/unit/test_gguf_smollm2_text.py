@@ -10,7 +10,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from pagekv.kvnode.model.chat import apply_chat_template  # noqa: E402
+from pagekv.proto.model_files.chat import apply_chat_template  # noqa: E402
 from pagekv.proto.model_files.gguf import GGUFFile  # noqa: E402
 from pagekv.proto.model_files.gguf_tokenizer import gguf_tokenizer  # noqa: E402
 from tests.unit.smollm2_reference import (  # noqa: E402
