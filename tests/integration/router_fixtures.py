@@ -136,12 +136,16 @@ class FakePod(pb_grpc.GenerationServicer):
                        ) -> Iterator[pb.GenerateChunk]:
         usage = self._serve(request, context)
         if self.mode == "slow":
-            for _ in range(200):  # at most 10 s
-                if not context.is_active():
-                    self.cancelled.set()
-                    return
-                yield pb.GenerateChunk(index=0, token_ids=[7])
-                time.sleep(0.05)
+            try:
+                for _ in range(200):  # at most 10 s
+                    if not context.is_active():
+                        self.cancelled.set()
+                        return
+                    yield pb.GenerateChunk(index=0, token_ids=[7])
+                    time.sleep(0.05)
+            except GeneratorExit:  # grpc closed the stream at a yield: the call was cancelled
+                self.cancelled.set()
+                raise
         yield pb.GenerateChunk(index=0, token_ids=[1])
         yield pb.GenerateChunk(index=0, token_ids=[2], usage=usage, served_by=self.pod_id,
                                finish_reason=pb.FINISH_REASON_LENGTH)
