@@ -168,13 +168,9 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf: GGUFFile) -> None:
         with torch.no_grad():
             target.copy_(torch.from_numpy(np.ascontiguousarray(values)))
         loaded.add(name)
-    missing = sorted(set(targets) - loaded)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise ModelLoadError(f"GGUF file {gguf.path.name} is missing tensors: {shown}")
-    if unexpected:
-        logger.warning("ignored %d GGUF tensors the model does not use, e.g. %s",
-                       len(unexpected), unexpected[:3])
+    from pagekv.kvnode.model.loader import check_loaded  # (loader imports this module lazily)
+
+    check_loaded(targets, loaded, unexpected, f"GGUF file {gguf.path.name}")
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device

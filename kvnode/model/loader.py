@@ -174,13 +174,19 @@ def load_safetensors(model: LlamaForCausalLM, path: Path) -> None:
                 loaded.add(name)
     if stored_head is not None:
         _settle_tied_head(model, stored_head, loaded)
+    check_loaded(targets, loaded, unexpected, f"checkpoint in {path}")
+
+
+def check_loaded(targets: dict, loaded: set[str], unexpected: list[str], source: str) -> None:
+    """Every weight the model needs was filled (ModelLoadError naming the first missing ones);
+    tensors it does not use are a warning."""
     missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise ModelLoadError(f"checkpoint in {path} is missing tensors: {shown}")
+        raise ModelLoadError(f"{source} is missing tensors: {shown}")
     if unexpected:
-        logger.warning("ignored %d unexpected checkpoint tensors, e.g. %s",
-                       len(unexpected), unexpected[:3])
+        logger.warning("ignored %d tensors of %s the model does not use, e.g. %s",
+                       len(unexpected), source, unexpected[:3])
 
 
 def _checked(tensor: torch.Tensor, target: torch.Tensor, name: str, file: Path) -> torch.Tensor:
