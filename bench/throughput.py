@@ -18,7 +18,6 @@ import argparse
 import json
 import random
 import time
-from pathlib import Path
 
 import torch
 
@@ -89,9 +88,9 @@ def run_pagekv(reqs, enable_prefix_caching: bool = True, profile: bool = False) 
 def hf_model(name: str):
     """transformers' model of `name`: a GGUF file (or file preset) loaded by transformers
     itself, else a LlamaForCausalLM holding exactly the preset's weights."""
-    from pagekv.proto.model_files.presets import FILE_PRESETS, resolve_file_preset
+    from pagekv.proto.model_files.presets import model_path
 
-    path = resolve_file_preset(name) if name in FILE_PRESETS else Path(name)
+    path = model_path(name)
     if path.suffix == ".gguf":
         from transformers import AutoModelForCausalLM
 

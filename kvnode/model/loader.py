@@ -18,9 +18,9 @@ from pagekv.kvnode.model.presets import (
     PRESETS,
     init_dummy_weights,
     preset_config,
-    resolve_file_preset,
 )
 from pagekv.proto.model_files import directory_tokenizer, prompt_tokenizer
+from pagekv.proto.model_files.presets import model_path
 from pagekv.proto.model_files.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device) -> L
         model = LlamaForCausalLM(cfg, dtype, device)
         init_dummy_weights(model, PRESETS[name_or_path][1])
         return LoadedModel(model.eval(), cfg, ByteTokenizer())
-    path = resolve_file_preset(name_or_path) if name_or_path in FILE_PRESETS else Path(name_or_path)
+    path = model_path(name_or_path)
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {name_or_path!r} does not exist")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from pagekv.proto.model_files.errors import ModelLoadError
-from pagekv.proto.model_files.presets import BUILTIN_PREFIX, FILE_PRESETS, resolve_file_preset
+from pagekv.proto.model_files.presets import BUILTIN_PREFIX, FILE_PRESETS, model_path
 from pagekv.proto.model_files.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = ["ModelLoadError", "Tokenizer", "chat_template_of", "directory_tokenizer",
@@ -26,7 +26,7 @@ def prompt_tokenizer(model: str) -> Tokenizer:
     output stops, not how a prompt is encoded.)"""
     if model.startswith(BUILTIN_PREFIX):
         return ByteTokenizer()
-    path = resolve_file_preset(model) if model in FILE_PRESETS else Path(model)
+    path = model_path(model)
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {model!r} does not exist")

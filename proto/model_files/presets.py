@@ -34,3 +34,9 @@ def resolve_file_preset(name: str) -> Path:
     raise ModelLoadError(
         f"model {name!r} needs the file {filename} ({where}): install it with `{install}`"
     )
+
+
+def model_path(name_or_path: str) -> Path:
+    """The file or directory a model name stands for: a file preset's installed file, else
+    the name itself as a path."""
+    return resolve_file_preset(name_or_path) if name_or_path in FILE_PRESETS else Path(name_or_path)
