@@ -51,11 +51,16 @@ def light_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     yield env_dir
 
 
+def plain_host_env() -> dict[str, str]:
+    """The environment of a plain host: not this checkout's venv or PYTHONPATH, and no
+    redis-server named by the test run's own PAGEKV_REDIS_SERVER."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PAGEKV_REDIS_SERVER")}
+
+
 def in_venv(env_dir: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run outside the checkout, so nothing resolves to the repository's folders, as on a
-    plain host: no redis-server named by the test run's own PAGEKV_REDIS_SERVER either."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PAGEKV_REDIS_SERVER")}
+    """Run outside the checkout, so nothing resolves to the repository's folders."""
+    env = plain_host_env()
     env["PATH"] = str(env_dir / "bin")  # no system redis-server, compiler or torch here
     return run(list(argv), timeout=timeout, cwd=env_dir, env=env)
 
@@ -110,7 +115,7 @@ def test_the_light_router_serves(light_venv: Path, tmp_path: Path) -> None:
     """A router from the light install starts, reads the (real) index and reports SERVING."""
     redis = RedisProcess(data_dir=tmp_path / "redis").start()
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = plain_host_env()
     proc = subprocess.Popen(
         [str(light_venv / "bin" / "pagekv"), "router", "--host", "127.0.0.1", "--port",
          str(port), "--redis-url", redis.url, "--metrics-port", "0"],
