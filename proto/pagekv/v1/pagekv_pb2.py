@@ -24,47 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagekv/proto/pagekv/v1/pagekv.proto\x12\tpagekv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf1\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pagekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pagekv.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\n\n\x08_lora_id\"l\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pagekv.v1.FinishReason\"\xa2\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_gpu\x18\x04 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_cpu\x18\x05 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x06 \x01(\r\"\x8d\x02\n\x0e\x43\x61ndidateScore\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_gpu\x18\x04 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_cpu\x18\x05 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x06 \x01(\r\x12\x15\n\rqueue_waiting\x18\x07 \x01(\r\x12\x15\n\rqueue_running\x18\x08 \x01(\r\x12\x18\n\x10\x65stimated_cost_s\x18\t \x01(\x01\x12\x10\n\x08\x65ligible\x18\n \x01(\x08\x12\x17\n\x0f\x65xcluded_reason\x18\x0b \x01(\t\"\xc3\x01\n\x0bRoutingInfo\x12\x12\n\nchosen_pod\x18\x01 \x01(\t\x12\x16\n\x0e\x63hosen_address\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x04 \x01(\r\x12\x15\n\rprompt_blocks\x18\x05 \x01(\r\x12\x11\n\tlookup_ms\x18\x06 \x01(\x01\x12-\n\ncandidates\x18\x07 \x03(\x0b\x32\x19.pagekv.v1.CandidateScore\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x15.pagekv.v1.Completion\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pagekv.v1.Usage\x12\x11\n\tserved_by\x18\x04 \x01(\t\x12\'\n\x07routing\x18\x05 \x01(\x0b\x32\x16.pagekv.v1.RoutingInfo\"\xe0\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pagekv.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pagekv.v1.Usage\x12\x11\n\tserved_by\x18\x07 \x01(\t\x12\'\n\x07routing\x18\x08 \x01(\x0b\x32\x16.pagekv.v1.RoutingInfo\"\x0e\n\x0cStatsRequest\"V\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\"[\n\nHashConfig\x12\x0c\n\x04\x61lgo\x18\x01 \x01(\t\x12\x18\n\x10seed_fingerprint\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tnamespace\x18\x04 \x01(\t\"\x88\x02\n\rStatsResponse\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x04\x12\r\n\x05usage\x18\x06 \x01(\x01\x12#\n\x05tiers\x18\x07 \x03(\x0b\x32\x14.pagekv.v1.TierStats\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12*\n\x0bhash_config\x18\n \x01(\x0b\x32\x15.pagekv.v1.HashConfig\x12\r\n\x05\x65poch\x18\x0b \x01(\t\"0\n\x17ResetPrefixCacheRequest\x12\x15\n\rinclude_tiers\x18\x01 \x01(\x08\"T\n\x18ResetPrefixCacheResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x62locks_cleared\x18\x03 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9b\x01\n\nGeneration\x12\x43\n\x08Generate\x12\x1a.pagekv.v1.GenerateRequest\x1a\x1b.pagekv.v1.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.pagekv.v1.GenerateRequest\x1a\x18.pagekv.v1.GenerateChunk0\x01\x32\xa1\x01\n\x06KVNode\x12:\n\x05Stats\x12\x17.pagekv.v1.StatsRequest\x1a\x18.pagekv.v1.StatsResponse\x12[\n\x10ResetPrefixCache\x12\".pagekv.v1.ResetPrefixCacheRequest\x1a#.pagekv.v1.ResetPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagekv/proto/pagekv/v1/pagekv.proto\x12\tpagekv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd9\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x08\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pagekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.pagekv.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\n\n\x08_lora_id\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\rTokenLogprobs\x12#\n\x07sampled\x18\x01 \x01(\x0b\x32\x12.pagekv.v1.Logprob\x12\x1f\n\x03top\x18\x02 \x03(\x0b\x32\x12.pagekv.v1.Logprob\"\xd7\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pagekv.v1.FinishReason\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pagekv.v1.TokenLogprobs\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"\xa2\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_gpu\x18\x04 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_cpu\x18\x05 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x06 \x01(\r\"\x8d\x02\n\x0e\x43\x61ndidateScore\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_gpu\x18\x04 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_cpu\x18\x05 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x06 \x01(\r\x12\x15\n\rqueue_waiting\x18\x07 \x01(\r\x12\x15\n\rqueue_running\x18\x08 \x01(\r\x12\x18\n\x10\x65stimated_cost_s\x18\t \x01(\x01\x12\x10\n\x08\x65ligible\x18\n \x01(\x08\x12\x17\n\x0f\x65xcluded_reason\x18\x0b \x01(\t\"\xc3\x01\n\x0bRoutingInfo\x12\x12\n\nchosen_pod\x18\x01 \x01(\t\x12\x16\n\x0e\x63hosen_address\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x04 \x01(\r\x12\x15\n\rprompt_blocks\x18\x05 \x01(\r\x12\x11\n\tlookup_ms\x18\x06 \x01(\x01\x12-\n\ncandidates\x18\x07 \x03(\x0b\x32\x19.pagekv.v1.CandidateScore\"\xaf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x15.pagekv.v1.Completion\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.pagekv.v1.Usage\x12\x11\n\tserved_by\x18\x04 \x01(\t\x12\'\n\x07routing\x18\x05 \x01(\x0b\x32\x16.pagekv.v1.RoutingInfo\"\xcb\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.pagekv.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.pagekv.v1.Usage\x12\x11\n\tserved_by\x18\x07 \x01(\t\x12\'\n\x07routing\x18\x08 \x01(\x0b\x32\x16.pagekv.v1.RoutingInfo\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.pagekv.v1.TokenLogprobs\x12\x15\n\x0bstop_string\x18\n \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x0b \x01(\rH\x00\x42\r\n\x0bstop_reason\"\x0e\n\x0cStatsRequest\"V\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\"[\n\nHashConfig\x12\x0c\n\x04\x61lgo\x18\x01 \x01(\t\x12\x18\n\x10seed_fingerprint\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tnamespace\x18\x04 \x01(\t\"\x88\x02\n\rStatsResponse\x12\x0e\n\x06pod_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x04\x12\r\n\x05usage\x18\x06 \x01(\x01\x12#\n\x05tiers\x18\x07 \x03(\x0b\x32\x14.pagekv.v1.TierStats\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12*\n\x0bhash_config\x18\n \x01(\x0b\x32\x15.pagekv.v1.HashConfig\x12\r\n\x05\x65poch\x18\x0b \x01(\t\"0\n\x17ResetPrefixCacheRequest\x12\x15\n\rinclude_tiers\x18\x01 \x01(\x08\"T\n\x18ResetPrefixCacheResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x62locks_cleared\x18\x03 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9b\x01\n\nGeneration\x12\x43\n\x08Generate\x12\x1a.pagekv.v1.GenerateRequest\x1a\x1b.pagekv.v1.GenerateResponse\x12H\n\x0eGenerateStream\x12\x1a.pagekv.v1.GenerateRequest\x1a\x18.pagekv.v1.GenerateChunk0\x01\x32\xa1\x01\n\x06KVNode\x12:\n\x05Stats\x12\x17.pagekv.v1.StatsRequest\x1a\x18.pagekv.v1.StatsResponse\x12[\n\x10ResetPrefixCache\x12\".pagekv.v1.ResetPrefixCacheRequest\x1a#.pagekv.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagekv.proto.pagekv.v1.pagekv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2276
-  _globals['_FINISHREASON']._serialized_end=2396
+  _globals['_FINISHREASON']._serialized_start=2856
+  _globals['_FINISHREASON']._serialized_end=2976
   _globals['_TOKENIDS']._serialized_start=50
   _globals['_TOKENIDS']._serialized_end=73
   _globals['_SAMPLINGPARAMS']._serialized_start=76
-  _globals['_SAMPLINGPARAMS']._serialized_end=317
-  _globals['_GENERATEREQUEST']._serialized_start=320
-  _globals['_GENERATEREQUEST']._serialized_end=524
-  _globals['_COMPLETION']._serialized_start=526
-  _globals['_COMPLETION']._serialized_end=634
-  _globals['_USAGE']._serialized_start=637
-  _globals['_USAGE']._serialized_end=799
-  _globals['_CANDIDATESCORE']._serialized_start=802
-  _globals['_CANDIDATESCORE']._serialized_end=1071
-  _globals['_ROUTINGINFO']._serialized_start=1074
-  _globals['_ROUTINGINFO']._serialized_end=1269
-  _globals['_GENERATERESPONSE']._serialized_start=1272
-  _globals['_GENERATERESPONSE']._serialized_end=1447
-  _globals['_GENERATECHUNK']._serialized_start=1450
-  _globals['_GENERATECHUNK']._serialized_end=1674
-  _globals['_STATSREQUEST']._serialized_start=1676
-  _globals['_STATSREQUEST']._serialized_end=1690
-  _globals['_TIERSTATS']._serialized_start=1692
-  _globals['_TIERSTATS']._serialized_end=1778
-  _globals['_HASHCONFIG']._serialized_start=1780
-  _globals['_HASHCONFIG']._serialized_end=1871
-  _globals['_STATSRESPONSE']._serialized_start=1874
-  _globals['_STATSRESPONSE']._serialized_end=2138
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=2140
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=2188
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=2190
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=2274
-  _globals['_GENERATION']._serialized_start=2399
-  _globals['_GENERATION']._serialized_end=2554
-  _globals['_KVNODE']._serialized_start=2557
-  _globals['_KVNODE']._serialized_end=2718
+  _globals['_SAMPLINGPARAMS']._serialized_end=549
+  _globals['_GENERATEREQUEST']._serialized_start=552
+  _globals['_GENERATEREQUEST']._serialized_end=756
+  _globals['_LOGPROB']._serialized_start=758
+  _globals['_LOGPROB']._serialized_end=802
+  _globals['_TOKENLOGPROBS']._serialized_start=804
+  _globals['_TOKENLOGPROBS']._serialized_end=889
+  _globals['_COMPLETION']._serialized_start=892
+  _globals['_COMPLETION']._serialized_end=1107
+  _globals['_USAGE']._serialized_start=1110
+  _globals['_USAGE']._serialized_end=1272
+  _globals['_CANDIDATESCORE']._serialized_start=1275
+  _globals['_CANDIDATESCORE']._serialized_end=1544
+  _globals['_ROUTINGINFO']._serialized_start=1547
+  _globals['_ROUTINGINFO']._serialized_end=1742
+  _globals['_GENERATERESPONSE']._serialized_start=1745
+  _globals['_GENERATERESPONSE']._serialized_end=1920
+  _globals['_GENERATECHUNK']._serialized_start=1923
+  _globals['_GENERATECHUNK']._serialized_end=2254
+  _globals['_STATSREQUEST']._serialized_start=2256
+  _globals['_STATSREQUEST']._serialized_end=2270
+  _globals['_TIERSTATS']._serialized_start=2272
+  _globals['_TIERSTATS']._serialized_end=2358
+  _globals['_HASHCONFIG']._serialized_start=2360
+  _globals['_HASHCONFIG']._serialized_end=2451
+  _globals['_STATSRESPONSE']._serialized_start=2454
+  _globals['_STATSRESPONSE']._serialized_end=2718
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=2720
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=2768
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=2770
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=2854
+  _globals['_GENERATION']._serialized_start=2979
+  _globals['_GENERATION']._serialized_end=3134
+  _globals['_KVNODE']._serialized_start=3137
+  _globals['_KVNODE']._serialized_end=3298
 # @@protoc_insertion_point(module_scope)
