@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50050, help="gRPC port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=9100,
                         help="Prometheus /metrics port (0: not served)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions, "
+                             "/v1/models), routed by prefix like gRPC (default: off)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the model names the HTTP API answers to (default: --model)")
     add_redis_arguments(parser, d.redis_url)
     parser.add_argument("--index-prefix", default=d.index_prefix,
                         help="key prefix of the Redis index (the pods' prefix)")
@@ -109,14 +114,14 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         tls=tls_from(args), api_token=token_from(args.api_token, API_TOKEN_ENV),
         pod_tls=tls_from(args, "pod-tls"),
         pod_api_token=token_from(args.pod_api_token, POD_API_TOKEN_ENV),
-        redis_tls=tls_from(args, "redis"),
+        redis_tls=tls_from(args, "redis"), served_model_names=args.served_model_name,
     )
 
 
 async def _serve(args: argparse.Namespace, config: RouterConfig) -> None:
     server = RouterServer(config, host=args.host, port=args.port,
                           metrics_port=args.metrics_port,
-                          metrics_host=args.host)
+                          metrics_host=args.host, http_port=args.http_port)
     await server.start()
     freeze_startup_heap(logger)
     stop = asyncio.Event()

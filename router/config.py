@@ -65,6 +65,8 @@ class RouterConfig:
     pod_tls: TlsFiles | None = None
     pod_api_token: str | None = field(default=None, repr=False)
     redis_tls: TlsFiles | None = None
+    # --http-port's OpenAI API: the model names it answers to (default: [model])
+    served_model_names: list[str] | None = None
 
     def __repr__(self) -> str:  # the URL's password and the tokens never reach a log
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}

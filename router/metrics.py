@@ -83,6 +83,10 @@ class RouterMetrics:
             "pagekv_router_auth_refused_total",
             "Calls refused for a missing or wrong bearer token (--api-token), by method and "
             "gRPC code", ["method", "code"], registry=r)
+        self.http_responses = Counter(
+            "pagekv_router_http_requests",
+            "OpenAI API (HTTP) responses by route and status", ["route", "status"],
+            registry=r)
 
     def observe_cached(self, predicted: int, actual: int, prompt_tokens: int) -> None:
         self.predicted_tokens.observe(predicted)

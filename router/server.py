@@ -3,7 +3,9 @@
 A client cannot tell a router from a pod: same service, same messages. The router adds
 `routing` (why this pod, the candidates and their scores) to the response or to the stream's
 last chunk, and the trailing metadata `pagekv-router-overhead-us` (time spent in the router,
-the pod call excluded).
+the pod call excluded). Once the chosen pod answers, the initial metadata names it
+(`pagekv-served-by`, `pagekv-routing-reason`, `pagekv-predicted-cached-tokens`) — what the
+HTTP front end (proto/openai, on --http-port) turns into response headers.
 
 Faults: a pod that fails with UNAVAILABLE before anything reached the client is replaced by
 the next-best pod (up to `max_attempts` pods); any other status from a pod, including the
@@ -25,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagekv.proto.grpc_security import TokenGuard, bind, transport
 from pagekv.proto.index import REDIS_ERRORS, connect_async
+from pagekv.proto.openai import Backend, HttpServer
 from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import BadRequest, already_in_flight, check_request, prompt_is_large
@@ -235,6 +238,9 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                                                  timeout=context.time_remaining())
                 try:
                     async for chunk in call:
+                        if not sent:  # this pod answers: no failover from here on
+                            await context.send_initial_metadata(
+                                _decision_metadata(decision, score, reason))
                         if chunk.served_by or chunk.HasField("usage"):
                             # The very last chunk: it carries usage, so routing goes here too.
                             t_last = time.perf_counter()
@@ -262,13 +268,23 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
 
 
+def _decision_metadata(decision: Decision, score: Score, reason: str) -> tuple:
+    return (("pagekv-served-by", score.pod_id), ("pagekv-routing-reason", reason),
+            ("pagekv-predicted-cached-tokens", str(decision.predicted.get(score.pod_id, 0))))
+
+
 class RouterServer:
-    """The whole router process: Redis client, registry, gRPC server, health, metrics."""
+    """The whole router process: Redis client, registry, gRPC server, health, metrics, and
+    (with http_port) OpenAI's HTTP API over the same GenerateStream handler."""
 
     def __init__(self, config: RouterConfig, host: str = "127.0.0.1", port: int = 0,
-                 metrics_port: int = 0, metrics_host: str = "127.0.0.1") -> None:
+                 metrics_port: int = 0, metrics_host: str = "127.0.0.1",
+                 http_port: int | None = None) -> None:
         self.config = config
         self.host = host
+        self.http_port = http_port
+        self.http: HttpServer | None = None
+        self.stopping = False
         self.port = port
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
@@ -299,8 +315,8 @@ class RouterServer:
             ("grpc.max_receive_message_length", cfg.prompt_limits.max_message_bytes),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ], interceptors=[guard] if guard.active else [])
-        add_servicer(server, pagekv_pb2.DESCRIPTOR.services_by_name["Generation"],
-                     RouterService(router, self.metrics),
+        service = RouterService(router, self.metrics)
+        add_servicer(server, pagekv_pb2.DESCRIPTOR.services_by_name["Generation"], service,
                      self.metrics.failures.labels(code="INVALID_ARGUMENT").inc)
         logger.info("limits: %s", cfg.prompt_limits.describe())
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -316,6 +332,10 @@ class RouterServer:
         self._server = server
         self.metrics.serve(self.metrics_port, self.metrics_host)
         router.registry.start()
+        if self.http_port is not None:
+            self.http = HttpServer(self._http_backend(service, tokenizer), self.host,
+                                   self.http_port, cfg.tls)
+            self.http_port = await self.http.start()
         self._ready_task = asyncio.get_running_loop().create_task(self._mark_ready())
         s = router.schema
         logger.info("router on %s:%d (%s; generation %s): model %s, block size %d, %s seed %r "
@@ -324,6 +344,17 @@ class RouterServer:
                     cfg.model, cfg.block_size, cfg.hash_algo, cfg.hash_seed, s.namespace,
                     cfg.policy, cfg.burst_ttl_s)
         return self.port
+
+    def _http_backend(self, service: RouterService, tokenizer) -> Backend:
+        cfg = self.config
+        registry = self.router.registry
+        return Backend(
+            kind="router", model_names=cfg.served_model_names or [cfg.model], root=cfg.model,
+            tokenizer=lambda: tokenizer, generate_stream=service.GenerateStream,
+            ready=lambda: registry.ready.is_set() and not self.stopping,
+            api_token=cfg.api_token, max_body_bytes=8 * cfg.prompt_limits.max_message_bytes,
+            on_response=lambda route, status: self.metrics.http_responses.labels(
+                route=route, status=str(status)).inc())
 
     async def _mark_ready(self) -> None:
         assert self.router is not None
@@ -337,11 +368,15 @@ class RouterServer:
         await asyncio.wait_for(self.router.registry.ready.wait(), timeout)
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        self.stopping = True
         if self._ready_task is not None:
             self._ready_task.cancel()
         if self._server is not None:
             await self.health.enter_graceful_shutdown()
-            await self._server.stop(grace)
+            draining = [self._server.stop(grace)]
+            if self.http is not None:
+                draining.append(self.http.stop(grace or 0.0))
+            await asyncio.gather(*draining)
             self._server = None
         if self.router is not None:
             await self.router.registry.close()

@@ -3,6 +3,7 @@
 - `pagekv.v1.Generation` (unary and streaming) over the AsyncEngine; a cancelled stream
   aborts its request and frees its blocks.
 - `pagekv.v1.KVNode` (Stats, ResetPrefixCache), grpc.health.v1, server reflection.
+- OpenAI's HTTP API on --http-port (proto/openai: it calls GenerateStream above in process).
 - Prometheus on --metrics-port; KV events published to the Redis index (when --redis-url).
 - SIGTERM / SIGINT: health goes NOT_SERVING, in-flight requests drain (--drain-timeout-s),
   the pod's index entries are removed, then the process exits.
@@ -43,6 +44,7 @@ from pagekv.proto.credentials import (
 from pagekv.proto.grpc_security import TokenGuard, bind, transport
 from pagekv.proto.heap import freeze_startup_heap
 from pagekv.proto.index import IndexSchema, check_tls_url
+from pagekv.proto.openai import Backend, HttpServer
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from pagekv.proto.redact import redact_url
@@ -177,6 +179,8 @@ class PodServer:
         api_token: str | None = None,
         redis_tls: TlsFiles | None = None,
         prompt_limits: PromptLimits | None = None,
+        http_port: int | None = None,
+        served_model_names: list[str] | None = None,
     ) -> None:
         self.args = engine_args
         self.pod_id = pod_id
@@ -200,6 +204,11 @@ class PodServer:
         self.request_metrics = RequestMetricsExporter(self.registry, self.metric_labels)
         self.metrics_server = None
         self.schema: IndexSchema | None = None
+        self.http_port = http_port
+        self.http: HttpServer | None = None
+        self.served_model_names = served_model_names or [engine_args.model]
+        self.api_token = api_token
+        self.serving = False  # the engine is up and the pod not draining: HTTP's /health
         check_tls_url(redis_url, redis_tls)
         self.tls = tls
         self.redis_tls = redis_tls
@@ -210,6 +219,20 @@ class PodServer:
             api_token, admin_token, ADMIN_METHODS,
             lambda method, code: refused.labels(**self.metric_labels, method=method,
                                                 code=code).inc())
+        self.http_responses = Counter(
+            "pagekv_http_requests", "OpenAI API (HTTP) responses by route and status",
+            [*self.metric_labels, "route", "status"], registry=self.registry)
+
+    def http_backend(self, servicer: PodServicer) -> Backend:
+        """The pod as the HTTP front end sees it: its own GenerateStream handler."""
+        return Backend(
+            kind="pod", model_names=self.served_model_names, root=self.args.model,
+            tokenizer=lambda: self.engine.tokenizer, generate_stream=servicer.GenerateStream,
+            ready=lambda: self.serving, max_model_len=lambda: self.engine.max_model_len,
+            api_token=self.api_token, max_body_bytes=8 * self.prompt_limits.max_message_bytes,
+            headers={"x-pagekv-served-by": self.pod_id},
+            on_response=lambda route, status: self.http_responses.labels(
+                **self.metric_labels, route=route, status=str(status)).inc())
 
     def load(self) -> dict[str, float]:
         eng = self.engine
@@ -276,12 +299,17 @@ class PodServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         try:
+            if self.http_port is not None:  # listening already: 503 while the model loads
+                self.http = HttpServer(self.http_backend(servicer), self.host, self.http_port,
+                                       self.tls)
+                self.http_port = await self.http.start()
             await self._start_engine()
         except BaseException:
             await self.stop(0.0)  # no registration or half-started threads left behind
             raise
         for name in ("", *names[:2]):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.serving = True
         logger.info("pod %s serving gRPC on %s:%d (%s); %s", self.pod_id, self.host, self.port,
                     transport(self.tls), self.guard.describe())
 
@@ -320,12 +348,17 @@ class PodServer:
         """Leave the index first (routers stop sending here), then stop the gRPC server:
         new calls get UNAVAILABLE — a router retries them elsewhere — while in-flight
         requests finish within the drain timeout."""
+        self.serving = False  # new HTTP requests get 503, as new gRPC calls UNAVAILABLE
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.stop, True)
+        draining = []
         if self.server is not None:
-            await self.server.stop(grace=drain_timeout_s)
+            draining.append(self.server.stop(grace=drain_timeout_s))
+        if self.http is not None:
+            draining.append(self.http.stop(drain_timeout_s))
+        await asyncio.gather(*draining)
         if self.aengine is not None:
             self.aengine.shutdown()
         if self.metrics_server is not None:
@@ -340,6 +373,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models) on this port (default: off)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model names the HTTP API answers to (default: --model as given)")
     p.add_argument("--pod-id", default=None, help="default: <hostname>-<port>")
     p.add_argument("--advertise-address", default=None,
                    help="host:port the router dials (default: host:port)")
@@ -369,7 +407,8 @@ def main(args: argparse.Namespace) -> int:
         redis_url_from(args), args.advertise_address, args.max_queue, args.lease_ttl_s,
         tls=tls_from(args), admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
         api_token=token_from(args.api_token, API_TOKEN_ENV), redis_tls=tls_from(args, "redis"),
-        prompt_limits=prompt_limits_from(args),
+        prompt_limits=prompt_limits_from(args), http_port=args.http_port,
+        served_model_names=args.served_model_name,
     )
 
     async def run() -> None:

@@ -1,0 +1,293 @@
+"""OpenAI's HTTP API over a pod or a router, as an ASGI app (Starlette).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /version. Every error is OpenAI's JSON error object with the status its clients expect
+(errors.py); a stack trace never leaves the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from importlib import metadata
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pagekv.proto.model_files.chat import ChatTemplateError, apply_chat_template
+from pagekv.proto.openai.backend import Backend
+from pagekv.proto.openai.calls import Calls, ClientGone, EventStream, until_disconnect
+from pagekv.proto.openai.errors import ApiError, invalid
+from pagekv.proto.openai.params import Parsed, parse_chat, parse_completion
+from pagekv.proto.openai.render import Renderer, TokenTexts
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+LARGE_TEXT = 64 << 10  # characters: render and tokenize off the event loop past this
+CLIENT_CLOSED = 499  # nginx's status for a client that hung up (never seen by that client)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pagekv")
+    except metadata.PackageNotFoundError:
+        return "0+checkout"
+
+
+class OpenAIFrontend:
+    """The routes, over one backend."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.token_texts: TokenTexts | None = None
+        self._ignored_logged: set[str] = set()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _json(self, route: str, status: int, body: Any,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        self._count(route, status)
+        return JSONResponse(body, status, headers={**self.backend.headers, **(headers or {})})
+
+    def _count(self, route: str, status: int) -> None:
+        if self.backend.on_response is not None:
+            self.backend.on_response(route, status)
+
+    def _error(self, route: str, exc: ApiError) -> JSONResponse:
+        if exc.status >= 500:
+            logger.warning("%s -> %d: %s", route, exc.status, exc.message)
+        return self._json(route, exc.status, exc.body())
+
+    def _check_auth(self, request: Request) -> None:
+        token = self.backend.api_token
+        if token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 token.encode()):
+            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        cap = self.backend.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > cap):
+            raise ApiError(413, f"the request body is larger than the limit of {cap} bytes",
+                           code="body_too_large")
+        parts, size = [], 0
+        async for piece in request.stream():
+            size += len(piece)
+            if size > cap:
+                raise ApiError(413, f"the request body is larger than the limit of {cap} bytes",
+                               code="body_too_large")
+            parts.append(piece)
+        try:
+            body = json.loads(b"".join(parts))
+        except RecursionError:
+            raise invalid("the request body nests too deeply") from None
+        except ValueError as exc:  # bad JSON, or bytes that are not UTF-8/16/32
+            raise invalid(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object")
+        return body
+
+    def _check_model(self, parsed: Parsed) -> str:
+        names = self.backend.model_names
+        if parsed.model is not None and parsed.model not in names:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist (this server "
+                           f"serves {', '.join(names)})", param="model", code="model_not_found")
+        if not self.backend.ready():
+            raise ApiError(503, f"the {self.backend.kind} is starting", code="starting")
+        return parsed.model or names[0]
+
+    def _log_ignored(self, fields: list[str]) -> None:
+        new = [f for f in fields if f not in self._ignored_logged]
+        if new and len(self._ignored_logged) < 256:
+            self._ignored_logged.update(new)
+            logger.info("ignoring request fields PageKV does not know: %s", ", ".join(new))
+
+    # -- routes -----------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.backend.ready():
+            return self._json("/health", 200, {"status": "ok"})
+        return self._json("/health", 503, {"status": "starting"})
+
+    async def version(self, request: Request) -> Response:
+        return self._json("/version", 200, {"version": _version(), "server": "pagekv",
+                                            "kind": self.backend.kind})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except ApiError as exc:
+            return self._error("/v1/models", exc)
+        b = self.backend
+        created = int(time.time())
+        cards = []
+        for name in b.model_names:
+            card: dict[str, Any] = {"id": name, "object": "model", "created": created,
+                                    "owned_by": "pagekv", "root": b.root, "parent": None}
+            max_len = b.max_model_len() if b.ready() else None
+            if max_len is not None:
+                card["max_model_len"] = max_len
+            cards.append(card)
+        return self._json("/v1/models", 200, {"object": "list", "data": cards})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        try:
+            return await self._run(request, route, chat)
+        except ApiError as exc:
+            return self._error(route, exc)
+        except ClientGone:
+            self._count(route, CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
+
+    async def _run(self, request: Request, route: str, chat: bool) -> Response:
+        self._check_auth(request)
+        body = await self._body(request)
+        if chat:
+            parsed, messages, template_kwargs = parse_chat(body)
+        else:
+            parsed, prompts = parse_completion(body)
+        model = self._check_model(parsed)
+        tokenizer = self.backend.tokenizer()
+        if chat:
+            prompts = [await self._chat_prompt(tokenizer, messages, template_kwargs)]
+        self._log_ignored(parsed.ignored)
+        rid = parsed.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+        requests = [self._request(rid if len(prompts) == 1 else f"{rid}-{k}", p, parsed)
+                    for k, p in enumerate(prompts)]
+        if self.token_texts is None:
+            self.token_texts = TokenTexts(tokenizer.decode)
+        renderer = Renderer(
+            chat=chat, response_id=f"{'chatcmpl' if chat else 'cmpl'}-{rid}", model=model,
+            n=parsed.n, num_prompts=len(prompts), token_texts=self.token_texts,
+            logprobs=parsed.logprobs, streaming=parsed.stream,
+            include_usage=parsed.include_usage)
+        calls = Calls(self.backend, requests)
+        headers = {"x-request-id": rid}
+        if parsed.ignored:
+            headers["x-pagekv-ignored-fields"] = ",".join(parsed.ignored)[:1024]
+        if parsed.stream:
+            return await self._stream(request, route, calls, renderer, headers)
+        await until_disconnect(request.receive, self._collect(calls, renderer))
+        out = renderer.response()
+        headers.update(_decision_headers(out["pagekv"]))
+        return self._json(route, 200, out, headers)
+
+    async def _chat_prompt(self, tokenizer, messages: list[dict[str, Any]],
+                           kwargs: dict[str, Any]) -> list[int]:
+        """The conversation rendered with the model's template and tokenized as the pods
+        would; the template writes its own special tokens, so no BOS is added (vLLM's rule)."""
+        def render() -> list[int]:
+            try:
+                text = apply_chat_template(tokenizer, messages, **kwargs)
+            except ChatTemplateError as exc:
+                raise invalid(str(exc), "messages") from None
+            except TypeError as exc:  # a chat_template_kwargs key the renderer reserves
+                raise invalid(f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
+            return tokenizer.encode(text, add_bos=False)
+
+        if sum(len(m["content"]) for m in messages) > LARGE_TEXT:
+            return await asyncio.to_thread(render)
+        return render()
+
+    @staticmethod
+    def _request(rid: str, prompt: str | list[int], parsed: Parsed) -> pb.GenerateRequest:
+        req = pb.GenerateRequest(request_id=rid, cache_salt=parsed.cache_salt)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        req.sampling.CopyFrom(parsed.sampling)
+        return req
+
+    @staticmethod
+    async def _collect(calls: Calls, renderer: Renderer) -> None:
+        async for k, chunk in calls.events():
+            renderer.add(k, chunk)
+
+    async def _stream(self, request: Request, route: str, calls: Calls, renderer: Renderer,
+                      headers: dict[str, str]) -> Response:
+        async def events() -> AsyncIterator[dict[str, Any] | None]:
+            async for k, chunk in calls.events():
+                yield renderer.add(k, chunk)
+
+        stream = events()
+
+        async def first_event() -> list[dict[str, Any]]:
+            # Status and headers wait for the first event: an error before it (a bad value
+            # only the pod can check, a full queue, no pod) is still a proper HTTP status.
+            async for event in stream:
+                if event is not None:
+                    return [event]
+            return []
+
+        try:
+            first = await until_disconnect(request.receive, first_event())
+        except BaseException:
+            await stream.aclose()
+            raise
+        headers.update({f"x-{k}": v for k, v in calls.metadata().items()})
+
+        def tail() -> list[dict[str, Any]]:
+            return [renderer.usage_event()] if renderer.include_usage else []
+
+        def closed(completed: bool) -> None:
+            self._count(route, 200 if completed else CLIENT_CLOSED)
+
+        return EventStream(stream, first, tail, {**self.backend.headers, **headers}, closed)
+
+
+def _decision_headers(extension: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    if extension.get("served_by"):
+        out["x-pagekv-served-by"] = extension["served_by"]
+    routing = extension.get("routing")
+    if routing:
+        out["x-pagekv-routing-reason"] = routing["reason"]
+        out["x-pagekv-predicted-cached-tokens"] = str(routing["predicted_cached_tokens"])
+    return out
+
+
+def build_app(backend: Backend) -> Starlette:
+    front = OpenAIFrontend(backend)
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        status = exc.status_code
+        message = (f"no route {request.method} {request.url.path}" if status in (404, 405)
+                   else str(exc.detail))
+        return front._json(request.url.path if status != 404 else "other", status,
+                           ApiError(status, message, code="not_found" if status == 404
+                                    else None).body())
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        logger.exception("HTTP %s %s failed", request.method, request.url.path)
+        return front._json("other", 500, ApiError(500, "internal error",
+                                                  code="internal_error").body())
+
+    routes = [
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
+        Route("/v1/models", front.models, methods=["GET"]),
+        Route("/health", front.health, methods=["GET"]),
+        Route("/version", front.version, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found,
+                                                        Exception: internal})

@@ -1,0 +1,75 @@
+"""What the HTTP front end needs from whoever serves it: a pod or a router.
+
+Both already serve `pagekv.v1.Generation.GenerateStream`. The front end calls that very
+handler, in process, with a `CallContext` standing in for gRPC's servicer context, so an HTTP
+request runs exactly the code a gRPC one does — the same checks, tokens, errors, routing and
+failover — and the front end only translates OpenAI's JSON to the contract and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+
+
+class CallAborted(Exception):
+    """A handler aborted the call: `code` is the gRPC status name (e.g. INVALID_ARGUMENT)."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+class CallContext:
+    """The part of grpc.aio.ServicerContext the pods' and the router's handlers use."""
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.initial_metadata: list[tuple[str, str]] = []
+        self.trailing_metadata: list[tuple[str, str]] = []
+
+    async def abort(self, code: Any, details: str = "", trailing_metadata: Sequence = ()) -> None:
+        raise CallAborted(getattr(code, "name", str(code)), details)
+
+    def time_remaining(self) -> float | None:
+        return self.timeout_s
+
+    async def send_initial_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self.initial_metadata.extend(metadata)
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self.trailing_metadata.extend(metadata)
+
+
+class Tokenizer(Protocol):
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+StreamHandler = Callable[[pb.GenerateRequest, CallContext], AsyncIterator[pb.GenerateChunk]]
+
+
+@dataclass(slots=True)
+class Backend:
+    """A pod or a router, as the HTTP front end sees it."""
+
+    kind: str                       # "pod" | "router": names it in logs and /version
+    model_names: list[str]          # served names; the first is the id /v1/models reports
+    root: str                       # the model the names stand for (a preset or a path)
+    tokenizer: Callable[[], Tokenizer]  # renders chat, names logprob tokens (once ready)
+    generate_stream: StreamHandler  # the gRPC GenerateStream handler itself
+    ready: Callable[[], bool]       # serving (model loaded; a router: the index read)
+    max_model_len: Callable[[], int | None] = lambda: None  # once ready
+    api_token: str | None = None    # Authorization: Bearer <token> for /v1/*
+    max_body_bytes: int = 8 << 20
+    headers: dict[str, str] = field(default_factory=dict)  # sent on every response
+    on_response: Callable[[str, int], None] | None = None   # (route, status): metrics

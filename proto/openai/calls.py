@@ -1,0 +1,184 @@
+"""Running one HTTP request's engine requests and watching its client.
+
+- `Calls`: the backend's GenerateStream for each prompt, merged into one stream of
+  (prompt index, chunk); a backend abort becomes the HTTP error it maps to.
+- `until_disconnect`: awaits work unless the client hangs up first, in which case the work
+  is cancelled — which closes the backend stream, which aborts the engine request and frees
+  its KV blocks (the same path a cancelled gRPC call takes).
+- `EventStream`: server-sent events, one per backend chunk, `data: [DONE]` last, with the
+  same disconnect watch for the whole stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from pagekv.proto.openai.backend import Backend, CallAborted, CallContext
+from pagekv.proto.openai.errors import ApiError, from_grpc
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was complete."""
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+class Calls:
+    """One engine request per prompt, through the backend's own GenerateStream handler."""
+
+    def __init__(self, backend: Backend, requests: list[pb.GenerateRequest]) -> None:
+        self.backend = backend
+        self.requests = requests
+        self.contexts = [CallContext() for _ in requests]
+
+    def metadata(self) -> dict[str, str]:
+        """What the handlers sent as initial metadata (the router: the pod it chose), one
+        comma-separated value per key across the prompts."""
+        merged: dict[str, list[str]] = {}
+        for ctx in self.contexts:
+            for key, value in ctx.initial_metadata:
+                merged.setdefault(key, []).append(value)
+        return {k: ",".join(v) for k, v in merged.items()}
+
+    async def events(self) -> AsyncIterator[tuple[int, pb.GenerateChunk]]:
+        try:
+            if len(self.requests) == 1:
+                stream = self.backend.generate_stream(self.requests[0], self.contexts[0])
+                async with contextlib.aclosing(stream) as chunks:
+                    async for chunk in chunks:
+                        yield 0, chunk
+                return
+            async for item in self._merged():
+                yield item
+        except CallAborted as exc:
+            raise from_grpc(exc.code, exc.details) from None
+
+    async def _merged(self) -> AsyncIterator[tuple[int, pb.GenerateChunk]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int) -> None:
+            try:
+                stream = self.backend.generate_stream(self.requests[k], self.contexts[k])
+                async with contextlib.aclosing(stream) as chunks:
+                    async for chunk in chunks:
+                        queue.put_nowait((k, chunk))
+            except Exception as exc:  # handed to the consumer, which cancels the others
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(_DONE)
+
+        tasks = [asyncio.ensure_future(pump(k)) for k in range(len(self.requests))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Returns once the client has gone (the ASGI server reports http.disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[Any]) -> Any:
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():  # the client went (or this handler was cancelled)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        watch.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class EventStream:
+    """An ASGI response streaming `events` as server-sent events: `first` (already taken,
+    so the status and headers could wait for it), then the rest, then `tail()` and
+    `data: [DONE]`. An error after the first byte is sent as an error event (the status is
+    gone by then), then [DONE], as vLLM does."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[dict[str, Any] | None], first: list[dict[str, Any]],
+                 tail: Callable[[], list[dict[str, Any]]], headers: dict[str, str],
+                 on_close: Callable[[bool], None] | None = None) -> None:
+        self.events = events
+        self.first = first
+        self.tail = tail
+        self.headers = headers
+        self.on_close = on_close
+        self.status_code = 200
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                   (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        producer = asyncio.ensure_future(self._produce(send))
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        completed = False
+        try:
+            await asyncio.wait({producer, watch}, return_when=asyncio.FIRST_COMPLETED)
+            completed = producer.done() and not producer.cancelled()
+        finally:
+            if not producer.done():  # the client hung up: stop the engine's work now
+                producer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await producer
+            watch.cancel()
+            with contextlib.suppress(Exception):
+                await self.events.aclose()  # type: ignore[attr-defined]
+            if self.on_close is not None:
+                self.on_close(completed)
+        if completed:
+            producer.result()
+
+    async def _produce(self, send: Callable) -> None:
+        for event in self.first:
+            await send({"type": "http.response.body", "body": sse(event), "more_body": True})
+        try:
+            async for event in self.events:
+                if event is not None:
+                    await send({"type": "http.response.body", "body": sse(event),
+                                "more_body": True})
+            for event in self.tail():
+                await send({"type": "http.response.body", "body": sse(event), "more_body": True})
+        except ApiError as exc:
+            await send({"type": "http.response.body", "body": sse(exc.body()),
+                        "more_body": True})
+        except Exception:
+            logger.exception("stream failed")
+            body = ApiError(500, "internal error", code="internal_error").body()
+            await send({"type": "http.response.body", "body": sse(body), "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": False})

@@ -1,0 +1,323 @@
+"""An OpenAI request body read into the pods' own contract (pb.SamplingParams).
+
+Each check names the field it refuses, as OpenAI's 400s do. Types are checked here; ranges
+that the engine defines (temperature >= 0, top_p in (0, 1], n <= max_n, ...) are left to the
+pod, whose INVALID_ARGUMENT names the field too, so one rule holds for gRPC and HTTP alike.
+Parameters PageKV does not implement are refused by name (`REFUSED`) rather than ignored;
+parameters it has never heard of are ignored and listed in `Parsed.ignored`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagekv.proto.openai.errors import invalid
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+
+UINT32_MAX = (1 << 32) - 1
+MAX_PROMPTS = 64  # prompts in one /v1/completions call (each is its own engine request)
+MAX_CHOICES = 256  # prompts x n
+
+
+def _is_false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _is_empty(v: Any) -> bool:
+    return v is None or v == {} or v == [] or v == ""
+
+
+# Parameters users send that PageKV does not implement: a request that uses one is refused
+# with a 400 naming it (a silent ignore would return something other than what was asked).
+# Each entry says when the parameter is harmless (its default or an "off" value).
+REFUSED: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": _is_empty,
+    "suffix": _is_empty,
+    "echo": _is_false,
+    "tools": _is_empty,
+    "functions": _is_empty,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "prompt_logprobs": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "use_beam_search": _is_false,
+    "include_stop_str_in_output": _is_false,
+    "skip_special_tokens": lambda v: v is None or v is True,
+    "continue_final_message": _is_false,
+    "chat_template": lambda v: v is None,  # a client's template would run in the server
+    "truncate_prompt_tokens": lambda v: v is None,
+    "allowed_token_ids": lambda v: v is None,
+    "bad_words": _is_empty,
+    "min_p": lambda v: v in (None, 0, 0.0),
+    "return_tokens_as_token_ids": _is_false,
+    "documents": lambda v: v is None,
+    "mm_processor_kwargs": lambda v: v is None,
+    "priority": lambda v: v in (None, 0),
+}
+
+# Accepted and used, or accepted as harmless metadata (user, metadata, store, ...).
+_COMMON = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "cache_salt", "request_id", "user",
+    "best_of", "metadata", "store", "service_tier", "parallel_tool_calls", "length_penalty",
+    "spaces_between_special_tokens",
+}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
+                         "add_generation_prompt", "chat_template_kwargs"}
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What one request asks for, ready to become one engine request per prompt."""
+
+    model: str | None
+    sampling: pb.SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    cache_salt: str
+    request_id: str | None
+    logprobs: bool
+    ignored: list[str] = field(default_factory=list)
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean",
+            type(None): "null"}.get(type(v), "number")
+
+
+def read_int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)  # 16.0 is 16, as lenient JSON readers take it
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(f"{name} must be an integer, got {_type_name(v)} {_show(v)}", name)
+    if lo is not None and v < lo:
+        raise invalid(f"{name} must be >= {lo}, got {v}", name)
+    if hi is not None and v > hi:
+        raise invalid(f"{name} must be <= {hi}, got {v}", name)
+    return v
+
+
+def read_number(body: dict, name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise invalid(f"{name} must be a number, got {_type_name(v)} {_show(v)}", name)
+    if not math.isfinite(v) or abs(v) > 3.4e38:  # beyond float32: the wire's type
+        raise invalid(f"{name} must be a finite number, got {_show(v)}", name)
+    return float(v)
+
+
+def read_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(f"{name} must be a boolean, got {_type_name(v)} {_show(v)}", name)
+    return v
+
+
+def read_str(body: dict, name: str) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise invalid(f"{name} must be a string, got {_type_name(v)} {_show(v)}", name)
+    return v
+
+
+def _stop_strings(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid("stop must be a string or an array of strings", "stop")
+    return v
+
+
+def _token_ids(body: dict, name: str) -> list[int]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX for t in v):
+        raise invalid(f"{name} must be an array of non-negative integer token ids", name)
+    return v
+
+
+def _check_fields(body: dict, known: set[str]) -> list[str]:
+    for name, harmless in REFUSED.items():
+        if name in body and not harmless(body[name]):
+            raise invalid(f"{name} is not supported by PageKV (README \"OpenAI API\" lists what "
+                          f"is)", name)
+    return sorted(k for k in body if k not in known and k not in REFUSED)
+
+
+def parse_common(body: dict, *, chat: bool) -> Parsed:
+    """The fields completions and chat share; `sampling.logprobs` and max_tokens' default
+    differ between them and are set here by kind."""
+    ignored = _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    sp = pb.SamplingParams()
+    if chat:
+        max_tokens = read_int(body, "max_completion_tokens", 0, UINT32_MAX)
+        if max_tokens is None:
+            max_tokens = read_int(body, "max_tokens", 0, UINT32_MAX)
+    else:
+        # OpenAI's legacy completions default: 16 tokens (chat: up to the context length).
+        max_tokens = read_int(body, "max_tokens", 0, UINT32_MAX)
+        max_tokens = 16 if max_tokens is None else max_tokens
+    if max_tokens is not None:
+        if max_tokens == 0:
+            raise invalid("max_tokens must be >= 1, got 0",
+                          "max_completion_tokens" if "max_completion_tokens" in body
+                          else "max_tokens")
+        sp.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = read_number(body, name)
+        if value is not None:
+            setattr(sp, name, value)
+    top_k = read_int(body, "top_k", -1, (1 << 31) - 1)
+    if top_k is not None and top_k > 0:
+        sp.top_k = top_k
+    seed = read_int(body, "seed")
+    if seed is not None:
+        sp.seed = seed % (1 << 64)  # any integer: the wire's uint64 takes it modulo 2**64
+    n = read_int(body, "n", 1, MAX_CHOICES) or 1
+    best_of = read_int(body, "best_of", 1, MAX_CHOICES)
+    if best_of is not None and best_of != n:
+        raise invalid(f"best_of={best_of} != n={n} is not supported (no beam or best-of "
+                      f"selection)", "best_of")
+    sp.n = n
+    sp.stop.extend(_stop_strings(body))
+    sp.stop_token_ids.extend(_token_ids(body, "stop_token_ids"))
+    sp.ignore_eos = read_bool(body, "ignore_eos")
+    min_tokens = read_int(body, "min_tokens", 0, UINT32_MAX)
+    if min_tokens:
+        sp.min_tokens = min_tokens
+    stream = read_bool(body, "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options is only allowed when stream is true",
+                          "stream_options")
+        if not isinstance(options, dict):
+            raise invalid("stream_options must be an object", "stream_options")
+        include_usage = read_bool(options, "include_usage")
+    read_str(body, "user")  # accepted as OpenAI does; not used
+    return Parsed(model=read_str(body, "model"), sampling=sp, n=n, stream=stream,
+                  include_usage=include_usage, cache_salt=read_str(body, "cache_salt") or "",
+                  request_id=read_str(body, "request_id"), logprobs=False, ignored=ignored)
+
+
+def parse_completion(body: dict) -> tuple[Parsed, list[str | list[int]]]:
+    """A /v1/completions body: its parameters and its prompts (text or token ids each)."""
+    parsed = parse_common(body, chat=False)
+    logprobs = read_int(body, "logprobs", 0, UINT32_MAX)
+    if logprobs is not None:
+        parsed.sampling.logprobs = logprobs
+        parsed.logprobs = True
+    return parsed, _prompts(body.get("prompt"))
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                       for t in v)
+
+
+def _prompts(v: Any) -> list[str | list[int]]:
+    if v is None:
+        raise invalid("prompt is required", "prompt")
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and v and _is_ids(v):
+        prompts: list[str | list[int]] = [v]
+    elif isinstance(v, list) and v and all(isinstance(p, str) or (_is_ids(p) and p) for p in v):
+        prompts = list(v)
+    else:
+        raise invalid("prompt must be a string, an array of token ids, or a non-empty array of "
+                      "either", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid(f"prompt has {len(prompts)} prompts; the limit is {MAX_PROMPTS}", "prompt")
+    for p in prompts:
+        if not isinstance(p, str) and any(t < 0 or t > UINT32_MAX for t in p):
+            raise invalid("prompt token ids must be non-negative integers", "prompt")
+    return prompts
+
+
+def parse_chat(body: dict) -> tuple[Parsed, list[dict[str, Any]], dict[str, Any]]:
+    """A /v1/chat/completions body: its parameters, its messages (text content only) and the
+    template's extra variables."""
+    parsed = parse_common(body, chat=True)
+    if read_bool(body, "logprobs"):
+        parsed.sampling.logprobs = read_int(body, "top_logprobs", 0, UINT32_MAX) or 0
+        parsed.logprobs = True
+    elif body.get("top_logprobs") is not None:
+        read_int(body, "top_logprobs", 0, UINT32_MAX)
+        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
+    kwargs = {**kwargs, "add_generation_prompt": read_bool(body, "add_generation_prompt", True)}
+    return parsed, _messages(body.get("messages")), kwargs
+
+
+def _messages(v: Any) -> list[dict[str, Any]]:
+    if not isinstance(v, list) or not v:
+        raise invalid("messages must be a non-empty array of messages", "messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(f"{where} must be an object", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise invalid(f"{where}.role must be a non-empty string", "messages")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise invalid(f"{where}: tool calls are not supported", "messages")
+        out.append({"role": role, "content": _content(m.get("content"), where)})
+    return out
+
+
+def _content(v: Any, where: str) -> str:
+    """A message's content: a string, or an array of text parts (joined, as OpenAI reads
+    them); an image, audio or file part is refused."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        texts = []
+        for j, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{j}]: only text parts are supported, got "
+                              f"{_show(kind) if kind else _type_name(part)}", "messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise invalid(f"{where}.content must be a string or an array of text parts", "messages")

@@ -1,0 +1,234 @@
+"""The pods' stream chunks (pb.GenerateChunk) as OpenAI's JSON objects.
+
+One `Renderer` per HTTP request: it takes each backend chunk of each prompt's request, returns
+the stream event for it (streaming) and accumulates the whole response (non-streaming), so
+both shapes come from one reading of the chunks. Choice `k * n + i` is completion i of prompt
+k, as OpenAI and vLLM number them.
+
+Usage sits where OpenAI puts it (`usage.prompt_tokens_details.cached_tokens`); the `pagekv`
+object is PageKV's extension: the cached prompt tokens by the tier they came from and, for
+a request that went through a router, the pod that served it and why (README "OpenAI API").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+
+FINISH_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+TOKEN_TEXT_CACHE = 65536  # token strings kept for logprobs (one vocabulary's worth)
+
+
+class TokenTexts:
+    """A token id's text as logprobs show it: the token decoded alone, special tokens
+    included (a token that is part of a multi-byte character shows as U+FFFD)."""
+
+    def __init__(self, decode: Callable[..., str]) -> None:
+        self._decode = decode
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < TOKEN_TEXT_CACHE:
+                self._cache[token_id] = text
+        return text
+
+
+def stop_reason(msg: pb.GenerateChunk | pb.Completion) -> str | int | None:
+    """vLLM's `stop_reason`: the stop string or stop token id that ended a choice (None for
+    EOS, length or abort)."""
+    which = msg.WhichOneof("stop_reason")
+    return getattr(msg, which) if which else None
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    text_offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    started: bool = False  # a chat stream names the role in a choice's first delta
+
+
+@dataclass(slots=True)
+class _PromptResult:
+    usage: pb.Usage | None = None
+    served_by: str = ""
+    routing: pb.RoutingInfo | None = None
+
+
+class Renderer:
+    """One request's chunks → OpenAI's objects; `chat` picks the chat.completion shapes."""
+
+    def __init__(self, *, chat: bool, response_id: str, model: str, n: int, num_prompts: int,
+                 token_texts: TokenTexts, logprobs: bool, streaming: bool = False,
+                 include_usage: bool = False) -> None:
+        self.chat = chat
+        self.streaming = streaming
+        self.id = response_id
+        self.model = model
+        self.n = n
+        self.created = int(time.time())
+        self.texts = token_texts
+        self.want_logprobs = logprobs
+        self.include_usage = include_usage
+        self.choices = [_Choice() for _ in range(n * num_prompts)]
+        self.prompts = [_PromptResult() for _ in range(num_prompts)]
+
+    # -- reading the chunks -----------------------------------------------------------------
+    def add(self, prompt: int, chunk: pb.GenerateChunk) -> dict[str, Any] | None:
+        """Take one chunk of prompt `prompt`'s stream; when streaming, returns its event
+        (None for a chunk that moves no choice, such as a bare usage chunk)."""
+        if chunk.HasField("usage"):
+            res = self.prompts[prompt]
+            res.usage = chunk.usage
+            res.served_by = chunk.served_by
+            if chunk.HasField("routing"):
+                res.routing = chunk.routing
+        if not (chunk.token_ids or chunk.text or chunk.finish_reason):
+            return None
+        index = prompt * self.n + chunk.index
+        c = self.choices[index]
+        c.text.append(chunk.text)
+        if chunk.finish_reason:
+            c.finish_reason = FINISH_NAMES.get(chunk.finish_reason, "stop")
+            c.stop_reason = stop_reason(chunk)
+        if not self.streaming:
+            if self.want_logprobs:
+                c.logprobs.extend(chunk.logprobs)
+            return None
+        if not (chunk.text or chunk.finish_reason or self.want_logprobs):
+            return None  # tokens whose text is held back (a partial character): no event
+        logprobs = self._logprobs(list(chunk.logprobs), c) if self.want_logprobs else None
+        return self._event(index, c, chunk.text, logprobs)
+
+    # -- streaming --------------------------------------------------------------------------
+    def _event(self, index: int, c: _Choice, text: str, logprobs: Any) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"content": text}
+            if not c.started:
+                delta = {"role": "assistant", **delta}
+            c.started = True
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+        if c.finish_reason is not None:
+            choice["stop_reason"] = c.stop_reason
+        event = self._envelope([choice])
+        if self.include_usage:
+            event["usage"] = None  # OpenAI's rule: null on every chunk but the last
+        return event
+
+    def usage_event(self) -> dict[str, Any]:
+        """The stream's last event when include_usage: no choices, the usage, and `pagekv`."""
+        return {**self._envelope([]), "usage": self.usage(), "pagekv": self.pagekv()}
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    # -- the whole response -----------------------------------------------------------------
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, c in enumerate(self.choices):
+            text = "".join(c.text)
+            logprobs = None
+            if self.want_logprobs:
+                logprobs = self._logprobs(c.logprobs, c)
+            if self.chat:
+                choice: dict[str, Any] = {
+                    "index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": index, "text": text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason}
+            choice["stop_reason"] = c.stop_reason
+            choices.append(choice)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(), "pagekv": self.pagekv()}
+
+    def usage(self) -> dict[str, Any]:
+        prompt = completion = cached = 0
+        for r in self.prompts:
+            if r.usage is not None:
+                prompt += r.usage.prompt_tokens
+                completion += r.usage.completion_tokens
+                cached += r.usage.cached_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def pagekv(self) -> dict[str, Any]:
+        """PageKV's extension object (documented in README "OpenAI API")."""
+        per_prompt = [_prompt_extension(r) for r in self.prompts]
+        tiers = {t: sum(p["cached_tokens_by_tier"][t] for p in per_prompt)
+                 for t in ("gpu", "cpu", "disk")}
+        out: dict[str, Any] = {"cached_tokens_by_tier": tiers,
+                               "served_by": per_prompt[0]["served_by"],
+                               "routing": per_prompt[0]["routing"]}
+        if len(per_prompt) > 1:
+            out["prompts"] = per_prompt
+        return out
+
+    # -- logprobs ---------------------------------------------------------------------------
+    def _logprobs(self, items: list[pb.TokenLogprobs], c: _Choice) -> dict[str, Any]:
+        texts = self.texts
+        if self.chat:
+            return {"content": [
+                {**_token_entry(texts(t.sampled.token_id), t.sampled.logprob),
+                 "top_logprobs": [_token_entry(texts(x.token_id), x.logprob) for x in t.top]}
+                for t in items], "refusal": None}
+        tokens, offsets = [], []
+        for t in items:
+            token = texts(t.sampled.token_id)
+            tokens.append(token)
+            offsets.append(c.text_offset)
+            c.text_offset += len(token)
+        return {"tokens": tokens,
+                "token_logprobs": [t.sampled.logprob for t in items],
+                "top_logprobs": [{texts(x.token_id): x.logprob for x in t.top} for t in items],
+                "text_offset": offsets}
+
+
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _prompt_extension(r: _PromptResult) -> dict[str, Any]:
+    u = r.usage or pb.Usage()
+    return {"served_by": r.served_by or None,
+            "cached_tokens_by_tier": {"gpu": u.cached_tokens_gpu, "cpu": u.cached_tokens_cpu,
+                                      "disk": u.cached_tokens_disk},
+            "routing": routing_json(r.routing) if r.routing is not None else None}
+
+
+def routing_json(info: pb.RoutingInfo) -> dict[str, Any]:
+    """A router's decision, every field present (proto3 would drop the zeros)."""
+    return {
+        "chosen_pod": info.chosen_pod, "chosen_address": info.chosen_address,
+        "reason": info.reason, "predicted_cached_tokens": info.predicted_cached_tokens,
+        "prompt_blocks": info.prompt_blocks, "lookup_ms": round(info.lookup_ms, 3),
+        "candidates": [{
+            "pod_id": s.pod_id, "address": s.address, "cached_tokens": s.cached_tokens,
+            "cached_tokens_by_tier": {"gpu": s.cached_tokens_gpu, "cpu": s.cached_tokens_cpu,
+                                      "disk": s.cached_tokens_disk},
+            "queue_waiting": s.queue_waiting, "queue_running": s.queue_running,
+            "estimated_cost_s": s.estimated_cost_s, "eligible": s.eligible,
+            "excluded_reason": s.excluded_reason or None,
+        } for s in info.candidates],
+    }

@@ -1,0 +1,78 @@
+"""The HTTP listener: uvicorn in the process's own event loop, beside the gRPC server.
+
+uvicorn (with httptools' parser) is the ASGI server the field's OpenAI servers run on
+(vLLM's among them). It runs here inside the pod's or router's running loop, so an HTTP
+request reaches the gRPC handler it calls without a thread hop; its own signal handling is
+off (the process's SIGTERM drain decides when it stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+
+import uvicorn
+
+from pagekv.proto.credentials import TlsFiles
+from pagekv.proto.openai.app import build_app
+from pagekv.proto.openai.backend import Backend
+
+logger = logging.getLogger(__name__)
+
+
+class _Embedded(uvicorn.Server):
+    def capture_signals(self):  # the host process owns SIGTERM/SIGINT
+        return contextlib.nullcontext()
+
+
+class HttpServer:
+    def __init__(self, backend: Backend, host: str, port: int,
+                 tls: TlsFiles | None = None) -> None:
+        self.backend = backend
+        self.host = host
+        self.port = port
+        self.tls = tls
+        self._server: _Embedded | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None and self.tls.cert else "http"
+
+    async def start(self) -> int:
+        """Bind (port 0: any free one) and serve; returns the bound port."""
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        kwargs = {}
+        if self.tls is not None and self.tls.cert:
+            kwargs = {"ssl_certfile": self.tls.cert, "ssl_keyfile": self.tls.key}
+            if self.tls.ca:  # mutual TLS, as on the gRPC port
+                kwargs |= {"ssl_ca_certs": self.tls.ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        config = uvicorn.Config(build_app(self.backend), http="httptools", lifespan="off",
+                                log_level="warning", access_log=False, timeout_keep_alive=30,
+                                timeout_graceful_shutdown=5, **kwargs)
+        self._server = _Embedded(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # a failed start raises here
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.005)
+        logger.info("OpenAI API (%s) on %s://%s:%d/v1", self.backend.kind, self.scheme,
+                    self.host, self.port)
+        return self.port
+
+    async def stop(self, drain_timeout_s: float = 5.0) -> None:
+        """Stop accepting, let in-flight responses finish for up to `drain_timeout_s`."""
+        if self._server is None or self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = max(0.0, drain_timeout_s)
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._task, drain_timeout_s + 5)
+        self._server = None
