@@ -18,10 +18,17 @@ from collections.abc import Sequence as Seq
 import torch
 
 from pagekv.kvnode.engine.config import EngineArgs
-from pagekv.kvnode.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagekv.kvnode.engine.logits_processors import SeqHistory
+from pagekv.kvnode.engine.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
 from pagekv.kvnode.engine.sampler import make_generator, sample
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
+from pagekv.kvnode.engine.stop_checker import check_stop
 from pagekv.kvnode.engine.tier_connector import TierConnector, TierEvictor, build_tier_chain
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
@@ -191,6 +198,7 @@ class Engine:
             if seq.finish_reason is None:  # a finished one was released (its id may be reused)
                 self._release(seq)
                 seq.finish_reason = "abort"
+                seq.text.flush(self.tokenizer, seq.req.output_token_ids)
         group.forked = True
         return self._delta(group, time.monotonic())
 
@@ -247,13 +255,15 @@ class Engine:
 
         touched: dict[str, SequenceGroup] = {}
         if sampling_seqs:
-            tokens = sample(
-                logits[rows],
-                [s.group.params for s in sampling_seqs],
-                [s.generator for s in sampling_seqs],
-            )
-            for seq, tok in zip(sampling_seqs, tokens, strict=True):
-                self._append_token(seq, tok, now)
+            params = [s.group.params for s in sampling_seqs]
+            histories = None
+            if any(p.needs_history for p in params):  # only then: the plain path costs nothing
+                histories = [self._history(s, logits.device) for s in sampling_seqs]
+            out = sample(logits[rows], params, [s.generator for s in sampling_seqs],
+                         histories, self.eos_token_ids)
+            logprobs = out.logprobs or [None] * len(sampling_seqs)
+            for seq, tok, lp in zip(sampling_seqs, out.tokens, logprobs, strict=True):
+                self._append_token(seq, tok, lp, now)
                 touched[seq.group.request_id] = seq.group
         self._publish_events()
         return [self._delta(g, now) for g in touched.values()]
@@ -276,7 +286,15 @@ class Engine:
             self.scheduler.running.append(child)
         group.forked = True
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+    @staticmethod
+    def _history(seq: Sequence, device: torch.device) -> SeqHistory:
+        group = seq.group
+        if group.params.repetition_penalty != 1.0 and group.prompt_ids_tensor is None:
+            group.prompt_ids_tensor = torch.tensor(group.prompt_token_ids, device=device)
+        return SeqHistory(seq.req.output_token_ids, group.prompt_ids_tensor)
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None,
+                      now: float) -> None:
         req = seq.req
         req.append_output_token_ids(token)
         group = seq.group
@@ -285,11 +303,9 @@ class Engine:
             m.first_token_time = now
         if seq.index == 0:
             m.token_times.append(now)
-        p = group.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            seq.finish_reason = "stop"
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
+        if logprobs is not None:
+            seq.new_logprobs.append(logprobs)
+        check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
         if seq.finish_reason is not None:
             self._release(seq)
 
@@ -308,17 +324,14 @@ class Engine:
             out = seq.req.output_token_ids
             new_tokens = out[seq.sent_tokens :]
             seq.sent_tokens = len(out)
-            # EOS or a stop token stays the last token id but not in the text, as in vLLM.
-            text = self.tokenizer.decode(out[:-1] if seq.finish_reason == "stop" else out)
-            # Hold back a trailing partial UTF-8 character until it completes.
-            if seq.finish_reason is None and text.endswith("\ufffd"):
-                text = text.rstrip("\ufffd")
-            new_text = ""
-            if text.startswith(seq.sent_text):
-                new_text = text[len(seq.sent_text) :]
-                seq.sent_text = text
-            completions.append(CompletionOutput(seq.index, new_tokens, new_text, seq.finish_reason))
-            seq.sent_finish = seq.finish_reason is not None
+            done = seq.finish_reason is not None
+            text = seq.text.take(group.params.stop, done)
+            logprobs = None
+            if group.params.logprobs is not None:
+                logprobs, seq.new_logprobs = seq.new_logprobs, []
+            completions.append(CompletionOutput(seq.index, new_tokens, text, seq.finish_reason,
+                                                logprobs, seq.stop_reason))
+            seq.sent_finish = done
         finished = group.finished
         if finished:
             group.metrics.finished_time = now

@@ -87,6 +87,11 @@ def merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
         cur.token_ids.extend(c.token_ids)
         cur.text += c.text
         cur.finish_reason = c.finish_reason
+        cur.stop_reason = c.stop_reason
+        if c.logprobs is not None:
+            if cur.logprobs is None:
+                cur.logprobs = []
+            cur.logprobs.extend(c.logprobs)
     acc.outputs = [by_index[i] for i in sorted(by_index)]
     acc.finished = delta.finished
     acc.num_cached_tokens = delta.num_cached_tokens

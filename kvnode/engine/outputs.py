@@ -7,12 +7,25 @@ from dataclasses import dataclass, field
 from pagekv.proto.medium import MEDIUMS
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probabilities under the model's raw distribution."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its natural log-probability
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # One per token id when SamplingParams.logprobs is set, else None.
+    logprobs: list[TokenLogprobs] | None = None
+    # What stopped a "stop" completion: the stop string, the stop token id; None for EOS.
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)

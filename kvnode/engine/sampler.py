@@ -4,12 +4,21 @@ Greedy rows take the argmax in one batched op. Random rows draw with the exponen
 (argmax of p / q with q ~ Exp(1)), which equals sampling from p; each seeded sequence draws
 its noise from its own generator, so a seeded request is reproducible whatever batch it
 shares a step with.
+
+Penalties and min_tokens (logits_processors.py) change the logits of the rows that ask for
+them before either; logprobs come from the raw logits (vLLM's default, "raw_logprobs"), for
+the rows that ask only. A batch that asks for none of these runs the plain path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
 import torch
 
+from pagekv.kvnode.engine.logits_processors import SeqHistory, process_logits
+from pagekv.kvnode.engine.outputs import TokenLogprobs
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 
 
@@ -27,12 +36,35 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+@dataclass(slots=True)
+class SamplerOutput:
+    tokens: list[int]
+    # Per row: its TokenLogprobs, or None where it did not ask; None when no row asked.
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
 def sample(
     logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> list[int]:
-    """One token per row of `logits` [num_seqs, vocab] (float32)."""
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    histories: Sequence[SeqHistory] | None = None,
+    eos_token_ids: Collection[int] = (),
+) -> SamplerOutput:
+    """One token per row of `logits` [num_seqs, vocab] (float32). `histories` (one per row)
+    is needed when any row has penalties or min_tokens; `eos_token_ids` for min_tokens."""
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    # Before anything changes the logits: the model's own distribution.
+    raw = logits[asked].log_softmax(-1) if asked else None
+    if histories is not None:
+        logits = process_logits(logits, params, histories, eos_token_ids)
+    tokens = _draw(logits, params, generators)
+    if raw is None:
+        return SamplerOutput(tokens)
+    return SamplerOutput(tokens, _gather_logprobs(raw, asked, params, tokens))
+
+
+def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
+          generators: Sequence[torch.Generator | None]) -> list[int]:
     out = logits.argmax(-1).tolist()
     for i, p in enumerate(params):
         if p.greedy:
@@ -43,6 +75,26 @@ def sample(
         # on every device.
         noise = torch.empty(probs.shape).exponential_(generator=generators[i]).to(probs.device)
         out[i] = int((probs / noise).argmax())
+    return out
+
+
+def _gather_logprobs(logprobs: torch.Tensor, asked: list[int], params: Sequence[SamplingParams],
+                     tokens: list[int]) -> list[TokenLogprobs | None]:
+    """`logprobs` [len(asked), vocab]: each asking row's sampled token and top k, with one
+    gather and one topk for all of them."""
+    picked = torch.tensor([tokens[i] for i in asked], device=logprobs.device)
+    sampled = logprobs.gather(1, picked[:, None])[:, 0].tolist()
+    k = min(max(params[i].logprobs for i in asked), logprobs.shape[-1])
+    top_vals: list[list[float]] = [[] for _ in asked]
+    top_ids: list[list[int]] = [[] for _ in asked]
+    if k:
+        vals, ids = logprobs.topk(k, -1)  # sorted, best first
+        top_vals, top_ids = vals.tolist(), ids.tolist()
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    for j, i in enumerate(asked):
+        n = params[i].logprobs
+        out[i] = TokenLogprobs(tokens[i], sampled[j], list(zip(top_ids[j][:n], top_vals[j][:n],
+                                                               strict=True)))
     return out
 
 

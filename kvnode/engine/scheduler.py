@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagekv.kvnode.engine.outputs import RequestMetrics
+from pagekv.kvnode.engine.output_text import OutputText
+from pagekv.kvnode.engine.outputs import RequestMetrics, TokenLogprobs
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
 from pagekv.kvnode.memory.request import Request
@@ -42,6 +43,8 @@ class SequenceGroup:
     cached_tokens_by_tier: dict[Medium, int] = field(
         default_factory=lambda: dict.fromkeys(MEDIUMS, 0)
     )
+    # The prompt as a tensor, made once for the repetition penalty (sampler.SeqHistory).
+    prompt_ids_tensor: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,9 +61,11 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Streaming state: how much of the output was already handed out.
     sent_tokens: int = 0
-    sent_text: str = ""
+    text: OutputText = field(default_factory=OutputText)  # decoded, and not yet handed out
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # not yet handed out
     sent_finish: bool = False  # its finish_reason was handed out: later deltas skip it
 
 
