@@ -39,13 +39,17 @@ class BadRequest(ValueError):
 MAX_REQUEST_ID_BYTES = 256   # echoed in every stream chunk: bounds what a stream carries
 MAX_CACHE_SALT_BYTES = 256   # mixed into the first block's hash
 MAX_STOP_TOKEN_IDS = 64      # compared with every generated token
+MAX_STOP_STRINGS = 64        # searched for in every step's new text
+MAX_STOP_STRING_BYTES = 1024  # each; the longest sets how much text a stream holds back
+MAX_LOGPROBS = 20            # top tokens per generated token (OpenAI's top_logprobs bound)
 # 128 Ki tokens: the longest context the supported model families declare (Llama 3.1, Qwen2.5).
 DEFAULT_MAX_PROMPT_TOKENS = 131_072
 # 8 bytes a token, about twice what BPE tokenizers average on prose or code: a text refused for
 # its bytes would have been refused for its tokens, after a tokenizer pass over all of it.
 DEFAULT_MAX_PROMPT_BYTES = 8 * DEFAULT_MAX_PROMPT_TOKENS
-# What a request holds besides its prompt, at most: id, salt, stop ids, sampling, tags.
-_MESSAGE_OVERHEAD_BYTES = 64 * 1024
+# What a request holds besides its prompt, at most: id, salt, stop ids, sampling, tags, and
+# the stop strings (64 of 1 KiB and their tags: 65,728 bytes).
+_MESSAGE_OVERHEAD_BYTES = 128 * 1024
 # A uint32 token id takes at most 5 bytes on the wire (varint).
 _MAX_ID_WIRE_BYTES = 5
 # Prompts past this (text bytes or token ids) are tokenized and hashed off the event loop:
@@ -109,8 +113,11 @@ def check_request(request: GenerateRequest, limits: PromptLimits) -> None:
     refuse_unsupported(request)
     _at_most("request_id", _utf8_bytes(request.request_id), MAX_REQUEST_ID_BYTES, "bytes")
     _at_most("cache_salt", _utf8_bytes(request.cache_salt), MAX_CACHE_SALT_BYTES, "bytes")
-    _at_most("sampling.stop_token_ids", len(request.sampling.stop_token_ids),
-             MAX_STOP_TOKEN_IDS, "ids")
+    sampling = request.sampling
+    _at_most("sampling.stop_token_ids", len(sampling.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
+    _check_stop_strings(sampling.stop)
+    if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
+        raise BadRequest(f"sampling.logprobs is {sampling.logprobs}; the limit is {MAX_LOGPROBS}")
     kind = request.WhichOneof("prompt")
     if kind == "text":
         _at_most("prompt text", _utf8_bytes(request.text), limits.max_bytes, "bytes",
@@ -118,6 +125,15 @@ def check_request(request: GenerateRequest, limits: PromptLimits) -> None:
     elif kind == "token_ids":
         _at_most("prompt token_ids", len(request.token_ids.ids), limits.max_tokens, "ids",
                  "--max-prompt-tokens")
+
+
+def _check_stop_strings(stop: Sequence[str]) -> None:
+    _at_most("sampling.stop", len(stop), MAX_STOP_STRINGS, "strings")
+    for i, s in enumerate(stop):
+        if not s:
+            raise BadRequest(f"sampling.stop[{i}] is empty: a stop string needs 1 to "
+                             f"{MAX_STOP_STRING_BYTES} bytes")
+        _at_most(f"sampling.stop[{i}]", _utf8_bytes(s), MAX_STOP_STRING_BYTES, "bytes")
 
 
 def prompt_is_large(request: GenerateRequest) -> bool:

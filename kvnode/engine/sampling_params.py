@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs (proto/requests.py refuses more on the wire)
+from pagekv.proto.requests import MAX_LOGPROBS
 
 
 def _is_number(x: object) -> bool:

@@ -3,6 +3,9 @@ completions and usage out, the same for Generate and GenerateStream."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from pagekv.kvnode.engine.outputs import TokenLogprobs
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.proto.medium import Medium
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
@@ -39,9 +42,30 @@ def to_sampling_params(sp: pb.SamplingParams, room: int) -> SamplingParams:
             n=sp.n or 1,
             stop_token_ids=list(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
+            stop=list(sp.stop),
+            min_tokens=sp.min_tokens,
+            presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
+            frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
+            repetition_penalty=(sp.repetition_penalty if sp.HasField("repetition_penalty")
+                                else 1.0),
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
         )
     except ValueError as e:
         raise BadRequest(str(e)) from e
+
+
+def token_logprobs(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(sampled=pb.Logprob(token_id=lp.token_id, logprob=lp.logprob),
+                            top=[pb.Logprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def stop_reason_fields(reason: str | int | None) -> dict[str, str | int]:
+    """The `stop_reason` oneof of a Completion or GenerateChunk, as keyword arguments."""
+    if isinstance(reason, str):
+        return {"stop_string": reason}
+    if isinstance(reason, int):
+        return {"stop_token_id": reason}
+    return {}
 
 
 class Completions:
@@ -53,25 +77,38 @@ class Completions:
         self.tokens: dict[int, list[int]] = {}
         self.texts: dict[int, list[str]] = {}
         self.finish: dict[int, int] = {}
+        self.logprobs: dict[int, list[pb.TokenLogprobs]] = {}
+        self.stop: dict[int, dict[str, str | int]] = {}  # stop_reason_fields, once finished
 
-    def pieces(self, delta) -> list[tuple[int, list[int], str, int]]:
-        """(index, new token ids, new text, finish reason) for each completion that moved."""
+    def pieces(self, delta) -> list[dict[str, Any]]:
+        """For each completion that moved, the fields of its GenerateChunk but request_id:
+        index, new token ids, new text, finish reason, the new tokens' logprobs (when asked
+        for) and, once finished, what stopped it."""
         out = []
         for c in delta.outputs:
             if not (c.token_ids or c.text or c.finish_reason):
                 continue
             self.tokens.setdefault(c.index, []).extend(c.token_ids)
             self.texts.setdefault(c.index, []).append(c.text)
+            logprobs = [token_logprobs(lp) for lp in c.logprobs or ()]
+            if logprobs:
+                self.logprobs.setdefault(c.index, []).extend(logprobs)
             reason = FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+            piece: dict[str, Any] = dict(index=c.index, token_ids=list(c.token_ids),
+                                         text=c.text, finish_reason=reason, logprobs=logprobs)
             if c.finish_reason is not None:
                 self.finish[c.index] = reason
-            out.append((c.index, list(c.token_ids), c.text, reason))
+                self.stop[c.index] = stop_reason_fields(c.stop_reason)
+                piece.update(self.stop[c.index])
+            out.append(piece)
         return out
 
     def completion(self, index: int) -> pb.Completion:
         return pb.Completion(index=index, token_ids=self.tokens.get(index, []),
                              text="".join(self.texts.get(index, [])),
-                             finish_reason=self.finish.get(index, pb.FINISH_REASON_UNSPECIFIED))
+                             finish_reason=self.finish.get(index, pb.FINISH_REASON_UNSPECIFIED),
+                             logprobs=self.logprobs.get(index, []),
+                             **self.stop.get(index, {}))
 
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.tokens.values())

@@ -137,9 +137,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
                 done: Completions) -> list[pb.GenerateChunk]:
         """One step's delta as stream chunks; the request's last chunk carries the usage and
         the pod id."""
-        chunks = [pb.GenerateChunk(request_id=rid, index=i, token_ids=ids, text=text,
-                                   finish_reason=reason)
-                  for i, ids, text, reason in done.pieces(delta)]
+        chunks = [pb.GenerateChunk(request_id=rid, **piece) for piece in done.pieces(delta)]
         if delta.finished:
             self.pod.request_metrics.observe(delta)
             if not chunks:

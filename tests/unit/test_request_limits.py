@@ -17,7 +17,10 @@ from pagekv.proto import serving
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.requests import (
     MAX_CACHE_SALT_BYTES,
+    MAX_LOGPROBS,
     MAX_REQUEST_ID_BYTES,
+    MAX_STOP_STRING_BYTES,
+    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     BadRequest,
     PromptLimits,
@@ -58,6 +61,22 @@ def test_stop_token_ids_are_bounded() -> None:
     assert "sampling.stop_token_ids has" in refusal(pb.GenerateRequest(text="hi", sampling=over))
 
 
+def test_stop_strings_and_logprobs_are_bounded() -> None:
+    def req(**kw) -> pb.GenerateRequest:
+        return pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**kw))
+
+    check_request(req(stop=["x" * MAX_STOP_STRING_BYTES] * MAX_STOP_STRINGS,
+                      logprobs=MAX_LOGPROBS), LIMITS)
+    assert refusal(req(stop=["x"] * (MAX_STOP_STRINGS + 1))) == (
+        f"sampling.stop has {MAX_STOP_STRINGS + 1} strings; the limit is {MAX_STOP_STRINGS}")
+    assert refusal(req(stop=["ok", "é" * (MAX_STOP_STRING_BYTES // 2 + 1)])) == (
+        f"sampling.stop[1] has {MAX_STOP_STRING_BYTES + 2} bytes; the limit is "
+        f"{MAX_STOP_STRING_BYTES}")
+    assert refusal(req(stop=["ok", ""])).startswith("sampling.stop[1] is empty")
+    assert refusal(req(logprobs=MAX_LOGPROBS + 1)) == (
+        f"sampling.logprobs is {MAX_LOGPROBS + 1}; the limit is {MAX_LOGPROBS}")
+
+
 def test_prompt_bounds_before_and_after_tokenizing() -> None:
     check_request(pb.GenerateRequest(text="a" * 100), LIMITS)
     assert refusal(pb.GenerateRequest(text="a" * 101)) == (
@@ -89,7 +108,10 @@ def test_the_largest_valid_request_fits_the_message_limit() -> None:
                   sampling=pb.SamplingParams(
                       max_tokens=2**32 - 1, temperature=1.0, top_p=1.0, top_k=-(2**31),
                       seed=2**64 - 1, n=2**32 - 1, ignore_eos=True,
-                      stop_token_ids=[2**32 - 1] * MAX_STOP_TOKEN_IDS))
+                      stop_token_ids=[2**32 - 1] * MAX_STOP_TOKEN_IDS,
+                      stop=["\U0010ffff" * (MAX_STOP_STRING_BYTES // 4)] * MAX_STOP_STRINGS,
+                      min_tokens=2**32 - 1, presence_penalty=-2.0, frequency_penalty=-2.0,
+                      repetition_penalty=1e-30, logprobs=MAX_LOGPROBS))
     text = pb.GenerateRequest(text="a" * limits.max_bytes, **common)
     ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**32 - 1] * limits.max_tokens),
                              **common)
