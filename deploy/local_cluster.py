@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -70,6 +71,7 @@ class Child:
     log_path: Path
     address: str | None = None
     metrics_port: int | None = None
+    http_port: int | None = None  # the OpenAI API
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -116,6 +118,7 @@ class LocalCluster:
     redis_url: str | None = field(default=None, repr=False)  # may hold a password
     host: str = "127.0.0.1"
     router_port: int | None = None
+    router_http_port: int | None = None  # the router's OpenAI API (None or 0: a free port)
     node_args: list[str] = field(default_factory=list)  # extra flags for every pod
     router_args: list[str] = field(default_factory=list)
     start_router: bool = True
@@ -190,7 +193,7 @@ class LocalCluster:
         return self
 
     def start_pod(self, pod_id: str, extra: list[str] | None = None) -> Child:
-        port, mport = free_port(), free_port()
+        port, mport, hport = free_port(), free_port(), free_port()
         # "{pod_id}" / "{run_dir}" in node args give each pod its own paths (SSD tier dirs).
         node_args = [a.format(pod_id=pod_id, run_dir=self.run_dir) for a in self.node_args]
         if not any(a.startswith("--num-threads") for a in node_args):
@@ -199,25 +202,26 @@ class LocalCluster:
         flags, env = self._security(router=False)
         argv = pagekv_cmd(
             "node", "--model", self.model, "--host", self.host, "--port", str(port),
-            "--metrics-port", str(mport), "--pod-id", pod_id, *flags,
-            *node_args, *(extra or []),
+            "--metrics-port", str(mport), "--http-port", str(hport), "--pod-id", pod_id,
+            *flags, *node_args, *(extra or []),
         )
         child = spawn(pod_id, argv, self.run_dir, env)
-        child.address, child.metrics_port = f"{self.host}:{port}", mport
+        child.address, child.metrics_port, child.http_port = f"{self.host}:{port}", mport, hport
         self.children.append(child)
         self.pods.append(child)
         return child
 
     def start_router_process(self) -> Child:
         port = self.router_port or free_port()
-        mport = free_port()
+        mport, hport = free_port(), self.router_http_port or free_port()
         flags, env = self._security(router=True)
         argv = pagekv_cmd(
             "router", "--model", self.model, "--host", self.host, "--port", str(port),
-            "--metrics-port", str(mport), *flags, *self.router_args,
+            "--metrics-port", str(mport), "--http-port", str(hport), *flags,
+            *self.router_args,
         )
         child = spawn("router", argv, self.run_dir, env)
-        child.address, child.metrics_port = f"{self.host}:{port}", mport
+        child.address, child.metrics_port, child.http_port = f"{self.host}:{port}", mport, hport
         self.children.append(child)
         self.router = child
         return child
@@ -247,9 +251,13 @@ class LocalCluster:
     def describe(self) -> str:
         tls = self.server_tls()
         how = f"  ({'mutual TLS' if tls and tls.client_auth else 'TLS'})" if tls else ""
-        lines = [f"router:  {self.router.address}{how}" if self.router else "router:  (none)"]
+        scheme = "https" if tls else "http"
+        lines = [f"router:  grpc {self.router.address}{how}   OpenAI API "
+                 f"{scheme}://{self.host}:{self.router.http_port}/v1" if self.router
+                 else "router:  (none)"]
         for pod in self.pods:
-            lines.append(f"{pod.name}:  grpc {pod.address}   metrics "
+            lines.append(f"{pod.name}:  grpc {pod.address}   OpenAI API "
+                         f"{scheme}://{self.host}:{pod.http_port}/v1   metrics "
                          f"http://{self.host}:{pod.metrics_port}/metrics")
         if self.router:
             lines.append(f"router metrics: http://{self.host}:{self.router.metrics_port}/metrics")
@@ -264,6 +272,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="external Redis (default: embedded)")
     p.add_argument("--run-dir", default=None, help="logs, Redis data, SSD tiers")
     p.add_argument("--router-port", type=int, default=50050)
+    p.add_argument("--router-http-port", type=int, default=8000,
+                   help="the router's OpenAI API port (0: any free port)")
     p.add_argument("--node-arg", action="append", default=[], metavar="FLAG=VALUE",
                    help="extra flag for every pod, e.g. --node-arg=--num-gpu-blocks=256")
 
@@ -294,6 +304,7 @@ def cluster_from(args: argparse.Namespace) -> LocalCluster:
         raise ValueError("--tls-ca/--tls-client-auth need --tls-cert and --tls-key")
     return LocalCluster(nodes=args.nodes, model=args.model, run_dir=run_dir,
                         redis_url=redis_url_from(args), router_port=args.router_port,
+                        router_http_port=args.router_http_port,
                         node_args=list(args.node_arg), tls_cert=args.tls_cert,
                         tls_key=args.tls_key, tls_ca=args.tls_ca,
                         tls_client_auth=args.tls_client_auth,
@@ -314,6 +325,18 @@ def try_line(cluster: LocalCluster) -> str:
     return argv
 
 
+def curl_line(cluster: LocalCluster) -> str:
+    """A `curl` of the router's OpenAI API."""
+    scheme = "https" if cluster.server_tls() else "http"
+    argv = f"curl -s {scheme}://{cluster.host}:{cluster.router.http_port}/v1/completions"
+    if cluster.tls_ca:
+        argv += f" --cacert {cluster.tls_ca}"
+    if cluster.api_token:
+        argv += f' -H "Authorization: Bearer ${API_TOKEN_ENV}"'
+    body = json.dumps({"model": cluster.model, "prompt": "Hello", "max_tokens": 16})
+    return argv + f" -H 'Content-Type: application/json' -d '{body}'"
+
+
 def main(args: argparse.Namespace) -> int:
     cluster = cluster_from(args)
     stop = False
@@ -327,6 +350,7 @@ def main(args: argparse.Namespace) -> int:
     cluster.start()
     print("PageKV local cluster is up:\n" + cluster.describe(), flush=True)
     print(f"try: {try_line(cluster)}", flush=True)
+    print(f"  or: {curl_line(cluster)}", flush=True)
     try:
         while not stop:
             for child in cluster.children:

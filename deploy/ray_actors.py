@@ -112,7 +112,7 @@ class RouterActor:
 
     def __init__(self, config_kwargs: dict[str, Any], host: str | None = None,
                  port: int = 50050, metrics_port: int = 0,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, http_port: int | None = None) -> None:
         _actor_logging()
         from pagekv.proto.heap import freeze_startup_heap
         from pagekv.router.config import RouterConfig
@@ -130,7 +130,8 @@ class RouterActor:
         metrics_host = "127.0.0.1" if self.host == "127.0.0.1" else "0.0.0.0"
         self.metrics_port = metrics_port
         self.server = RouterServer(RouterConfig(**kwargs), host=self.host, port=port,
-                                   metrics_port=metrics_port, metrics_host=metrics_host)
+                                   metrics_port=metrics_port, metrics_host=metrics_host,
+                                   http_port=http_port)
         self._loop = LoopThread("router")
         self.port = self._loop.run(self.server.start(), 60.0)
         freeze_startup_heap(logger)
@@ -141,6 +142,11 @@ class RouterActor:
 
     def metrics_address(self) -> str | None:
         return f"{self.advertise_host}:{self.metrics_port}" if self.metrics_port else None
+
+    def http_address(self) -> str | None:
+        """host:port of the OpenAI API (None: not served)."""
+        port = self.server.http_port
+        return f"{self.advertise_host}:{port}" if port is not None else None
 
     def pid(self) -> int:
         return os.getpid()

@@ -62,6 +62,7 @@ class ClusterHandles:
     placement_group: PlacementGroup
     detached: bool = False
     metrics_addresses: list[str] = field(default_factory=list)
+    router_http_address: str | None = None  # the router's OpenAI API
 
     def refresh(self, timeout: float = 60.0) -> bool:
         """Re-read every actor's address (they move when an actor restarts); True when any
@@ -70,6 +71,8 @@ class ClusterHandles:
         self.pod_addresses = ray.get([p.address.remote() for p in self.pods], timeout=timeout)
         if self.router is not None:
             self.router_address = ray.get(self.router.address.remote(), timeout=timeout)
+            self.router_http_address = ray.get(self.router.http_address.remote(),
+                                               timeout=timeout)
         self.metrics_addresses = self._metrics(timeout)
         return before != (self.pod_addresses, self.router_address)
 
@@ -80,6 +83,8 @@ class ClusterHandles:
 
     def describe(self) -> str:
         lines = [f"router:  {self.router_address or '(none)'}"]
+        if self.router_http_address:
+            lines.append(f"OpenAI API: http://{self.router_http_address}/v1")
         lines += [f"{pid}:  {addr}" for pid, addr in zip(self.pod_ids, self.pod_addresses,
                                                           strict=True)]
         if self.metrics_addresses:
@@ -104,6 +109,7 @@ def deploy_cluster(
     router_cpus: float = 1.0,
     router_port: int = 50050,
     router_metrics_port: int = 0,
+    router_http_port: int | None = None,
     start_router: bool = True,
     serve_metrics: bool = True,
     lease_ttl_s: float = 3.0,
@@ -185,7 +191,7 @@ def deploy_cluster(
             opts.update(name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached")
         router_host = host if host is not None else "0.0.0.0"
         router = ray.remote(RouterActor).options(**opts).remote(
-            rkw, router_host, router_port, router_metrics_port)
+            rkw, router_host, router_port, router_metrics_port, None, router_http_port)
 
     handles = ClusterHandles(pods=pods, pod_ids=pod_ids, pod_addresses=[], router=router,
                              router_address=None, placement_group=pg, detached=detach)
@@ -278,6 +284,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-cpus", type=float, default=1.0)
     p.add_argument("--router-port", type=int, default=50050)
     p.add_argument("--router-metrics-port", type=int, default=9100, help="0: not served")
+    p.add_argument("--router-http-port", type=int, default=8000,
+                   help="the router's OpenAI HTTP API (0: any free port; -1: not served)")
     p.add_argument("--no-router", action="store_true", help="pods only")
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
     p.add_argument("--max-restarts", type=int, default=-1, help="-1: restart forever")
@@ -325,6 +333,7 @@ def main(args: argparse.Namespace) -> int:
                 use_gpus={"auto": None, "yes": True, "no": False}[args.gpus],
                 pod_cpus=args.pod_cpus, router_cpus=args.router_cpus,
                 router_port=args.router_port, router_metrics_port=args.router_metrics_port,
+                router_http_port=None if args.router_http_port < 0 else args.router_http_port,
                 start_router=not args.no_router, lease_ttl_s=args.lease_ttl_s,
                 max_restarts=args.max_restarts, detach=args.detach,
             )

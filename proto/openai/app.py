@@ -177,7 +177,8 @@ class OpenAIFrontend:
             self.token_texts = TokenTexts(tokenizer.decode)
         renderer = Renderer(
             chat=chat, response_id=f"{'chatcmpl' if chat else 'cmpl'}-{rid}", model=model,
-            n=parsed.n, num_prompts=len(prompts), token_texts=self.token_texts,
+            n=parsed.n, num_prompts=len(prompts),
+            token_texts=TokenTexts.as_id if parsed.tokens_as_ids else self.token_texts,
             logprobs=parsed.logprobs, streaming=parsed.stream,
             include_usage=parsed.include_usage)
         calls = Calls(self.backend, requests)

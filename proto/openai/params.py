@@ -62,7 +62,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "allowed_token_ids": lambda v: v is None,
     "bad_words": _is_empty,
     "min_p": lambda v: v in (None, 0, 0.0),
-    "return_tokens_as_token_ids": _is_false,
     "documents": lambda v: v is None,
     "mm_processor_kwargs": lambda v: v is None,
     "priority": lambda v: v in (None, 0),
@@ -74,7 +73,7 @@ _COMMON = {
     "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "cache_salt", "request_id", "user",
     "best_of", "metadata", "store", "service_tier", "parallel_tool_calls", "length_penalty",
-    "spaces_between_special_tokens",
+    "spaces_between_special_tokens", "return_tokens_as_token_ids",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
@@ -93,6 +92,7 @@ class Parsed:
     cache_salt: str
     request_id: str | None
     logprobs: bool
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
     ignored: list[str] = field(default_factory=list)
 
 
@@ -234,7 +234,8 @@ def parse_common(body: dict, *, chat: bool) -> Parsed:
     read_str(body, "user")  # accepted as OpenAI does; not used
     return Parsed(model=read_str(body, "model"), sampling=sp, n=n, stream=stream,
                   include_usage=include_usage, cache_salt=read_str(body, "cache_salt") or "",
-                  request_id=read_str(body, "request_id"), logprobs=False, ignored=ignored)
+                  request_id=read_str(body, "request_id"), logprobs=False,
+                  tokens_as_ids=read_bool(body, "return_tokens_as_token_ids"), ignored=ignored)
 
 
 def parse_completion(body: dict) -> tuple[Parsed, list[str | list[int]]]:

@@ -35,6 +35,11 @@ class TokenTexts:
         self._decode = decode
         self._cache: dict[int, str] = {}
 
+    @staticmethod
+    def as_id(token_id: int) -> str:
+        """vLLM's return_tokens_as_token_ids form: exact where a token is not text alone."""
+        return f"token_id:{token_id}"
+
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
@@ -72,7 +77,7 @@ class Renderer:
     """One request's chunks → OpenAI's objects; `chat` picks the chat.completion shapes."""
 
     def __init__(self, *, chat: bool, response_id: str, model: str, n: int, num_prompts: int,
-                 token_texts: TokenTexts, logprobs: bool, streaming: bool = False,
+                 token_texts: Callable[[int], str], logprobs: bool, streaming: bool = False,
                  include_usage: bool = False) -> None:
         self.chat = chat
         self.streaming = streaming

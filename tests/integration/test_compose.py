@@ -147,6 +147,10 @@ def test_compose_wiring_is_consistent() -> None:
     assert set(pods) == {"kvnode-a", "kvnode-b"}
     router = flag(services["router"]["command"], "--port")
     assert router == "50050"
+    # The router's OpenAI API is published on the host, as its gRPC port is.
+    http = flag(services["router"]["command"], "--http-port")
+    assert f"127.0.0.1:{http}:{http}" in services["router"]["ports"]
+    assert f"127.0.0.1:{router}:{router}" in services["router"]["ports"]
     volumes = set()
     for name, svc in pods.items():
         cmd = svc["command"]
@@ -246,7 +250,7 @@ def localize(service: str, argv: list[str], ports: dict[tuple[str, int], int],
         prev = argv[i - 1] if i else ""
         if prev == "--host":
             arg = "127.0.0.1"
-        elif prev in ("--port", "--metrics-port"):
+        elif prev in ("--port", "--metrics-port", "--http-port"):
             arg = str(ports[(service, int(arg))])
         elif prev == "--disk-offload-dir":
             arg = str(tmp / service / Path(arg).name)
@@ -292,7 +296,7 @@ class ComposeRun:
         self.redis = RedisProcess(data_dir=self.tmp / "redis").start()
         self.ports[("redis", int(flag(redis_cmd, "--port")))] = self.redis.port
         for name, svc in self.services.items():
-            for key in ("--port", "--metrics-port"):
+            for key in ("--port", "--metrics-port", "--http-port"):
                 self.ports[(name, int(flag(svc["command"], key)))] = free_port()
         entry = dockerfile_entrypoint()
         # depends_on order: the pods before the router.
@@ -377,3 +381,15 @@ def test_compose_commands_run_a_cluster_through_the_router(compose_run: ComposeR
                 exported |= scrape_names(remap(target, host, run.ports))
     missing = dashboard_metrics() - exported
     assert not missing, f"dashboard queries series nobody exports: {sorted(missing)}"
+
+    # The router's OpenAI API, on its published port: the same prefix reaches the same pod.
+    http = run.ports[("router", int(flag(run.services["router"]["command"], "--http-port")))]
+    body = json.dumps({"prompt": system + "Third question?", "max_tokens": 4,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out = json.loads(resp.read())
+        assert resp.headers["x-pagekv-served-by"] == first.served_by
+    assert out["usage"]["completion_tokens"] == 4
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (len(system) // 16) - 16

@@ -9,9 +9,11 @@ redis-server on a free port (never 6379, which a Ray head may own).
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,7 +95,8 @@ def cluster(redis_url: str) -> Iterator[ClusterHandles]:
             # 2 logical CPUs: two half-CPU pods and a half-CPU router fit with room to spare.
             handles = deploy_cluster(
                 2, redis_url, "pagekv-tiny", engine_kwargs=ENGINE, host="127.0.0.1",
-                pod_cpus=0.5, router_cpus=0.5, router_port=0, serve_metrics=False,
+                pod_cpus=0.5, router_cpus=0.5, router_port=0, router_http_port=0,
+                serve_metrics=False,
                 lease_ttl_s=1.5, start_timeout_s=120.0,
             )
             try:
@@ -135,6 +138,16 @@ def test_pods_and_router_serve_with_prefix_affinity(cluster: ClusterHandles,
     again = stub.Generate(request(system + tokens(3, 12)), timeout=60)
     assert again.served_by == first.served_by
     assert again.usage.cached_tokens == len(system)
+    # The router actor's OpenAI API routes the same prefix to the same pod.
+    assert cluster.router_http_address
+    body = json.dumps({"prompt": system + tokens(4, 12), "max_tokens": 2, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://{cluster.router_http_address}/v1/completions", body,
+            {"Content-Type": "application/json"}), timeout=60) as resp:
+        out = json.loads(resp.read())
+    assert out["pagekv"]["served_by"] == first.served_by
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(system)
 
 
 def test_killed_pod_restarts_with_a_new_epoch_and_serves(cluster: ClusterHandles,
