@@ -98,6 +98,7 @@ class OpenAIFrontend:
             raise invalid(f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise invalid("the request body must be a JSON object")
+        _check_unicode(body)
         return body
 
     def _check_model(self, parsed: Parsed) -> str:
@@ -254,6 +255,27 @@ class OpenAIFrontend:
             self._count(route, 200 if completed else CLIENT_CLOSED)
 
         return EventStream(stream, first, tail, {**self.backend.headers, **headers}, closed)
+
+
+def _check_unicode(body: Any) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no UTF-8 wire can carry:
+    refuse them here, naming where, instead of failing deep inside."""
+    stack = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise invalid(f"{where or 'the body'} holds a lone UTF-16 surrogate (not "
+                              f"valid Unicode)", where.split("[", 1)[0].split(".", 1)[0]
+                              or None) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k if not where else f"{where}.{k}", k))
+                stack.append((k if not where else f"{where}.{k}", v))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
 
 
 def _decision_headers(extension: dict[str, Any]) -> dict[str, str]:

@@ -73,6 +73,7 @@ _FIELDS = frozenset({
 def _param_named_in(details: str) -> str | None:
     """The field a pod's INVALID_ARGUMENT message starts with ("max_tokens=..." or
     "SamplingParams.top_p ..."), so `param` names it as OpenAI's errors do."""
-    head = details.split(" ", 1)[0].split("=", 1)[0].removeprefix("SamplingParams.")
+    head = details.split(" ", 1)[0].split("=", 1)[0]
+    head = head.removeprefix("SamplingParams.").removeprefix("sampling.")
     head = head.rstrip(":,")
     return head if head in _FIELDS else None

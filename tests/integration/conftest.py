@@ -25,6 +25,7 @@ from pagekv.router.config import RouterConfig
 from tests.integration.contract_fixtures import POD_ARGS as CONTRACT_POD_ARGS
 from tests.integration.contract_fixtures import Target
 from tests.integration.index_fixtures import SCHEMA, PodState
+from tests.integration.openai_fixtures import HttpTarget
 from tests.integration.router_fixtures import TEST_COSTS, FakePod, RouterHandle
 
 
@@ -162,3 +163,16 @@ def target(request: pytest.FixtureRequest, contract_cluster: LocalCluster,
     name = request.param
     addr = contract_cluster.pods[0].address if name == "pod" else contract_cluster.router.address
     return Target(name, addr, pb_grpc.GenerationStub(channels[name]), channels[name])
+
+
+# -- the OpenAI API's tests (test_openai_*.py; helpers in openai_fixtures.py) ------------------
+
+@pytest.fixture(params=["pod", "router"])
+def http_target(request: pytest.FixtureRequest, contract_cluster: LocalCluster,
+                channels: dict[str, grpc.Channel]) -> HttpTarget:
+    """The contract cluster's first pod or its router, over HTTP (and the same over gRPC)."""
+    name = request.param
+    child = contract_cluster.pods[0] if name == "pod" else contract_cluster.router
+    grpc_side = Target(name, child.address, pb_grpc.GenerationStub(channels[name]),
+                       channels[name])
+    return HttpTarget(name, f"http://127.0.0.1:{child.http_port}/v1", grpc_side)

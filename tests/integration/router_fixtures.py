@@ -38,8 +38,9 @@ TEST_COSTS = CostModel(prefill_per_token=1e-3, cpu_per_token=6e-6, disk_per_toke
 class RouterHandle:
     def __init__(self, lp: asyncio.AbstractEventLoop, config: RouterConfig) -> None:
         self.loop = lp
-        self.server = RouterServer(config, host="127.0.0.1", port=0)
+        self.server = RouterServer(config, host="127.0.0.1", port=0, http_port=0)
         self.port = self.call(self.server.start())
+        self.http_url = f"http://127.0.0.1:{self.server.http_port}/v1"
         self.address = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.GenerationStub(self.channel)
