@@ -85,7 +85,8 @@ ROW_PARAMS = [
     SamplingParams(repetition_penalty=1.3),
     SamplingParams(repetition_penalty=0.7, presence_penalty=-1.0, frequency_penalty=2.0),
     SamplingParams(max_tokens=30, min_tokens=26, stop_token_ids=[3, 9]),
-    SamplingParams(max_tokens=30, min_tokens=26, ignore_eos=True, stop_token_ids=[300]),  # past the vocab
+    # EOS ignored and a stop id past the vocabulary: nothing to mask
+    SamplingParams(max_tokens=30, min_tokens=26, ignore_eos=True, stop_token_ids=[300]),
     SamplingParams(min_tokens=2, stop_token_ids=[4]),  # output long enough: no mask
     SamplingParams(),
 ]
@@ -213,7 +214,11 @@ PENALTIES = [
 PROMPTS = [[256, *b"the cat sat on the mat"], [256, *b"abcabcabc"], [256, 7, 7, 7, 7]]
 
 
-@pytest.mark.parametrize("kw", PENALTIES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def _name(kw: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize("kw", PENALTIES, ids=_name)
 def test_greedy_with_penalties_follows_the_reference(tiny, kw):
     llm, ref = tiny
     plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -68,7 +68,7 @@ def check_stream(deltas: list, want_text: str, index: int = 0) -> None:
     assert seen == want_text
 
 
-# -- the detokenizer on its own --------------------------------------------------------------------
+# -- the detokenizer on its own ----------------------------------------------------------------
 
 class SpaceDroppingTokenizer:
     """Word pieces whose '_' is a space, dropped at the start of a decode (as SentencePiece's
@@ -113,7 +113,8 @@ def test_incremental_text_on_a_real_bpe_vocabulary():
 
     tok = prompt_tokenizer("smollm2-135m-instruct")
     rng = random.Random(1)
-    sample = tok.encode("Héllo wörld — naïve café 東京 🙂 <b>x</b>\n  indented", add_bos=False)
+    sample = tok.encode("Héllo wörld — naïve café 東京 🙂 <b>x</b>\n  indented",
+                        add_bos=False)
     for trial in range(30):
         ids = ([rng.randrange(tok.vocab_size) for _ in range(40)] if trial % 2
                else [rng.choice(sample) for _ in range(40)])
@@ -143,7 +144,7 @@ def test_held_back_tail_is_one_short_of_the_longest_stop_string():
     assert out.take(stop, True) == "ld"
 
 
-# -- the engine -------------------------------------------------------------------------------------
+# -- the engine --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tiny():
