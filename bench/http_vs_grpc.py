@@ -36,8 +36,8 @@ Result = tuple[float, list[float], int]  # TTFT, token arrival times, output tok
 
 
 def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """Prompts of 64-256 random token ids (no shared prefix: this measures transport, not
-    caching), 32-64 output tokens each."""
+    """Prompts of 64-256 random token ids (no shared prefix, and the pod's cache is reset
+    before every run: this measures transport, not caching), 32-64 output tokens each."""
     rng = random.Random(seed)
     return [([rng.randrange(vocab) for _ in range(rng.randint(64, 256))], rng.randint(32, 64))
             for _ in range(n)]
@@ -139,9 +139,14 @@ async def measure(cluster: LocalCluster, model: str, reqs, concurrency: int,
     for one, _ in clients.values():  # warm-up: connections, kernels, first allocations
         await closed_loop(reqs[:2], 2, one)
     out: dict[str, list[dict]] = {name: [] for name in clients}
-    for _ in range(rounds):
-        for name, (one, _) in clients.items():
-            out[name].append(await closed_loop(reqs, concurrency, one))
+    async with grpc.aio.insecure_channel(pod.address) as channel:
+        kv = pb_grpc.KVNodeStub(channel)
+        for _ in range(rounds):
+            for name, (one, _) in clients.items():
+                # Every run cold: the same prompts must not hit the previous run's cache.
+                reset = await kv.ResetPrefixCache(pb.ResetPrefixCacheRequest(include_tiers=True))
+                assert reset.success, reset.message
+                out[name].append(await closed_loop(reqs, concurrency, one))
     for _, close in clients.values():
         await close()
     return out

@@ -27,12 +27,20 @@ def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, seed: int | None = None, n: int = 1,
                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 cache_salt: str | None = None, request_id: str | None = None
+                 cache_salt: str | None = None, request_id: str | None = None,
+                 stop: Sequence[str] = (), min_tokens: int = 0,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 repetition_penalty: float | None = None, logprobs: int | None = None
                  ) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset, so the server's default applies."""
-    sp = pb.SamplingParams(n=n, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids))
+    sp = pb.SamplingParams(n=n, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids),
+                           stop=[stop] if isinstance(stop, str) else list(stop),
+                           min_tokens=min_tokens)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
-                        ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+                        ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                        ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty),
+                        ("repetition_penalty", repetition_penalty), ("logprobs", logprobs)):
         if value is not None:
             setattr(sp, name, value)
     req = pb.GenerateRequest(sampling=sp, cache_salt=cache_salt or "",
@@ -99,7 +107,11 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     return make_request(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
                         stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
-                        cache_salt=args.cache_salt, request_id=args.request_id)
+                        cache_salt=args.cache_salt, request_id=args.request_id,
+                        stop=args.stop, min_tokens=args.min_tokens,
+                        presence_penalty=args.presence_penalty,
+                        frequency_penalty=args.frequency_penalty,
+                        repetition_penalty=args.repetition_penalty, logprobs=args.logprobs)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,6 +125,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop-token-ids", type=lambda v: [int(t) for t in v.split(",") if t],
                    default=[], help="comma-separated token ids that end a completion")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a stop string (repeatable): the completion ends before it")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="no stop (EOS, stop tokens or strings) before this many tokens")
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="return each token's logprob and the top K (see --json)")
     p.add_argument("--request-id", default=None, help="default: the server makes one")
     p.add_argument("-n", type=int, default=1)
     p.add_argument("--ignore-eos", action="store_true")

@@ -42,3 +42,16 @@ def test_chat_answer_from_the_real_model(cluster: LocalCluster, via: str) -> Non
     assert "Paris" in completion["text"], completion
     assert completion.get("finishReason") == "FINISH_REASON_STOP", completion  # end of turn
     assert "<|im_end|>" not in completion["text"]
+
+
+def test_generate_flags_for_stop_strings_and_logprobs(cluster: LocalCluster) -> None:
+    import json
+
+    r = generate(cluster.router.address, "--chat", "What is the capital of France?",
+                 "--system", "You are a helpful assistant. Answer in one short sentence.",
+                 "--max-tokens", "40", "--stop", "France is", "--logprobs", "2", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    completion = json.loads(r.stdout)["completions"][0]
+    assert completion["stopString"] == "France is" and "France is" not in completion["text"]
+    assert len(completion["logprobs"]) == len(completion["tokenIds"])
+    assert all(len(t["top"]) == 2 for t in completion["logprobs"])
