@@ -137,6 +137,7 @@ class LocalCluster:
     admin_token: str | None = field(default=None, repr=False)
     api_token: str | None = field(default=None, repr=False)
     redis_tls: TlsFiles | None = None  # an external rediss:// index
+    _ports: set[int] = field(default_factory=set, repr=False)  # handed out to children
 
     def server_tls(self) -> TlsFiles | None:
         if self.tls_cert is None:
@@ -192,8 +193,17 @@ class LocalCluster:
             raise
         return self
 
+    def _port(self) -> int:
+        """A free port not yet handed to one of this cluster's children: the OS may offer
+        a port again once its probe socket is closed, before the child that got it binds."""
+        while True:
+            port = free_port(self.host)
+            if port not in self._ports:
+                self._ports.add(port)
+                return port
+
     def start_pod(self, pod_id: str, extra: list[str] | None = None) -> Child:
-        port, mport, hport = free_port(), free_port(), free_port()
+        port, mport, hport = self._port(), self._port(), self._port()
         # "{pod_id}" / "{run_dir}" in node args give each pod its own paths (SSD tier dirs).
         node_args = [a.format(pod_id=pod_id, run_dir=self.run_dir) for a in self.node_args]
         if not any(a.startswith("--num-threads") for a in node_args):
@@ -211,27 +221,34 @@ class LocalCluster:
         self.pods.append(child)
         return child
 
-    def start_router_process(self) -> Child:
-        port = self.router_port or free_port()
-        mport, hport = free_port(), self.router_http_port or free_port()
+    def start_router_process(self, name: str = "router", extra: list[str] | None = None
+                             ) -> Child:
+        """The cluster's router; another `name` starts one more router on the same index
+        (e.g. `extra=["--policy", "round_robin"]`: a baseline beside the real one), on free
+        ports, which the caller waits for (`wait_healthy`)."""
+        main = name == "router"
+        port = (self.router_port if main else None) or self._port()
+        mport, hport = self._port(), (self.router_http_port if main else None) or self._port()
         flags, env = self._security(router=True)
         argv = pagekv_cmd(
             "router", "--model", self.model, "--host", self.host, "--port", str(port),
             "--metrics-port", str(mport), "--http-port", str(hport), *flags,
-            *self.router_args,
+            *self.router_args, *(extra or []),
         )
-        child = spawn("router", argv, self.run_dir, env)
+        child = spawn(name, argv, self.run_dir, env)
         child.address, child.metrics_port, child.http_port = f"{self.host}:{port}", mport, hport
         self.children.append(child)
-        self.router = child
+        if main:
+            self.router = child
         return child
 
     def stop(self, grace: float = 45.0) -> None:
         # Router first (no new traffic), then every pod at once (they drain in parallel,
         # within the pods' own drain timeout), then Redis.
-        if self.router is not None and self.router in self.children:
-            stop_child(self.router, grace)
-        pods = [c for c in self.children if c is not self.router and c.proc.poll() is None]
+        routers = [c for c in self.children if c not in self.pods]
+        for child in routers:
+            stop_child(child, grace)
+        pods = [c for c in self.pods if c in self.children and c.proc.poll() is None]
         for child in pods:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.proc.pid, signal.SIGTERM)

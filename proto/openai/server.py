@@ -46,7 +46,12 @@ class HttpServer:
         """Bind (port 0: any free one) and serve; returns the bound port."""
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise RuntimeError(f"cannot bind the HTTP port {self.host}:{self.port} "
+                               f"({exc.strerror}): choose another --http-port") from None
         self.port = sock.getsockname()[1]
         kwargs = {}
         if self.tls is not None and self.tls.cert:

@@ -42,40 +42,45 @@ def processes_mentioning(needle: str) -> list[int]:
 def test_up_generate_and_sigterm_leaves_no_orphans(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagekv.kvnode.pod.cli", "up", "--nodes", "2", "--router-port", "0",
+        [sys.executable, "-m", "pagekv.kvnode.pod.cli", "up", "--nodes", "2", "--router-port", "0", "--router-http-port", "0",
          "--run-dir", str(run_dir), "--node-arg=--num-gpu-blocks=64",
          "--node-arg=--max-model-len=512"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    lines = []
-    router = None
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.match(r"router:\s+(\S+)", line)
-        if m:
-            router = m.group(1)
-        if line.startswith("try: pagekv generate"):
-            break
-    assert router, "".join(lines)
-    redis_port = re.search(r"redis:\s+redis://127\.0\.0\.1:(\d+)", "".join(lines)).group(1)
-    assert "metrics" in "".join(lines)
+    try:
+        lines = []
+        router = None
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.match(r"router:\s+grpc (\S+)", line)
+            if m:
+                router = m.group(1)
+            if line.startswith("try: pagekv generate"):
+                break
+        assert router, "".join(lines)
+        redis_port = re.search(r"redis:\s+redis://127\.0\.0\.1:(\d+)", "".join(lines)).group(1)
+        assert "metrics" in "".join(lines)
 
-    out = pagekv("generate", "Hello cluster", "--router", router, "--max-tokens", "5",
-                 "--ignore-eos")
-    assert out.returncode == 0, out.stderr
-    assert "served_by=node-" in out.stderr
-    streamed = pagekv("generate", "Hello cluster", "--router", router, "--max-tokens", "5",
-                      "--ignore-eos", "--stream")
-    assert streamed.returncode == 0 and "cached=" in streamed.stderr
-    bad = pagekv("generate", "x", "--router", router, "--max-tokens", "100000")
-    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+        out = pagekv("generate", "Hello cluster", "--router", router, "--max-tokens", "5",
+                     "--ignore-eos")
+        assert out.returncode == 0, out.stderr
+        assert "served_by=node-" in out.stderr
+        streamed = pagekv("generate", "Hello cluster", "--router", router, "--max-tokens", "5",
+                          "--ignore-eos", "--stream")
+        assert streamed.returncode == 0 and "cached=" in streamed.stderr
+        bad = pagekv("generate", "x", "--router", router, "--max-tokens", "100000")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
 
-    children = processes_mentioning(f"127.0.0.1:{redis_port}")
-    assert len(children) >= 3  # two pods and the router talk to this Redis
+        children = processes_mentioning(f"127.0.0.1:{redis_port}")
+        assert len(children) >= 3  # two pods and the router talk to this Redis
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)  # a failed check must not leave the cluster running
+        proc.communicate(timeout=60)
+        raise
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0
