@@ -139,13 +139,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--json")
     args = ap.parse_args()
-    args.requests = args.requests or (24 if args.quick else 64)
+    args.requests = args.requests or (24 if args.quick else 96)
     exe = ensure_aiperf(Path(args.aiperf_venv))
     work = Path(tempfile.mkdtemp(prefix="pagekv-aiperf-"))
     tokenizer = hf_tokenizer(work / "tokenizer")
-    # Each pod's pool holds about 5 of the 8 prefixes besides its running requests: enough
-    # for its half under prefix routing, not for all 8 under round-robin.
-    blocks = (args.prefix_tokens // 16 + 8) * (args.prefixes * 5 // 8) + 4 * 80
+    # Each pod's pool holds about 5 of the 8 prompts' blocks (running requests hold cached
+    # prefix blocks, not extra ones, but for their few own): enough for its half under prefix
+    # routing, not for all 8 under round-robin.
+    per_prompt = -(-(args.prefix_tokens + 48 + 48 + args.osl) // 16)
+    blocks = per_prompt * (args.prefixes * 5 // 8) + 4 * 8
     node_args = ["--num-gpu-blocks", str(blocks), "--max-model-len", "2048",
                  "--max-num-seqs", str(args.concurrency)]
     print(f"# aiperf through the router: prefix-aware vs round-robin ({MODEL}, 2 pods of "

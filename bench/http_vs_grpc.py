@@ -1,7 +1,9 @@
 """One pod, the same requests at the same concurrency: gRPC streaming vs OpenAI's HTTP API.
 
 Closed-loop streaming clients (asyncio, one process) against one real pod process: output
-tokens/s, TTFT p50/p90 and inter-token latency p50 for
+tokens/s, TTFT p50/p90 and inter-token latency p50 (TTFT and ITL by the chunks that carry
+text, alike for all three: a token whose text is held back, part of a character, is not yet
+something a reader sees) for
 - gRPC: `GenerateStream` on one grpc.aio channel (the baseline);
 - HTTP, official client: `openai.AsyncOpenAI` streaming /v1/completions, every chunk parsed
   into the client's objects (what an application pays);
@@ -71,9 +73,9 @@ def grpc_client(address: str):
         t0 = time.perf_counter()
         times, n = [], 0
         async for chunk in stub.GenerateStream(req, timeout=600):
-            if chunk.token_ids:
+            if chunk.text:  # as the HTTP clients count: text a reader sees
                 times.append(time.perf_counter())
-                n += len(chunk.token_ids)
+            n += len(chunk.token_ids)
         return times[0] - t0, times, n
 
     return one, channel.close

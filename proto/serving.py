@@ -51,12 +51,20 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def _metrics_only(app):
-    """The exposition on /metrics; every other path is a 404 that says where to look."""
+    """The exposition on /metrics; every other path is a 404 that says where to look. HEAD
+    is GET without the body (prometheus_client answers it 405 with a body, which strict
+    clients such as aiohttp refuse: a benchmark tool's probe of the page then fails)."""
     def wrapped(environ, start_response):
+        head = environ.get("REQUEST_METHOD") == "HEAD"
         if environ.get("PATH_INFO", "") != METRICS_PATH:
             start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-            return [b"not found: metrics are served on /metrics\n"]
-        return app(environ, start_response)
+            return [] if head else [b"not found: metrics are served on /metrics\n"]
+        if not head:
+            return app(environ, start_response)
+        body = app({**environ, "REQUEST_METHOD": "GET"}, start_response)
+        if hasattr(body, "close"):
+            body.close()
+        return []
     return wrapped
 
 

@@ -21,7 +21,7 @@ from pagekv.kvnode.engine.config import BYTE_SIZES, CHOICES, HELP, EngineArgs
 
 # subcommand -> (module, help)
 SUBCOMMANDS = {
-    "node": ("pagekv.kvnode.pod.server", "run one pod: the engine behind a gRPC Generate service"),
+    "node": ("pagekv.kvnode.pod.node_cli", "run one pod: the engine behind a gRPC Generate service"),
     "router": ("pagekv.router.cli", "run the prefix-aware gRPC router over the Redis index"),
     "up": ("pagekv.deploy.local_cluster", "start a local cluster: Redis, N pods and the router"),
     "generate": ("pagekv.kvnode.pod.client", "send one Generate call to a router or a pod"),

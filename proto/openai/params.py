@@ -132,22 +132,20 @@ def read_number(body: dict, name: str) -> float | None:
     return float(v)
 
 
-def read_bool(body: dict, name: str, default: bool = False) -> bool:
+def _typed(body: dict, name: str, kind: type, what: str) -> Any:
     v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(f"{name} must be a boolean, got {_type_name(v)} {_show(v)}", name)
+    if v is not None and not isinstance(v, kind):
+        raise invalid(f"{name} must be {what}, got {_type_name(v)} {_show(v)}", name)
     return v
+
+
+def read_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = _typed(body, name, bool, "a boolean")
+    return default if v is None else v
 
 
 def read_str(body: dict, name: str) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise invalid(f"{name} must be a string, got {_type_name(v)} {_show(v)}", name)
-    return v
+    return _typed(body, name, str, "a string")
 
 
 def _stop_strings(body: dict) -> list[str]:

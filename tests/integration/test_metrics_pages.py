@@ -107,3 +107,18 @@ def test_rules_files_pass_promtool() -> None:
     r = subprocess.run([promtool(), "test", "rules", *tests], capture_output=True, text=True,
                        timeout=60, cwd=rules)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_head_is_get_without_a_body(cluster: LocalCluster) -> None:
+    """Tools probe a page with HEAD first (aiperf does, over aiohttp, which refuses a HEAD
+    answer that carries a body)."""
+    import http.client
+
+    for base in pages(cluster).values():
+        host, port = base.removeprefix("http://").split(":")
+        for path, status in (("/metrics", 200), ("/elsewhere", 404)):
+            conn = http.client.HTTPConnection(host, int(port), timeout=10)
+            conn.request("HEAD", path)
+            resp = conn.getresponse()
+            assert resp.status == status and resp.read() == b""
+            conn.close()

@@ -1,0 +1,96 @@
+"""`pagekv node`: the pod's flags and its process — start, serve until SIGTERM/SIGINT, drain.
+The pod itself is kvnode/pod/server.py."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+
+from pagekv.kvnode.pod.server import PodServer
+from pagekv.proto.credentials import (
+    ADMIN_TOKEN_ENV,
+    API_TOKEN_ENV,
+    add_redis_arguments,
+    add_server_tls_arguments,
+    add_token_argument,
+    redis_url_from,
+    tls_from,
+    token_from,
+)
+from pagekv.proto.heap import freeze_startup_heap
+from pagekv.proto.requests import add_prompt_limit_arguments, prompt_limits_from
+
+logger = logging.getLogger("pagekv.kvnode.pod.server")  # the pod's log lines, one logger
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pagekv.kvnode.pod.cli import add_engine_arguments
+
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models) on this port (default: off)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model names the HTTP API answers to (default: --model as given)")
+    p.add_argument("--pod-id", default=None, help="default: <hostname>-<port>")
+    p.add_argument("--advertise-address", default=None,
+                   help="host:port the router dials (default: host:port)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="requests in flight before RESOURCE_EXHAUSTED")
+    p.add_argument("--lease-ttl-s", type=float, default=3.0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    add_prompt_limit_arguments(p)
+    add_redis_arguments(p, None)
+    add_server_tls_arguments(p)
+    add_token_argument(p, "--admin-token", ADMIN_TOKEN_ENV,
+                       "bearer token that KVNode.ResetPrefixCache requires (without one, "
+                       "anyone who reaches the port may clear the cache)")
+    add_token_argument(p, "--api-token", API_TOKEN_ENV,
+                       "bearer token that Generate, GenerateStream and Stats require")
+    add_engine_arguments(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagekv.kvnode.pod.cli import engine_args_from
+
+    # A stable default id: a restarted pod replaces its own registration (new epoch)
+    # instead of leaving a dead pod id in the index.
+    pod_id = args.pod_id or f"{socket.gethostname()}-{args.port}"
+    pod = PodServer(
+        engine_args_from(args), pod_id, args.host, args.port, args.metrics_port,
+        redis_url_from(args), args.advertise_address, args.max_queue, args.lease_ttl_s,
+        tls=tls_from(args), admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
+        api_token=token_from(args.api_token, API_TOKEN_ENV), redis_tls=tls_from(args, "redis"),
+        prompt_limits=prompt_limits_from(args), http_port=args.http_port,
+        served_model_names=args.served_model_name,
+    )
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)  # also while the model is loading
+        starting = asyncio.create_task(pod.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            logger.info("stopped while starting")
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            await pod.stop(0.0)
+            return
+        starting.result()  # a failed start raises here (it already cleaned up)
+        freeze_startup_heap(logger)
+        await stop.wait()
+        logger.info("shutting down: draining in-flight requests")
+        await pod.stop(args.drain_timeout_s)
+
+    asyncio.run(run())
+    return 0
