@@ -42,6 +42,7 @@ from pagekv.router.tokenize import load_tokenizer
 logger = logging.getLogger(__name__)
 
 OVERHEAD_METADATA_KEY = "pagekv-router-overhead-us"
+STOP_STEP_TIMEOUT_S = 5.0  # each clean-up step of stop(): the process exits regardless
 SERVICE_NAME = "pagekv.v1.Generation"
 
 
@@ -379,8 +380,14 @@ class RouterServer:
             await asyncio.gather(*draining)
             self._server = None
         if self.router is not None:
-            await self.router.registry.close()
-            await self.router.index.aclose()
+            # Bounded: a Redis connection stuck mid-command must not hang the shutdown.
+            for what, closing in (("pod registry", self.router.registry.close()),
+                                  ("index client", self.router.index.aclose())):
+                try:
+                    await asyncio.wait_for(closing, STOP_STEP_TIMEOUT_S)
+                except (TimeoutError, *REDIS_ERRORS) as exc:
+                    logger.warning("router stop: closing the %s failed (%r); going on", what,
+                                   exc)
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

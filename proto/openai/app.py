@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from importlib import metadata
 from typing import Any
+from urllib.parse import quote
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -183,9 +184,9 @@ class OpenAIFrontend:
             logprobs=parsed.logprobs, streaming=parsed.stream,
             include_usage=parsed.include_usage)
         calls = Calls(self.backend, requests)
-        headers = {"x-request-id": rid}
+        headers = {"x-request-id": header_value(rid)}
         if parsed.ignored:
-            headers["x-pagekv-ignored-fields"] = ",".join(parsed.ignored)[:1024]
+            headers["x-pagekv-ignored-fields"] = header_value(",".join(parsed.ignored)[:1024])
         if parsed.stream:
             return await self._stream(request, route, calls, renderer, headers)
         await until_disconnect(request.receive, self._collect(calls, renderer))
@@ -246,7 +247,7 @@ class OpenAIFrontend:
         except BaseException:
             await stream.aclose()
             raise
-        headers.update({f"x-{k}": v for k, v in calls.metadata().items()})
+        headers.update({f"x-{k}": header_value(v) for k, v in calls.metadata().items()})
 
         def tail() -> list[dict[str, Any]]:
             return [renderer.usage_event()] if renderer.include_usage else []
@@ -278,13 +279,20 @@ def _check_unicode(body: Any) -> None:
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
 
 
+def header_value(text: str) -> str:
+    """A client's string (a request id, a field name) made safe for a response header:
+    printable ASCII kept, the rest percent-encoded — never a CR/LF that would start a header
+    of the client's choosing, never a character latin-1 cannot carry."""
+    return quote(text, safe="!#$&'()*+,/:;=?@[]~^|{}`<>\"")
+
+
 def _decision_headers(extension: dict[str, Any]) -> dict[str, str]:
     out = {}
     if extension.get("served_by"):
-        out["x-pagekv-served-by"] = extension["served_by"]
+        out["x-pagekv-served-by"] = header_value(extension["served_by"])
     routing = extension.get("routing")
     if routing:
-        out["x-pagekv-routing-reason"] = routing["reason"]
+        out["x-pagekv-routing-reason"] = header_value(routing["reason"])
         out["x-pagekv-predicted-cached-tokens"] = str(routing["predicted_cached_tokens"])
     return out
 

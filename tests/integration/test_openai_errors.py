@@ -286,3 +286,13 @@ def test_grpc_and_http_refuse_alike(http_target: HttpTarget) -> None:
     assert status == 400 and err["message"] == info.value.details()
     assert isinstance(http_target.grpc.gen, pb_grpc.GenerationStub)
     time.sleep(0)
+
+
+def test_client_strings_cannot_inject_headers(http_target: HttpTarget) -> None:
+    body = {**OK_BODY, "request_id": "日本\r\nset-cookie: x=1", "weird\r\nfield": 1}
+    status, headers, raw = raw_post(http_target, "/completions", json.dumps(body).encode())
+    assert status == 200, raw
+    assert "set-cookie" not in headers
+    assert headers["x-request-id"] == "%E6%97%A5%E6%9C%AC%0D%0Aset-cookie:%20x=1"
+    assert json.loads(raw)["id"] == "cmpl-" + body["request_id"]  # the body keeps it as sent
+    assert headers["x-pagekv-ignored-fields"] == "weird%0D%0Afield"
