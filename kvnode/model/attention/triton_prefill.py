@@ -20,8 +20,9 @@ and a program finds its sequence by binary search. Surplus slots return at once.
 Precision: scores and softmax in fp32. The two products run in ``COMPUTE``: the query's dtype
 when it is fp16/bf16 and the cache holds the same dtype or fp8 (tensor cores, fp32
 accumulation; the probabilities are rounded to that dtype for P·V), else fp32 with IEEE
-products. fp8 values convert exactly to either (E4M3 by moving its bits into fp16's, see
-``_e4m3_bytes_to_fp16``, so that Ampere runs it too); ``k_scale`` is folded into the softmax scale
+products. fp8 caches are passed as bytes and decoded by moving their bits into fp16's
+(``_fp8_bytes_to_fp16``: exact, on every GPU, where Triton's own E4M3 type needs sm_89+);
+``k_scale`` is folded into the softmax scale
 and ``v_scale`` into the final normalisation, so dequantization costs no extra multiply per
 element.
 """
@@ -36,6 +37,7 @@ from pagekv.kvnode.model.attention.kv_cache import FP8_DTYPES
 
 _LOG2E = 1.4426950408889634
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -53,12 +55,16 @@ def _find_sequence(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_bytes_to_fp16(x):
-    """E4M3 bytes -> fp16 holding value * 2**-8, exactly (NaN aside): the exponent and
-    mantissa bits move up into fp16's, whose exponent bias is 8 more (15 vs 7); subnormals
-    line up too. Works on every GPU (Triton's own fp8e4nv type needs sm_89+)."""
+def _fp8_bytes_to_fp16(x, FP8_FORMAT: tl.constexpr):
+    """fp8 bytes -> fp16, exactly. E5M2 is fp16's top byte. E4M3 comes out as value * 2**-8
+    (NaN aside): its exponent and mantissa bits move up into fp16's, whose exponent bias is
+    8 more (15 vs 7); subnormals line up too."""
     x = x.to(tl.uint16)
-    return (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    if FP8_FORMAT == 2:
+        bits = x << 8
+    else:
+        bits = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
+    return bits.to(tl.float16, bitcast=True)
 
 
 # num_seqs bounds the binary search's loop: kept a runtime value even when it is 1 (Triton
@@ -82,7 +88,7 @@ def _paged_prefill_kernel(
     TILE_N: tl.constexpr,  # key positions per iteration
     USE_WINDOW: tl.constexpr,
     COMPUTE: tl.constexpr,  # dtype of the two matrix products
-    E4M3_BYTES: tl.constexpr,  # caches are E4M3 passed as uint8 (scales carry the 2**8)
+    FP8_FORMAT: tl.constexpr,  # 0: none; caches as uint8 of 1: E4M3 (scales carry 2**8), 2: E5M2
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
@@ -131,8 +137,8 @@ def _paged_prefill_kernel(
         k_off = block_id * stride_kb + offset * stride_kt
         kt = tl.load(k_head + k_off[None, :] + dims[:, None],
                      mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
-        if E4M3_BYTES:
-            kt = _e4m3_bytes_to_fp16(kt)
+        if FP8_FORMAT != 0:
+            kt = _fp8_bytes_to_fp16(kt, FP8_FORMAT)
         kt = kt.to(COMPUTE)
         if COMPUTE == tl.float32:
             s = tl.dot(q, kt, input_precision="ieee")
@@ -153,8 +159,8 @@ def _paged_prefill_kernel(
         v_off = block_id * stride_vb + offset * stride_vt
         v = tl.load(v_head + v_off[:, None] + dims[None, :],
                     mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
-        if E4M3_BYTES:
-            v = _e4m3_bytes_to_fp16(v)
+        if FP8_FORMAT != 0:
+            v = _fp8_bytes_to_fp16(v, FP8_FORMAT)
         v = v.to(COMPUTE)
         if COMPUTE == tl.float32:
             pv = tl.dot(p, v, input_precision="ieee")
@@ -243,9 +249,10 @@ def paged_prefill(
     head_pad = max(16, triton.next_power_of_2(head_size))
     block_q, tile_n, warps = _tiles(head_pad, group_pad)
     compute = _TL_DTYPES[_compute_dtype(query.dtype, key_cache.dtype)]
-    e4m3 = key_cache.dtype == torch.float8_e4m3fn
-    if e4m3:  # decoded in the kernel to value * 2**-8; the scales take the 2**8 back
+    fp8_format = _FP8_FORMATS.get(key_cache.dtype, 0)
+    if fp8_format:
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    if fp8_format == 1:  # E4M3 decodes to value * 2**-8: the scales take the 2**8 back
         k_scale, v_scale = k_scale * 256.0, v_scale * 256.0
     grid = (num_tokens // block_q + num_seqs, kv_heads)
     _paged_prefill_kernel[grid](
@@ -259,6 +266,6 @@ def paged_prefill(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_SIZE=head_size,
         HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
         USE_WINDOW=sliding_window is not None, COMPUTE=compute,
-        E4M3_BYTES=e4m3, num_warps=warps,
+        FP8_FORMAT=fp8_format, num_warps=warps,
     )
     return out

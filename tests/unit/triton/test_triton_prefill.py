@@ -139,6 +139,28 @@ def test_random_batches(prefill, triton_device, seed):
     check(prefill, case)
 
 
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_every_fp8_value_dequantizes_exactly(prefill, triton_device, cache_dtype, query_dtype):
+    """One key, so the output is its V row times v_scale: a row of all 256 byte patterns
+    (the non-finite ones zeroed) must come out as torch converts them, bit for bit
+    (subnormals included: the kernel decodes fp8 bits itself)."""
+    raw = torch.arange(256, dtype=torch.uint8).view(cache_dtype).float()
+    values = torch.where(raw.isfinite(), raw, 0.0).to(cache_dtype)
+    key_cache = torch.zeros(3, 8, 1, 256, dtype=cache_dtype)
+    value_cache = torch.zeros_like(key_cache)
+    key_cache[2, 0, 0] = values.view(torch.uint8).flip(0).view(cache_dtype)
+    value_cache[2, 0, 0] = values
+    out = prefill(
+        torch.randn(1, 2, 256).to(query_dtype).to(triton_device), key_cache.to(triton_device),
+        value_cache.to(triton_device), torch.tensor([[2, 0]], dtype=torch.int32,
+                                                    device=triton_device),
+        torch.tensor([1], device=triton_device), torch.tensor([0, 1], device=triton_device),
+        scale=0.1, k_scale=3.0, v_scale=0.125)
+    expected = values.float() * 0.125
+    assert torch.equal(out[0, 0].cpu(), expected) and torch.equal(out[0, 1].cpu(), expected)
+
+
 def test_all_rows_empty(prefill, triton_device):
     case = make_case([(5, 0), (0, 0), (17, 0)], device=triton_device)
     out = prefill(**case.kernel_args())
@@ -202,9 +224,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     configs = [
         (90, "fp32", "fp32", 1, 64, 16, False),
         (90, "bf16", "bf16", 8, 128, 32, True),
-        (90, "bf16", "u8", 4, 96, 16, True),  # E4M3, passed as bytes
-        (80, "fp16", "u8", 4, 256, 128, False),  # E4M3 on Ampere
-        (80, "fp16", "fp8e5", 2, 64, 8, True),
+        (90, "bf16", "e4m3", 4, 96, 16, True),
+        (80, "fp16", "e4m3", 4, 256, 128, False),  # Ampere: Triton's fp8e4nv needs sm_89
+        (80, "fp16", "e5m2", 2, 64, 8, True),
     ]
     for arch, qdt, kvdt, group, head, block, window in configs:
         head_pad = triton.next_power_of_2(head)
@@ -212,10 +234,12 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         compute = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[qdt]
         consts = dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q,
                       HEAD_SIZE=head, HEAD_PAD=head_pad, BLOCK_SIZE=block, TILE_N=tile_n,
-                      USE_WINDOW=window, COMPUTE=compute, E4M3_BYTES=kvdt == "u8",
+                      USE_WINDOW=window, COMPUTE=compute,
+                      FP8_FORMAT={"e4m3": 1, "e5m2": 2}.get(kvdt, 0),
                       window=1, stride_bt=1)
         sig = {name: "i32" for name in fn.arg_names}
-        sig.update(q_ptr="*" + qdt, k_cache_ptr="*" + kvdt, v_cache_ptr="*" + kvdt,
+        cache = "*u8" if kvdt in ("e4m3", "e5m2") else "*" + kvdt  # fp8 goes as bytes
+        sig.update(q_ptr="*" + qdt, k_cache_ptr=cache, v_cache_ptr=cache,
                    out_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                    qsl_ptr="*i64", qk_scale="fp32", v_scale="fp32")
         sig.update({name: "constexpr" for name in consts})
