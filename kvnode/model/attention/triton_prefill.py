@@ -56,14 +56,15 @@ def _find_sequence(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _fp8_bytes_to_fp16(x, FP8_FORMAT: tl.constexpr):
-    """fp8 bytes -> fp16, exactly. E5M2 is fp16's top byte. E4M3 comes out as value * 2**-8
-    (NaN aside): its exponent and mantissa bits move up into fp16's, whose exponent bias is
-    8 more (15 vs 7); subnormals line up too."""
+    """fp8 bytes -> fp16, exactly. E5M2 is fp16's top byte. E4M3 comes out as value * 2**-8:
+    its exponent and mantissa bits move up into fp16's, whose exponent bias is 8 more (15 vs
+    7); subnormals line up too; its one NaN pattern (no infinities) becomes fp16's NaN."""
     x = x.to(tl.uint16)
     if FP8_FORMAT == 2:
         bits = x << 8
     else:
         bits = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
+        bits = tl.where((x & 0x7F) == 0x7F, 0x7E00, bits)
     return bits.to(tl.float16, bitcast=True)
 
 
