@@ -196,20 +196,20 @@ def _matrix():
                          _matrix(), ids=str)
 def test_full_matrix(prefill, triton_device, cache_dtype, block_size, head_size, group,
                      window):
+    """Each case with the query dtype a GPU model would use (one compile per case: the
+    product is about 600 kernels, compile-bound; Triton's cache makes reruns quick): the
+    cache's dtype for 16-bit caches, bf16 on fp8 (fp16 where the interpreter cannot run bf16
+    products), fp32 on fp32. fp32 queries on the other caches are the base tests' cases."""
     scales = FP8_SCALES if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else {}
+    query_dtype = {torch.float32: torch.float32, torch.float16: torch.float16}.get(
+        cache_dtype, torch.bfloat16 if BF16_DOT_OK else torch.float16)
+    if cache_dtype == torch.bfloat16 and not BF16_DOT_OK:
+        query_dtype = torch.float32
     seqs = [(300, 1), (0, 45), (130, 70), (17, 0), (2000, 33), (1, 1)]
     check(prefill, make_case(seqs, block_size=block_size, kv_heads=2, group=group,
                              head_size=head_size, cache_dtype=cache_dtype,
-                             sliding_window=window, device=triton_device, **scales))
-    # And the 16-bit products: a query of the cache's dtype, or bf16 on fp8 (fp16 where the
-    # interpreter cannot run bf16 products).
-    query_dtype = {torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}.get(
-        cache_dtype, torch.bfloat16 if BF16_DOT_OK else torch.float16)
-    if cache_dtype != torch.float32 and (query_dtype != torch.bfloat16 or BF16_DOT_OK):
-        check(prefill, make_case(seqs, block_size=block_size, kv_heads=2, group=group,
-                                 head_size=head_size, cache_dtype=cache_dtype,
-                                 query_dtype=query_dtype, sliding_window=window,
-                                 device=triton_device, **scales))
+                             query_dtype=query_dtype, sliding_window=window,
+                             device=triton_device, **scales))
 
 
 _COMPILE_SCRIPT = textwrap.dedent("""
