@@ -47,7 +47,8 @@ CHOICES: dict[str, tuple] = {
     "kv_cache_dtype": ("auto", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"),
     "hash_algo": HASH_ALGOS,
     "device": ("cpu", "cuda"),
-    "attention_backend": ("auto", "torch", "cpp"),
+    # kvnode.model.attention.BACKEND_CHOICES (a torch module: a test keeps the two equal)
+    "attention_backend": ("auto", "torch", "cpp", "triton"),
 }
 # Options whose values are sizes in bytes ("2GiB", "512MB", "1e9").
 BYTE_SIZES = frozenset({"cpu_offload_bytes", "disk_offload_bytes", "kv_cache_memory"})
@@ -76,7 +77,9 @@ HELP: dict[str, str] = {
     "device": "cpu or cuda (default: cuda when present)",
     "num_threads": "torch threads for CPU compute (default: torch's; give each pod on a "
                    "shared host its own share of the cores)",
-    "attention_backend": "torch, cpp (the C++ paged kernel) or auto",
+    "attention_backend": "auto (CPU: cpp, CUDA: triton, else torch), torch (pure-torch "
+                         "reference), cpp (CPU: C++ decode kernel, SDPA prefill) or triton "
+                         "(CUDA kernels)",
     "cpu_offload_bytes": "DRAM tier size; evicted blocks spill here (0: off)",
     "disk_offload_bytes": "SSD tier size; DRAM's evictions spill here (0: off)",
     "disk_offload_dir": "directory of the SSD tier (survives restarts)",

@@ -1,9 +1,7 @@
-"""Paged attention (reference path) against plain contiguous attention, and the dispatcher."""
+"""Paged attention (reference path) against plain contiguous attention. The dispatcher's
+tests: test_attention_backends.py."""
 
 from __future__ import annotations
-
-import sys
-import types
 
 import pytest
 import torch
@@ -11,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pagekv.kvnode.model.attention.paged as paged
-from pagekv.kvnode.model.attention import REFERENCE_BACKEND, get_attention_backend
 from pagekv.kvnode.model.attention.paged import paged_attention, write_kv_cache
 
 
@@ -135,45 +132,3 @@ def test_slot_minus_one_is_skipped():
     write_kv_cache(k, 2 * k, kc, vc, torch.tensor([5, -1, 0]), 1.0, 1.0)
     assert kc.view(-1, 2)[[0, 5]].eq(1).all() and vc.view(-1, 2)[[0, 5]].eq(2).all()
     assert kc.sum() == 4 and kc.view(-1, 2)[7].eq(0).all()  # -1 did not wrap to the last slot
-
-
-# ---- dispatcher ------------------------------------------------------------------------------
-KERNEL = "pagekv.kvnode.model.attention.cpu_kernel"
-
-
-def _fake_kernel(available: bool) -> types.ModuleType:
-    mod = types.ModuleType(KERNEL)
-    mod.available = lambda: available  # type: ignore[attr-defined]
-    mod.paged_attention = lambda *a, **k: "kernel"  # type: ignore[attr-defined]
-    return mod
-
-
-def test_dispatcher_torch_by_env(monkeypatch):
-    monkeypatch.setitem(sys.modules, KERNEL, _fake_kernel(True))
-    monkeypatch.setenv("PAGEKV_ATTENTION_BACKEND", "torch")
-    assert get_attention_backend() is REFERENCE_BACKEND
-
-
-def test_dispatcher_auto_prefers_available_kernel(monkeypatch):
-    monkeypatch.setitem(sys.modules, KERNEL, _fake_kernel(True))
-    monkeypatch.delenv("PAGEKV_ATTENTION_BACKEND", raising=False)
-    backend = get_attention_backend()
-    assert backend.name == "cpp" and backend.paged_attention() == "kernel"
-    assert backend.write_kv_cache is write_kv_cache  # kernel without its own writer
-    assert get_attention_backend(device="cuda:0") is REFERENCE_BACKEND
-
-
-@pytest.mark.parametrize("kernel", [None, "unavailable"])
-def test_dispatcher_falls_back_to_reference(monkeypatch, kernel):
-    # None in sys.modules makes the import raise ImportError.
-    monkeypatch.setitem(sys.modules, KERNEL, None if kernel is None else _fake_kernel(False))
-    monkeypatch.setenv("PAGEKV_ATTENTION_BACKEND", "auto")
-    assert get_attention_backend() is REFERENCE_BACKEND
-    with pytest.raises(RuntimeError, match="cpp"):
-        get_attention_backend("cpp")
-
-
-def test_dispatcher_rejects_unknown_name(monkeypatch):
-    monkeypatch.setenv("PAGEKV_ATTENTION_BACKEND", "triton")
-    with pytest.raises(ValueError, match="torch, cpp"):
-        get_attention_backend()

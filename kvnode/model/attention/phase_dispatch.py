@@ -1,0 +1,113 @@
+"""One attention call, two kernels: each sequence goes to whichever path is fastest for its
+phase.
+
+The C++ kernel (``cpu_kernel``) reads K/V blocks in place and wins decode by ~2x over
+contiguous SDPA, but its prefill is slower than the reference path, which gathers the
+context once and runs torch's fused (flash) SDPA kernel over it (``bench/attention.py``,
+"prefill by phase"). So a batch is split by rows: single-token queries (decodes) go to the
+kernel, longer ones (prefill and extend chunks) to ``paged.paged_attention``. Batches of one
+phase only, the common case, are passed through whole with no copy.
+
+The kernel has no sliding window. A row is only sent to it when the window cannot mask
+anything (its whole context fits in the window); every other row takes the reference path,
+which implements the window, so results equal the reference's for every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagekv.kvnode.model.attention.paged import paged_attention as reference_attention
+
+# Longest query (new tokens of one sequence) the kernel takes: decodes only. Measured with
+# `python -m bench.attention` (docs/BENCHMARKS.md §2): at 16+ new tokens over a 2,048-token
+# context the kernel is already slower than the reference's gather + SDPA.
+KERNEL_MAX_QUERY_LEN = 1
+
+PagedAttentionFn = Callable[..., torch.Tensor]
+
+
+def _kernel_rows(starts: list[int], lens: list[int], window: int | None,
+                 max_query_len: int) -> tuple[list[int], list[int]]:
+    """(rows for the kernel, rows for the reference); rows without new tokens are in
+    neither."""
+    kernel, reference = [], []
+    for i, ctx in enumerate(lens):
+        qlen = starts[i + 1] - starts[i]
+        if qlen <= 0:
+            continue
+        if qlen <= max_query_len and (window is None or ctx <= window):
+            kernel.append(i)
+        else:
+            reference.append(i)
+    return kernel, reference
+
+
+def _token_index(rows: list[int], starts: list[int], device: torch.device) -> torch.Tensor:
+    """Packed positions of the rows' new tokens, in row order."""
+    if all(starts[i + 1] - starts[i] == 1 for i in rows):
+        return torch.tensor([starts[i] for i in rows], dtype=torch.long, device=device)
+    return torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in rows])
+
+
+def _run_rows(fn: PagedAttentionFn, rows: list[int], starts: list[int], out: torch.Tensor,
+              query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+              block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+              k_scale: float, v_scale: float, **window: int) -> None:
+    """Attention for a subset of the batch's sequences, written into their rows of ``out``."""
+    tok = _token_index(rows, starts, query.device)
+    sel = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
+    qlens = torch.tensor([starts[i + 1] - starts[i] for i in rows], dtype=torch.int32)
+    qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    torch.cumsum(qlens, 0, out=qsl[1:])
+    out[tok] = fn(
+        query[tok], key_cache, value_cache, block_tables[sel],
+        seq_lens[sel.to(seq_lens.device)], qsl.to(seq_lens.device), scale, k_scale, v_scale,
+        **window,
+    )
+
+
+def phase_dispatched(kernel: PagedAttentionFn,
+                     max_kernel_query_len: int = KERNEL_MAX_QUERY_LEN) -> PagedAttentionFn:
+    """A ``paged.paged_attention``-compatible function (``sliding_window`` included) that runs
+    decode rows on ``kernel`` (same signature, without ``sliding_window``) and the rest on
+    the reference path."""
+
+    def paged_attention(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        starts = query_start_loc.tolist()
+        if sliding_window is None and len(starts) > 1 and starts == list(range(len(starts))):
+            # Every row one token (a decode step): straight to the kernel, no more bookkeeping.
+            return kernel(query, key_cache, value_cache, block_tables, seq_lens,
+                          query_start_loc, scale, k_scale, v_scale)
+        lens = seq_lens.tolist()
+        to_kernel, to_reference = _kernel_rows(starts, lens, sliding_window,
+                                               max_kernel_query_len)
+        window = {} if sliding_window is None else {"sliding_window": sliding_window}
+        args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                scale, k_scale, v_scale)
+        if not to_kernel:  # also a batch without new tokens: the reference handles it
+            return reference_attention(*args, **window)
+        if not to_reference:
+            return kernel(*args)
+        out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+        common = (starts, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                  k_scale, v_scale)
+        _run_rows(kernel, to_kernel, *common)
+        _run_rows(reference_attention, to_reference, *common, **window)
+        return out
+
+    paged_attention.__doc__ = phase_dispatched.__doc__
+    return paged_attention
