@@ -28,10 +28,18 @@ import torch
 
 from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.medium import Medium
-from pagekv.proto.tier_stats import MOVES, ChainStats, TierMove, TierStats, move_name
+from pagekv.proto.tier_stats import MOVES, ChainStats, move_name
 from pagekv.tiers.base import BlockData, Tier, as_uint8_tensor
+from pagekv.tiers.chain_copies import (
+    CopyIn,
+    demote_into_dram_locked,
+    end_hold_locked,
+    hold_dram_run_locked,
+)
 from pagekv.tiers.chain_persist import PoolBatches, persist_locked
+from pagekv.tiers.chain_stats import flat_stats_locked, tier_stats_locked
 from pagekv.tiers.chain_tree import BlockTree, Node
+from pagekv.tiers.copy_stream import CopyEvent
 
 _COUNTERS = (
     "demotions", "lookups", "dram_queries", "dram_hits", "ssd_queries", "ssd_hits",
@@ -92,6 +100,12 @@ class TierChain:
             if not fresh:
                 return
             self._make_dram_room_locked(len(fresh))
+            if dram.num_free_slots < len(fresh):  # slots held by copies: one at a time
+                for i in fresh:
+                    self._c["demotions"] += 1
+                    node = Node(parent_hashes[i], (), None, Medium.CPU)
+                    self._place_locked(block_hashes[i], node, rows[i])
+                return
             t0 = time.perf_counter()
             src = rows if len(fresh) == len(block_hashes) else rows[fresh]
             dram.put_rows([block_hashes[i] for i in fresh], src)
@@ -192,6 +206,29 @@ class TierChain:
                 self._tree.left(block_hash, medium)
         return out
 
+    # --- the pool's side, copying through a stream (tiers.chain_copies) ------------------------
+    def demote_into_dram(self, block_hashes: Sequence[bytes], parent_hashes: Sequence[bytes | None],
+                         copy_in: CopyIn) -> bool:
+        """`demote_many` where the caller copies into reserved DRAM slots; False: not done."""
+        with self._lock:
+            return demote_into_dram_locked(self, block_hashes, parent_hashes, copy_in)
+
+    def hold_dram_run(self, block_hashes: Sequence[bytes]) -> list[int] | None:
+        """Slots of a run of DRAM blocks, taken out for a copy into the pool (or None)."""
+        with self._lock:
+            return hold_dram_run_locked(self, block_hashes)
+
+    def end_hold(self, block_hashes: Sequence[bytes], slots: Sequence[int], loaded: int,
+                 event: CopyEvent | None) -> None:
+        """The first `loaded` held blocks went to the pool (copy `event`); the rest come back."""
+        with self._lock:
+            end_hold_locked(self, block_hashes, slots, loaded, event)
+
+    def add_move_seconds(self, direction: str, seconds: float) -> None:
+        """Time a stream copy took, measured once it completed (e.g. "dram_to_pool")."""
+        with self._lock:
+            self._c[f"{direction}_seconds"] += seconds
+
     def clear(self) -> int:
         """Drop every block below the pool (files go in the background). Returns how many."""
         with self._lock:
@@ -222,47 +259,18 @@ class TierChain:
             return state
 
     def stats(self) -> dict[str, float]:
+        """Every raw counter and size, flat, for diagnostics (tiers.chain_stats)."""
         with self._lock:
             self._sync_ssd_locked()
-            out = dict(self._c)
-            out["blocks_below_pool"] = len(self._tree)
-            for prefix, tier in (("dram", self.dram), ("ssd", self.ssd)):
-                out[f"{prefix}_used_bytes"] = tier.used_bytes if tier is not None else 0
-                out[f"{prefix}_capacity_bytes"] = tier.capacity_bytes if tier is not None else 0
-                out[f"{prefix}_entries"] = tier.num_entries if tier is not None else 0
-            if self.ssd is not None:
-                ssd = self.ssd.stats()
-                for key in ("checksum_failures", "torn_entries", "read_errors", "evictions",
-                            "put_drops", "pending_bytes", "bytes_written", "write_seconds",
-                            "bytes_read", "read_seconds", "disabled"):  # fmt: skip
-                    out[f"ssd_{key}"] = ssd[key]
-            out["checksum_failures"] = out.get("ssd_checksum_failures", 0)
-            return out
+            return flat_stats_locked(self)
 
     def tier_stats(self) -> ChainStats:
-        """The typed per-tier record the engine, Prometheus and the StatsResponse all read
-        (`stats()` is every raw counter, flat, for diagnostics)."""
+        """The typed per-tier record the engine, Prometheus and the StatsResponse all read."""
         if self.block_size is None:
             raise ValueError("tier_stats() counts tokens: build the chain with its block_size")
-        bs = self.block_size
         with self._lock:
             self._sync_ssd_locked()
-            c = self._c
-            tiers = {}
-            for medium, prefix, tier in ((Medium.CPU, "dram", self.dram),
-                                         (Medium.DISK, "ssd", self.ssd)):
-                tiers[medium] = TierStats(
-                    medium,
-                    tier.used_bytes if tier is not None else 0,
-                    tier.capacity_bytes if tier is not None else 0,
-                    tier.num_entries if tier is not None else 0,
-                    c[f"{prefix}_hits"] * bs,
-                    c[f"{prefix}_queries"] * bs,
-                )
-            moves = tuple(TierMove(src, dst, c[f"{move_name(src, dst)}_bytes"],
-                                   c[f"{move_name(src, dst)}_seconds"]) for src, dst in MOVES)
-            failures = self.ssd.stats()["checksum_failures"] if self.ssd is not None else 0
-            return ChainStats(tiers, moves, c["orphans_dropped"], failures)
+            return tier_stats_locked(self, self.block_size)
 
     def persist(self, pool_batches: PoolBatches) -> dict[Medium, int]:
         """Shutdown: write DRAM (LRU first) and then the pool's cached blocks to the SSD, so a
@@ -313,11 +321,11 @@ class TierChain:
             src = as_uint8_tensor(data, self.dram.block_bytes)
             self._make_dram_room_locked(1)
             t0 = time.perf_counter()
-            self.dram.put(block_hash, src)
-            self._count_move("pool_to_dram", src.numel(), t0)
-            node.medium = Medium.CPU
-            self._tree.add(block_hash, node)
-            return Medium.CPU
+            if self.dram.put(block_hash, src):  # (refused only while copies hold every slot)
+                self._count_move("pool_to_dram", src.numel(), t0)
+                node.medium = Medium.CPU
+                self._tree.add(block_hash, node)
+                return Medium.CPU
         if self.ssd is not None:
             t0 = time.perf_counter()
             if self.ssd.put(block_hash, data, node.parent_hash, node.token_ids):

@@ -1,8 +1,15 @@
 """The DRAM tier: a fixed slab of block-sized slots in host memory, LRU by block hash.
 
-Every slot is allocated once at start-up (one tensor, pinned when CUDA is present and asked
-for) so demoting a block never allocates: `put` is one memcpy into a free slot. The copy is
-synchronous, so the pool may overwrite its block as soon as `put` returns.
+Every slot is allocated once at start-up (one tensor; pinned when the pool is on CUDA) so
+demoting a block never allocates: `put` is one memcpy into a free slot. Without a copy stream
+every copy is synchronous, so the pool may overwrite its block as soon as `put` returns.
+
+With a copy stream (the pool on CUDA: tiers.copy_stream) the pool's blocks move in and out of
+slots asynchronously, a batch at a time: `reserve` gives slots to blocks a copy will write,
+`hold` takes blocks out for a copy to read and `release` frees their slots after it. Each
+slot remembers the event of the last copy that touched it, and every CPU read or write of a
+slot waits for that event first (`_settle`); copies on the stream itself run in order, so
+they need no wait.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 
 from pagekv.proto.medium import Medium
 from pagekv.tiers.base import BlockData, Tier, as_uint8_tensor, clone_block, copy_block
+from pagekv.tiers.copy_stream import CopyEvent, CopyStream
 
 logger = logging.getLogger(__name__)
 
@@ -23,19 +31,26 @@ logger = logging.getLogger(__name__)
 class DramTier(Tier):
     medium = Medium.CPU
 
-    def __init__(self, capacity_bytes: int, block_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, block_bytes: int, pin_memory: bool = False,
+                 copy_stream: CopyStream | None = None) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.block_bytes = block_bytes
         self.num_slots = capacity_bytes // block_bytes
-        pinned = bool(pin_memory and torch.cuda.is_available())
+        want_pinned = pin_memory or (copy_stream is not None and copy_stream.pin_memory)
+        pinned = bool(want_pinned and torch.cuda.is_available())
         # One allocation for the tier's lifetime; rows are slots.
         self._slab = torch.empty((self.num_slots, block_bytes), dtype=torch.uint8, pin_memory=pinned)
         self.pinned = pinned
+        self.copy_stream = copy_stream
+        # The last copy-stream event per slot (None: no copy pending); only with a stream.
+        self._events: list[CopyEvent | None] | None = (
+            [None] * self.num_slots if copy_stream is not None else None)
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))  # stack: slot 0 first
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, LRU first
+        self._held: set[int] = set()  # slots taken out by `hold`: neither free nor in the LRU
         self._lock = threading.Lock()
         self.evictions = 0
         logger.info(
@@ -45,6 +60,11 @@ class DramTier(Tier):
             self.num_slots * block_bytes / 2**20,
             " (pinned)" if pinned else "",
         )
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """The [num_slots, block_bytes] host tensor the copy stream reads and writes."""
+        return self._slab
 
     # --- sizes -------------------------------------------------------------------------
     @property
@@ -62,6 +82,10 @@ class DramTier(Tier):
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     def is_full(self) -> bool:
         return not self._free
@@ -84,6 +108,7 @@ class DramTier(Tier):
             if slot is None:
                 return None
             self._lru.move_to_end(block_hash)
+            self._settle((slot,))
             return clone_block(self._slab[slot])
 
     def pop(self, block_hash: bytes) -> torch.Tensor | None:
@@ -92,6 +117,7 @@ class DramTier(Tier):
             slot = self._lru.pop(block_hash, None)
             if slot is None:
                 return None
+            self._settle((slot,))
             out = clone_block(self._slab[slot])
             self._free.append(slot)
             return out
@@ -106,6 +132,7 @@ class DramTier(Tier):
             if not found:
                 return out
             slots = [slot for _, slot in found]
+            self._settle(slots)
             if self._slab.device.type == "cpu":
                 rows = torch.from_numpy(self._slab.numpy()[slots])
             else:
@@ -134,10 +161,13 @@ class DramTier(Tier):
                 self._lru.move_to_end(block_hash)
                 return True
             if not self._free:
+                if not self._lru:
+                    return False  # every slot is held by a copy
                 _, victim_slot = self._lru.popitem(last=False)
                 self._free.append(victim_slot)
                 self.evictions += 1
             slot = self._free.pop()
+            self._settle((slot,))
             copy_block(self._slab[slot], src)  # synchronous, also from a CUDA tensor
             self._lru[block_hash] = slot
             return True
@@ -149,6 +179,7 @@ class DramTier(Tier):
             if len(block_hashes) > len(self._free):
                 raise ValueError(f"{len(block_hashes)} blocks but {len(self._free)} free slots")
             slots = [self._free.pop() for _ in block_hashes]
+            self._settle(slots)
             if self._slab.device.type == "cpu" and rows.device.type == "cpu":
                 self._slab.numpy()[slots] = rows.numpy()
             else:
@@ -167,6 +198,7 @@ class DramTier(Tier):
             if not self._lru:
                 return None
             block_hash, slot = self._lru.popitem(last=False)
+            self._settle((slot,))  # its data may still be on its way from the pool
             self._free.append(slot)
             self.evictions += 1
             return block_hash, self._slab[slot]
@@ -193,9 +225,86 @@ class DramTier(Tier):
             return True
 
     def clear(self) -> list[bytes]:
-        """Drop every block; return their hashes."""
+        """Drop every block; return their hashes. Held slots stay held (their copy frees
+        them); the rest are free, their last events kept for the CPU's next use."""
         with self._lock:
             dropped = list(self._lru)
             self._lru.clear()
-            self._free = list(range(self.num_slots - 1, -1, -1))
+            self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in self._held]
             return dropped
+
+    # --- asynchronous copies (with a copy stream) ----------------------------------------
+    def reserve(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Slots for new blocks (absent, with enough free slots: the caller made room) that a
+        copy on the stream will write; they are in the LRU at once, readable by the CPU only
+        after `guard`'s event. Ascending slots, so batches land in contiguous runs."""
+        self._need_stream()
+        with self._lock:
+            if len(block_hashes) > len(self._free):
+                raise ValueError(f"{len(block_hashes)} blocks but {len(self._free)} free slots")
+            slots = [self._free.pop() for _ in block_hashes]
+            slots.sort()
+            for h, slot in zip(block_hashes, slots, strict=True):
+                self._lru[h] = slot
+            return slots
+
+    def guard(self, slots: Sequence[int], event: CopyEvent) -> None:
+        """`event` is the last copy touching these slots: the CPU waits for it before using one."""
+        events = self._need_stream()
+        with self._lock:
+            for slot in slots:
+                events[slot] = event
+
+    def hold(self, block_hashes: Sequence[bytes]) -> list[int] | None:
+        """Take blocks out for a copy to read: out of the LRU (no eviction, no second reader)
+        but not free (no writer). None, and nothing held, unless every block is here."""
+        self._need_stream()
+        with self._lock:
+            if not all(h in self._lru for h in block_hashes):
+                return None
+            slots = [self._lru.pop(h) for h in block_hashes]
+            self._held.update(slots)
+            return slots
+
+    def release(self, slots: Sequence[int], event: CopyEvent | None) -> None:
+        """Held slots whose copy was submitted (`event`) are free again; a CPU write into one
+        waits for the event, a later copy on the stream runs after it anyway."""
+        events = self._need_stream()
+        with self._lock:
+            self._unheld(slots)
+            for slot in slots:
+                if event is not None:
+                    events[slot] = event
+                self._free.append(slot)
+
+    def unhold(self, block_hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Held blocks nobody copied go back into the LRU, most recently used."""
+        self._need_stream()
+        with self._lock:
+            self._unheld(slots)
+            for h, slot in zip(block_hashes, slots, strict=True):
+                self._lru[h] = slot
+
+    # --- internals (lock held) -----------------------------------------------------------
+    def _settle(self, slots: Sequence[int]) -> None:
+        """Wait for the copies still reading or writing these slots (CPU access next)."""
+        events = self._events
+        if events is None:
+            return
+        for slot in slots:
+            event = events[slot]
+            if event is not None:
+                if not event.query():
+                    event.synchronize()
+                events[slot] = None
+
+    def _need_stream(self) -> list[CopyEvent | None]:
+        if self._events is None:
+            raise RuntimeError("asynchronous slot copies need a DramTier built with a copy_stream")
+        return self._events
+
+    def _unheld(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            if slot not in self._held:
+                raise ValueError(f"slot {slot} is not held")
+            self._held.remove(slot)

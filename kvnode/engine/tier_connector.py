@@ -7,6 +7,11 @@
   then SSD. DRAM hits are promoted at once; a run that touches SSD is promoted by a loader
   thread while the request waits and the scheduler serves others. The loaded blocks become
   ordinary cached pool blocks, and the admission's `PrefixHit` is extended over them.
+- The pool on CUDA: both directions are batched copies on a copy stream straight between the
+  pool and the DRAM tier's pinned slab (kvnode.engine.block_transfer); an SSD read lands in
+  pinned rows first. A reload's request waits until its copy completes (tier_copies) while
+  the scheduler runs the others: the copy overlaps their forward passes. On CPU every copy is
+  synchronous, as it always was.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from pagekv.kvnode.engine.block_transfer import Copy, transfer_for
+from pagekv.kvnode.engine.tier_copies import PoolCopies, pack_rows
 from pagekv.kvnode.memory.block_pool import KVCacheBlock
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
 from pagekv.kvnode.memory.request import Request
@@ -27,8 +33,8 @@ from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.medium import OFFLOAD_MEDIUMS, Medium
 from pagekv.proto.tier_stats import ChainStats
 from pagekv.tiers.chain import TierChain
+from pagekv.tiers.chain_copies import async_dram
 from pagekv.tiers.dram import DramTier
-from pagekv.tiers.ssd import SsdTier
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +64,8 @@ def _as_rows(datas: list[torch.Tensor]) -> torch.Tensor:
         row = base.shape[1]
         if all(d.data_ptr() == base.data_ptr() + i * row for i, d in enumerate(datas)):
             return base[: len(datas)]
+    import numpy as np  # (only here: a DRAM-only CUDA bench host may have no numpy)
+
     return torch.from_numpy(np.stack([d.numpy() for d in datas]))
 
 
@@ -67,10 +75,14 @@ def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
         return None
     dram = None
     if cpu_offload_bytes > 0:
+        transfer = transfer_for(runner)  # CUDA: copies through its stream and staging tensor
         dram = DramTier(cpu_offload_bytes, runner.block_bytes,
-                        pin_memory=runner.device.type == "cuda")
+                        pin_memory=runner.device.type == "cuda",
+                        copy_stream=transfer.stream if transfer is not None else None)
     ssd = None
     if disk_offload_bytes > 0:
+        from pagekv.tiers.ssd import SsdTier  # (lz4, xxhash, aiofiles: only with an SSD tier)
+
         if not disk_offload_dir:
             raise ValueError("--disk-offload-bytes needs --disk-offload-dir")
         try:
@@ -98,14 +110,30 @@ class TierEvictor:
         self.chain = chain
         self.runner = runner
         self._buf: torch.Tensor | None = None
+        dram = async_dram(chain)
+        self.transfer = transfer_for(runner) if dram is not None else None
 
     def __call__(self, blocks: list[KVCacheBlock]) -> None:
+        hashes = [b.block_hash for b in blocks]
+        parents = [b.parent_hash for b in blocks]
+        ids = [b.block_id for b in blocks]
+        transfer = self.transfer
+        if transfer is not None:  # a copy on the stream straight into reserved DRAM slots
+            slab = self.chain.dram.slab  # type: ignore[union-attr]
+
+            def copy_in(indices: list[int], slots: list[int]):
+                return transfer.to_host([ids[i] for i in indices], slab, slots).done
+
+            if self.chain.demote_into_dram(hashes, parents, copy_in):
+                return
         # One gather per layer into a buffer kept across calls; the tiers copy the rows.
-        data = self.runner.read_blocks([b.block_id for b in blocks], self._buf)
-        if self._buf is None or data.shape[0] > self._buf.shape[0]:
-            self._buf = data
-        self.chain.demote_many([b.block_hash for b in blocks], [b.parent_hash for b in blocks],
-                               data)
+        self.chain.demote_many(hashes, parents, self.runner.read_blocks(ids, self._rows(len(ids))))
+
+    def _rows(self, n: int) -> torch.Tensor:
+        if self._buf is None or self._buf.shape[0] < n:
+            self._buf = torch.empty((n, self.runner.block_bytes), dtype=torch.uint8,
+                                    pin_memory=self.runner.device.type == "cuda")
+        return self._buf
 
 
 class TierConnector:
@@ -118,18 +146,26 @@ class TierConnector:
         self._loaded: dict[str, dict[Medium, int]] = {}  # request -> tokens reloaded, per tier
         self._inflight: dict[bytes, str] = {}  # block hash -> request whose SSD load has it
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tier-load")
+        self._transfer = transfer_for(runner)  # None: synchronous copies (the pool on CPU)
+        self._copies = (PoolCopies(self._transfer, manager, chain)
+                        if self._transfer is not None else None)
 
     # -- reload ---------------------------------------------------------------------------
     def load_prefix(self, req: Request, hit: PrefixHit) -> bool:
         """Scheduler hook: extend the admission's pool hit, in place, with blocks reloaded
-        from DRAM/SSD, and say which tier its tokens came from. False while an SSD load runs.
+        from DRAM/SSD, and say which tier its tokens came from. False while an SSD load
+        runs, or a copy still writes part of the hit into the pool (CUDA).
         """
         rid = req.request_id
+        if self._copying(hit):
+            return False
         pending = self._loads.get(rid)
         if pending is not None:
             if not pending.future.done():
                 return False
             self._land(pending, hit)
+            if self._copying(hit):
+                return False
         else:
             max_blocks = hit.max_blocks
             start = len(hit.blocks)
@@ -144,25 +180,43 @@ class TierConnector:
                     # Pin the pool prefix these blocks continue, or it could be evicted meanwhile.
                     pinned = list(hit.blocks)
                     self.manager.pin(pinned)
-                    future = self._loader.submit(self.chain.promote_many, todo)
+                    future = self._loader.submit(self._read_below, todo)
                     self._loads[rid] = _PendingLoad(req, start, todo, media, future, parent,
                                                     pinned)
                     self._inflight.update(dict.fromkeys(todo, rid))
                     return False
-                self._store(req, start, todo, media, self.chain.promote_many(todo), parent, hit)
+                if not self._load_dram_async(req, start, todo, media, hit):
+                    self._store(req, start, todo, media, self.chain.promote_many(todo), parent,
+                                hit)
+                if self._copying(hit):
+                    return False  # the others run while the copy does; this one next step
         hit.tokens_by_tier = self._by_tier(rid, hit.num_tokens)
         return True
 
     def finish_loads(self) -> None:
         """Land every finished SSD load in the pool now (as free cached blocks), whether or not
-        its request is admitted this step, and release the prefix it pinned.
+        its request is admitted this step, and release the prefix it pinned; release the
+        blocks of completed copies.
 
         A finished load used to be landed only when the scheduler reached its request; behind
         a waiting request that could not fit (FCFS stops there), the pinned prefix could be
         exactly the blocks that request needed: nothing ran again (deadlock).
         """
+        if self._copies is not None:
+            self._copies.release_done()
         for pending in [p for p in self._loads.values() if p.future.done()]:
             self._land(pending)
+
+    def _copying(self, hit: PrefixHit) -> bool:
+        return self._copies is not None and self._copies.busy(hit.blocks)
+
+    def _read_below(self, todo: list[bytes]) -> list:
+        """The loader thread's job: promote the blocks (an SSD read); with a copy stream, in
+        pinned rows, so landing them is one async copy."""
+        datas = self.chain.promote_many(todo)
+        if self._transfer is None:
+            return datas
+        return pack_rows(datas, self.runner.block_bytes, self._transfer.stream.pin_memory)
 
     def _land(self, pending: _PendingLoad, hit: PrefixHit | None = None) -> None:
         """A finished SSD load: its blocks into the pool (extending `hit`, its request's
@@ -177,6 +231,36 @@ class TierConnector:
                     pending.parent, hit)
         self._end_load(pending)
 
+    def _load_dram_async(self, req: Request, start: int, todo: list[bytes],
+                         media: list[Medium], hit: PrefixHit) -> bool:
+        """A DRAM run copied on the stream from its slab slots straight into the pool (the
+        blocks leave DRAM only for what the pool took). False: not possible, do it the
+        synchronous way."""
+        dram = async_dram(self.chain)
+        if self._copies is None or dram is None or dram.copy_stream is not self._transfer.stream:
+            return False
+        slots = self.chain.hold_dram_run(todo)
+        if slots is None:
+            return False
+        transfer = self._transfer
+        copies: list[Copy] = []
+        targets: list[int] = []
+
+        def write(block_ids: list[int], positions: list) -> None:
+            copies.append(transfer.from_host(block_ids, dram.slab, [slots[i] for i in positions]))
+            targets.extend(block_ids)
+
+        loaded = 0
+        try:
+            loaded = self.manager.load_cached_blocks(req, start, [(h, i) for i, h in
+                                                                  enumerate(todo)], write, hit)
+        finally:
+            self.chain.end_hold(todo, slots, loaded, copies[0].done if copies else None)
+        if copies:
+            self._copies.track(copies[0], targets, todo[:loaded], "dram_to_pool")
+        self._count_loaded(req.request_id, media[:loaded])
+        return True
+
     def _store(self, req: Request, start: int, todo: list[bytes], media: list[Medium],
                datas: list, parent: bytes | None, hit: PrefixHit | None) -> None:
         """Write promoted blocks into the pool as cached blocks continuing the request's
@@ -186,13 +270,29 @@ class TierConnector:
         while run < len(datas) and datas[run] is not None:
             run += 1
         loads = list(zip(todo[:run], datas[:run], strict=True))
-        n = self.manager.load_cached_blocks(req, start, loads, self._write_blocks, hit)
+        uploads: list[tuple[Copy, list[int], torch.Tensor]] = []
+
+        def write(block_ids: list[int], blocks: list) -> None:
+            rows = _as_rows(blocks)
+            if self._transfer is None:
+                self.runner.write_blocks(block_ids, rows)
+            else:
+                uploads.append((self._transfer.upload(block_ids, rows), block_ids, rows))
+
+        n = self.manager.load_cached_blocks(req, start, loads, write, hit)
+        if uploads:
+            copy, block_ids, rows = uploads[0]
+            move = "dram_to_pool" if Medium.DISK not in media[:n] else "ssd_to_pool"
+            self._copies.track(copy, block_ids, todo[:n], move, rows)  # type: ignore[union-attr]
         if n < run:  # no room in the pool: keep the rest below instead of losing it
             self._demote_run(todo[n:run], datas[n:run], todo[n - 1] if n else parent)
-        # Remember where the loaded tokens came from: if admission fails now, the next try
-        # finds them as pool hits but must still report them as DRAM / SSD hits.
-        counts = self._loaded.setdefault(req.request_id, dict.fromkeys(OFFLOAD_MEDIUMS, 0))
-        for m in media[:n]:
+        self._count_loaded(req.request_id, media[:n])
+
+    def _count_loaded(self, rid: str, media: list[Medium]) -> None:
+        """Remember where the loaded tokens came from: if admission fails now, the next try
+        finds them as pool hits but must still report them as DRAM / SSD hits."""
+        counts = self._loaded.setdefault(rid, dict.fromkeys(OFFLOAD_MEDIUMS, 0))
+        for m in media:
             counts[m] += self.block_size
 
     def _by_tier(self, rid: str, num_hit: int) -> dict[Medium, int]:
@@ -208,16 +308,27 @@ class TierConnector:
                 self.chain.demote(h, parent, (), data)
             parent = h
 
-    def _write_blocks(self, block_ids: list[int], datas: list) -> None:
-        self.runner.write_blocks(block_ids, _as_rows(datas))
-
     def has_pending_loads(self) -> bool:
-        return bool(self._loads)
+        return bool(self._loads) or bool(self._copies)
 
     def wait_for_loads(self, timeout: float) -> None:
-        """Block (GIL released) until a tier load finishes, instead of spinning the step loop."""
-        if self._loads:
+        """Block (GIL released) until a tier load or copy finishes, instead of spinning the
+        step loop."""
+        if self._copies:
+            self._copies.wait_one()  # a copy takes milliseconds
+        elif self._loads:
             wait([p.future for p in self._loads.values()], timeout, FIRST_COMPLETED)
+
+    def sync_copies(self) -> None:
+        """Wait for every copy into the pool and release its blocks."""
+        if self._copies is not None:
+            self._copies.sync_all()
+
+    def pinned_sets(self) -> list[list[KVCacheBlock]]:
+        """Every list of pool blocks the tiers hold a reference on (SSD loads' prefixes,
+        blocks under copy)."""
+        pins = [p.pinned for p in self._loads.values()]
+        return pins + (self._copies.pinned_sets() if self._copies is not None else [])
 
     def _end_load(self, pending: _PendingLoad) -> None:
         """Unpin the prefix an SSD load continued; its blocks are no longer in flight."""
@@ -263,6 +374,7 @@ class TierConnector:
 
     def close(self, persist: bool = False) -> None:
         self._loader.shutdown(wait=True)
+        self.sync_copies()
         if persist and self.chain.ssd is not None:
             self.finish_loads()  # SSD reads already taken off the disk: into the pool, then back
             self.persist()

@@ -106,7 +106,7 @@ def guard_admissions(eng: Engine) -> None:
 
 def check_step(eng: Engine) -> None:
     mgr = eng.kv_manager
-    pins = [p.pinned for p in eng.tiers._loads.values()] if eng.tiers is not None else []
+    pins = eng.tiers.pinned_sets() if eng.tiers is not None else []
     check_manager(mgr, pins)
     bs = mgr.block_size
     for seq in eng.scheduler.waiting:
@@ -120,9 +120,11 @@ def check_step(eng: Engine) -> None:
 
 
 def quiesce(eng: Engine) -> None:
-    """Let the tier loader finish (and run the put-back callbacks of aborted loads)."""
+    """Let the tier loader finish (and run the put-back callbacks of aborted loads), and the
+    copies into the pool (a copy stream's)."""
     if eng.tiers is not None:
         eng.tiers._loader.submit(lambda: None).result(timeout=30)
+        eng.tiers.sync_copies()
 
 
 def drive(eng: Engine, events: list, aborts: bool = True) -> dict[str, Result]:

@@ -160,27 +160,28 @@ class KVCache:
         per layer and K/V instead of one copy per block (tier demotion of a batch).
 
         `out` (uint8, at least n rows) is filled and its first n rows returned: a caller that
-        demotes often reuses one buffer instead of faulting in fresh pages each time.
+        demotes often reuses one buffer instead of faulting in fresh pages each time. On CUDA
+        the blocks are gathered on the device and cross in one copy (pin `out` for speed).
         """
         n = len(block_ids)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.key_caches[0].device)
         self._check_ids(idx)
-        ids = idx.cpu().numpy()
         bb = self.spec.block_bytes
         if out is None or out.shape[0] < n or out.shape[1] != bb or out.dtype != torch.uint8:
             out = torch.empty((n, bb), dtype=torch.uint8)
         out = out[:n]
-        planes = out.view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes)
-        cpu = idx.device.type == "cpu"
-        planes_np = planes.numpy() if cpu else None
+        if idx.device.type != "cpu":
+            rows = torch.empty((n, bb), dtype=torch.uint8, device=idx.device)
+            self.gather_rows(idx, rows)
+            out.copy_(rows)
+            return out
+        ids = idx.numpy()
+        planes_np = out.view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes).numpy()
         for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
             for plane, cache in ((0, k), (1, v)):
-                raw = cache.view(torch.uint8)
-                if cpu:  # numpy: one plain gather, no intra-op thread pool (see tiers.base)
-                    flat = raw.numpy().reshape(raw.shape[0], -1)
-                    planes_np[:, layer, plane] = flat[ids]
-                else:
-                    planes[:, layer, plane].copy_(raw[idx].reshape(n, -1))
+                # numpy: one plain gather, no intra-op thread pool (see tiers.base)
+                flat = cache.view(torch.uint8).numpy().reshape(cache.shape[0], -1)
+                planes_np[:, layer, plane] = flat[ids]
         return out
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
@@ -194,18 +195,37 @@ class KVCache:
         device = self.key_caches[0].device
         idx = torch.tensor(block_ids, dtype=torch.long, device=device)
         self._check_ids(idx)
-        planes = data.to(device).view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes)
-        # Copy as bytes: index_copy_ has no fp8 kernels, and bytes are what we store anyway.
-        cpu = device.type == "cpu"
-        ids = idx.cpu().numpy()
+        if device.type != "cpu":
+            self.scatter_rows(idx, data.to(device))
+            return
+        planes = data.view(n, self.spec.num_layers, 2, self.spec.layer_block_bytes)
+        ids = idx.numpy()
         for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
             for plane, cache in ((0, k), (1, v)):
                 raw = cache.view(torch.uint8)  # [blocks, bs, heads, head_size * elem]
                 src = planes[:, layer, plane].reshape(n, *raw.shape[1:])
-                if cpu:  # numpy: a plain scatter, no intra-op thread pool (see tiers.base)
-                    raw.numpy()[ids] = src.numpy()
-                else:
-                    raw.index_copy_(0, idx, src)
+                # numpy: a plain scatter, no intra-op thread pool (see tiers.base)
+                raw.numpy()[ids] = src.numpy()
+
+    # ---- device-side batches (the copy stream's gather and scatter) ----------------------
+    def gather_rows(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Blocks `idx` (a long tensor on the pool's device) packed into the rows of `out`
+        ([n, block_bytes] uint8 on the pool's device), as `read_blocks` packs them: one
+        index_select per layer and K/V, all on the caller's current stream."""
+        planes = out.view(idx.numel(), self.spec.num_layers, 2, self.spec.layer_block_bytes)
+        for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
+            for plane, cache in ((0, k), (1, v)):
+                flat = cache.view(torch.uint8).view(cache.shape[0], -1)
+                planes[:, layer, plane].copy_(flat.index_select(0, idx))
+
+    def scatter_rows(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """Inverse of `gather_rows`: the rows of `rows` into blocks `idx` (index_copy_ of bytes:
+        it has no fp8 kernels, and bytes are what the tiers store anyway)."""
+        planes = rows.view(idx.numel(), self.spec.num_layers, 2, self.spec.layer_block_bytes)
+        for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
+            for plane, cache in ((0, k), (1, v)):
+                flat = cache.view(torch.uint8).view(cache.shape[0], -1)
+                flat.index_copy_(0, idx, planes[:, layer, plane])
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
