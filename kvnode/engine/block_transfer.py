@@ -29,11 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from pagekv.kvnode.model.attention.kv_cache import KVCache
+from pagekv.kvnode.model.memory_planning import copy_staging_bytes
 from pagekv.tiers.copy_stream import CopyEvent, CopyStream, CudaCopyStream, contiguous_runs
-
-# The staging tensor's size: large enough that a chunk's copies run near the link's speed,
-# small next to the pool (memory planning reserves it: kvnode.model.memory_planning).
-STAGING_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -47,10 +44,13 @@ class Copy:
 
 class BlockTransfer:
     def __init__(self, kv_cache: KVCache, stream: CopyStream,
-                 staging_bytes: int = STAGING_BYTES) -> None:
+                 staging_bytes: int | None = None) -> None:
+        """`staging_bytes`: default the size memory planning reserved for it."""
         self.kv = kv_cache
         self.stream = stream
         self.block_bytes = kv_cache.spec.block_bytes
+        if staging_bytes is None:
+            staging_bytes = copy_staging_bytes(self.block_bytes)
         self.staging_rows = max(1, staging_bytes // self.block_bytes)
         device = kv_cache.key_caches[0].device
         self.staging = torch.empty((self.staging_rows, self.block_bytes), dtype=torch.uint8,

@@ -71,6 +71,7 @@ class Engine:
             max_model_len=args.max_model_len,
             device=args.device,
             attention_backend=args.attention_backend,
+            max_num_batched_tokens=args.max_num_batched_tokens,
         )
         self.tokenizer = self.runner.tokenizer
         self.model_config = self.runner.model_config

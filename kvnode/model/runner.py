@@ -24,7 +24,14 @@ from pagekv.kvnode.model.attention.kv_cache import KVCache, KVCacheSpec, resolve
 from pagekv.kvnode.model.config import ModelConfig
 from pagekv.kvnode.model.layers import AttentionMetadata
 from pagekv.kvnode.model.loader import load_model
-from pagekv.kvnode.model.memory_planning import GiB, MemoryPlan, plan_kv_cache
+from pagekv.kvnode.model.memory_planning import (
+    CudaMemoryProfile,
+    GiB,
+    MemoryPlan,
+    copy_staging_bytes,
+    measure_cuda_memory,
+    plan_kv_cache,
+)
 from pagekv.proto.model_files.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,7 +67,10 @@ class ModelRunner:
         max_model_len: int | None = None,
         device: str | None = None,
         attention_backend: str | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
+        """`max_num_batched_tokens`: the largest step (the CUDA memory profile runs one of
+        that many tokens; default 2048, the engine's)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device or default_device())
@@ -86,16 +96,6 @@ class ModelRunner:
             cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
             self.kv_cache_dtype,
         )
-        self.memory_plan: MemoryPlan = plan_kv_cache(
-            block_size=block_size,
-            block_bytes=self.kv_spec.block_bytes,
-            max_model_len=self.max_model_len,
-            device=self.device,
-            num_gpu_blocks=num_gpu_blocks,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-        )
-        self.kv_cache = KVCache.allocate(self.kv_spec, self.memory_plan.num_blocks, self.device)
         self.attention: AttentionBackend = get_attention_backend(
             attention_backend, str(self.device)
         )
@@ -111,6 +111,40 @@ class ModelRunner:
                         cfg.sliding_window, self.max_model_len)
             self.attention = REFERENCE_BACKEND
         logger.debug("attention backend: %s", self.attention.name)
+        self.max_num_batched_tokens = max_num_batched_tokens or 2048
+        self.memory_plan: MemoryPlan = plan_kv_cache(
+            block_size=block_size,
+            block_bytes=self.kv_spec.block_bytes,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            num_gpu_blocks=num_gpu_blocks,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            profile=self._profile_cuda_memory if self.device.type == "cuda" else None,
+        )
+        self.kv_cache = KVCache.allocate(self.kv_spec, self.memory_plan.num_blocks, self.device)
+
+    def _profile_cuda_memory(self) -> CudaMemoryProfile:
+        """One forward pass of the largest step over a scratch KV cache, measuring the peak
+        of memory it allocates above the weights (the scratch cache itself excluded)."""
+        dev = self.device
+        n = max(1, min(self.max_num_batched_tokens, self.max_model_len))
+        blocks = -(-n // self.block_size)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.kv_cache = KVCache.allocate(self.kv_spec, blocks, dev)
+        scratch = torch.cuda.memory_allocated(dev) - weights
+        try:
+            self.execute([SeqBatchItem([0] * n, 0, list(range(blocks)))])
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev) - weights - scratch
+        finally:
+            del self.kv_cache
+            torch.cuda.empty_cache()
+        return measure_cuda_memory(dev, weights, max(0, peak),
+                                   copy_staging_bytes(self.kv_spec.block_bytes))
 
     # ---- sizes -----------------------------------------------------------------------------
     @property

@@ -83,3 +83,71 @@ def test_num_gpu_blocks_wins_over_memory():
     plan = plan_kv_cache(block_size=8, block_bytes=100, max_model_len=16, device="cpu",
                          num_gpu_blocks=10, kv_cache_memory=10**9)
     assert plan.num_blocks == 10 and plan.max_concurrency == 5.0
+
+
+# -- CUDA: the profile's arithmetic, with injected measurements (runs anywhere) --------------
+def profile(**kw) -> mp.CudaMemoryProfile:
+    fields = dict(total=80 * mp.GiB, free=60 * mp.GiB, weights=16 * mp.GiB,
+                  activation_peak=3 * mp.GiB, non_torch=mp.GiB // 2, reserved=64 << 20)
+    fields.update(kw)
+    return mp.CudaMemoryProfile(**fields)
+
+
+def test_cuda_budget_is_the_share_less_weights_peak_non_torch_and_staging():
+    # 0.9 x 80 GiB = 72 GiB; minus 16 + 3 + 0.5 GiB and 64 MiB of staging.
+    want = 72 * mp.GiB - 16 * mp.GiB - 3 * mp.GiB - mp.GiB // 2 - (64 << 20)
+    assert mp.cuda_kv_budget(profile(), 0.9) == want
+    assert mp.cuda_kv_budget(profile(), 0.5) == 40 * mp.GiB - 19 * mp.GiB - mp.GiB // 2 - (64 << 20)
+
+
+def test_cuda_budget_never_exceeds_free_memory_and_never_goes_negative(caplog):
+    caplog.set_level(logging.WARNING)
+    # Another process holds most of the device: the share would overrun what is free.
+    tight = profile(free=10 * mp.GiB)
+    assert mp.cuda_kv_budget(tight, 0.9) == 10 * mp.GiB - (64 << 20)
+    assert any("only" in r.getMessage() and "free" in r.getMessage() for r in caplog.records)
+    assert mp.cuda_kv_budget(profile(weights=75 * mp.GiB), 0.9) == 0
+
+
+def test_cuda_plan_from_an_injected_profile_logs_the_three_lines(caplog):
+    caplog.set_level(logging.INFO)
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return profile()
+
+    bb = 16 * 131072  # a block of 16 tokens at 128 KiB per token (an 8B-class model)
+    plan = plan_kv_cache(block_size=16, block_bytes=bb, max_model_len=8192, device="cuda",
+                         gpu_memory_utilization=0.9, profile=measure)
+    budget = 72 * mp.GiB - 16 * mp.GiB - 3 * mp.GiB - mp.GiB // 2 - (64 << 20)
+    assert calls == [1]
+    assert plan.num_blocks == budget // bb and plan.profile == profile()
+    assert plan.source == "gpu_memory_utilization=0.9"
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"KV cache size: {budget // bb * 16} tokens" in lines
+    assert f"Maximum concurrency for 8192 tokens per request: {budget // bb / 512:.2f}x" in lines
+    assert any(line.startswith("Memory profiling: 80.00 GiB x 0.90 = 72.00 GiB") for line in lines)
+    # The default utilization is 0.9 there too.
+    assert plan_kv_cache(block_size=16, block_bytes=bb, max_model_len=8192, device="cuda",
+                         profile=measure).num_blocks == plan.num_blocks
+
+
+def test_cuda_profile_runs_only_when_the_utilization_decides():
+    def measure():
+        raise AssertionError("no profile needed")
+
+    kw = dict(block_size=16, block_bytes=4096, max_model_len=64, device="cuda", profile=measure)
+    assert plan_kv_cache(num_gpu_blocks=10, **kw).num_blocks == 10
+    assert plan_kv_cache(kv_cache_memory=40960, **kw).num_blocks == 10
+
+
+def test_cuda_profile_too_small_for_one_request_is_the_startup_error():
+    with pytest.raises(ValueError, match="KV cache too small"):
+        plan_kv_cache(block_size=16, block_bytes=1 << 20, max_model_len=4096, device="cuda",
+                      profile=lambda: profile(weights=64 * mp.GiB, activation_peak=8 * mp.GiB))
+
+
+def test_copy_staging_is_whole_blocks():
+    assert mp.copy_staging_bytes(1000) == (64 << 20) // 1000 * 1000
+    assert mp.copy_staging_bytes(100 << 20) == 100 << 20  # one block even when larger
