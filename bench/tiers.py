@@ -5,8 +5,11 @@
    faster than recompute, SSD faster than recompute).
 2. Codec ratio and MB/s on REAL KV blocks of the model, per KV dtype.
 3. SSD tier bandwidth vs `dd` direct I/O on the same directory: `python -m bench.tiers_io`.
+4. `--device cuda`: the DRAM tier on CUDA, restore GB/s and TTFT restoring vs recomputing a
+   2k and a 16k prefix (bench/tiers_cuda.py; imports only torch, triton and the project).
 
     python -m bench.tiers [--quick] [--json PATH] [--dir DIR]
+    python -m bench.tiers --device cuda [--lengths 2048,16384] [--json PATH]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,14 +26,13 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info
-from bench.tiers_io import drop_page_cache
-from pagekv.kvnode.engine.llm import LLM
-from pagekv.kvnode.engine.sampling_params import SamplingParams
-from pagekv.tiers import codec
+
+# The CPU benchmark's imports (the engine: xxhash, cbor2; the codec and tiers_io: lz4, numpy)
+# come in main(), after --device cuda has gone to bench.tiers_cuda, which needs none of them.
+LLM = codec = drop_page_cache = ONE = None
 
 MODEL = "pagekv-small"
 PREFIX_LEN, SUFFIX_LEN = 2048, 32
-ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -97,13 +100,32 @@ def codec_rows(n_blocks: int) -> list[dict]:
     return rows
 
 
+def _import_cpu_benchmark() -> None:
+    global LLM, codec, drop_page_cache, ONE
+    from bench.tiers_io import drop_page_cache
+    from pagekv.kvnode.engine.llm import LLM
+    from pagekv.kvnode.engine.sampling_params import SamplingParams
+    from pagekv.tiers import codec
+
+    ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
 def main() -> None:
     global MODEL  # --model replaces the default the helpers read
+    if "--device" in sys.argv:
+        i = sys.argv.index("--device")
+        if sys.argv[i + 1:i + 2] == ["cuda"]:
+            from bench.tiers_cuda import main as cuda_main
+
+            return cuda_main(sys.argv[1:])
+    _import_cpu_benchmark()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--dir", help="directory for the SSD tier (default: a temp dir in /var/tmp)")
     ap.add_argument("--model", default=MODEL, help="e.g. smollm2-135m-instruct (a real model)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the DRAM tier on CUDA (bench/tiers_cuda.py)")
     args = ap.parse_args()
     MODEL = args.model
     torch.set_num_threads(2)

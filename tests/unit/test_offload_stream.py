@@ -3,7 +3,8 @@
 `make_copy_stream` is pointed at tests/unit/fake_copy_stream.py: its copies run only when an
 event after them is waited for or has been queried `lag` times, so a forward pass that read
 a reloaded block before its copy, or a pool block reused under a copy, would produce other
-tokens than the reference: an engine without prefix caching (cold, nothing offloaded).
+tokens than the reference: an engine without prefix caching (cold, nothing offloaded). The engines run
+on CPU even where CUDA exists (tests/unit/test_cuda_tiers.py has the real stream).
 """
 
 from __future__ import annotations
@@ -58,13 +59,14 @@ def streams(monkeypatch) -> Streams:
 
 @pytest.fixture(scope="module")
 def cold():
-    llm = LLM("pagekv-tiny", num_gpu_blocks=256, max_model_len=512, enable_prefix_caching=False)
+    llm = LLM("pagekv-tiny", num_gpu_blocks=256, max_model_len=512, enable_prefix_caching=False,
+              device="cpu")
     return {"target": llm.generate([TARGET], P)[0].outputs[0].token_ids,
             "long": llm.generate([LONG], LONG_P)[0].outputs[0].token_ids}
 
 
 def small_llm(**kw) -> LLM:
-    return LLM("pagekv-tiny", num_gpu_blocks=26, max_model_len=400, **kw)
+    return LLM("pagekv-tiny", num_gpu_blocks=26, max_model_len=400, device="cpu", **kw)
 
 
 def test_dram_reload_through_the_stream_gives_the_cold_tokens(streams, cold):
@@ -85,7 +87,7 @@ def test_dram_reload_through_the_stream_gives_the_cold_tokens(streams, cold):
 
 def test_a_reload_waits_for_its_copy_while_another_request_runs(streams, cold):
     eng = Engine(model="pagekv-tiny", num_gpu_blocks=26, max_model_len=400,
-                 cpu_offload_bytes=4 << 20)
+                 cpu_offload_bytes=4 << 20, device="cpu")
     stream = streams[0]
     got: dict[str, list[int]] = {}
 
@@ -136,7 +138,7 @@ def test_a_lone_reload_waits_on_the_copy_instead_of_spinning(streams, cold):
 
 def test_aborting_a_request_whose_copy_runs_keeps_its_blocks_pinned_until_done(streams):
     eng = Engine(model="pagekv-tiny", num_gpu_blocks=26, max_model_len=400,
-                 cpu_offload_bytes=4 << 20)
+                 cpu_offload_bytes=4 << 20, device="cpu")
     for i, p in enumerate((TARGET, *FILLERS)):
         eng.add_request(f"warm{i}", p, SamplingParams(max_tokens=1, temperature=0.0))
         while eng.has_unfinished():
@@ -171,7 +173,8 @@ def test_ssd_reload_lands_through_the_stream(streams, cold, tmp_path):
                                  HealthCheck.function_scoped_fixture])
 @given(w=workloads())
 def test_offloaded_workloads_through_the_stream_match_a_cold_run(streams, w):
-    ref_eng = make_engine(w, num_gpu_blocks=REF_BLOCKS, enable_prefix_caching=False)
+    ref_eng = make_engine(w, num_gpu_blocks=REF_BLOCKS, enable_prefix_caching=False,
+                          device="cpu")
     ref = drive(ref_eng, w.events, aborts=False)
     block_bytes = KV_BYTES_PER_TOKEN * w.block_size
     full = (len(w.probe) - 1) // w.block_size * w.block_size
@@ -183,7 +186,7 @@ def test_offloaded_workloads_through_the_stream_match_a_cold_run(streams, w):
     }
     try:
         for name, kw in configs.items():
-            eng = make_engine(w, **kw)
+            eng = make_engine(w, device="cpu", **kw)
             try:
                 got = drive(eng, w.events)
                 assert_same_tokens(ref, got, name)
