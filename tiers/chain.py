@@ -15,7 +15,8 @@ promote_many; the SSD tier writes (and evicts) in its own thread. Chain state is
 lock, which promote_many releases while it reads the SSD, so a demote never waits for a disk
 read. The SSD tier reports the blocks it lost on its own through `take_dropped()`, drained
 under the chain lock at the start of each call, so no tier ever calls back into the chain
-(no lock-order cycles).
+(no lock-order cycles). With the pool on CUDA the data moves on a copy stream and the chain
+only keeps the books (demote_into_dram, hold_dram_run / end_hold: tiers.chain_copies).
 """
 
 from __future__ import annotations
