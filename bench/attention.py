@@ -10,9 +10,19 @@ cache through random, non-contiguous block tables, and as contiguous
               and measured ~2x slower at batch 32;
 * ``gather``  the pure-torch paged path: gather the blocks into contiguous K/V, then SDPA;
 * ``ref``     ``kvnode.model.attention.paged.paged_attention`` (the fallback path), when present;
-* ``kernel``  ``kvnode.model.attention.cpu_kernel.paged_attention`` (reads blocks in place).
+* ``kernel``  ``kvnode.model.attention.cpu_kernel.paged_attention`` (reads blocks in place);
+* ``auto``    ``get_attention_backend("auto", "cpu")``: the ``cpp`` backend, which sends
+              decode rows to the kernel (its dispatch costs ~1 µs a call).
 
-Usage: ``python -m bench.attention [--quick] [--json PATH] [--threads N]``.
+Then the prefill rows (``bench.attention_prefill``): cold prompts, extends over a cached
+prefix and a mixed step, the kernel vs the reference vs the dispatched ``auto`` backend, each
+against contiguous SDPA.
+
+``--device cuda`` runs the GPU report instead (``bench.attention_cuda``: the Triton backend's
+decode and prefill vs contiguous SDPA / FlashAttention, K/V GB/s against the device's copy
+bandwidth).
+
+Usage: ``python -m bench.attention [--quick] [--json PATH] [--threads N] [--device cuda]``.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagekv.kvnode.model.attention import cpu_kernel
+from bench import attention_prefill
+from pagekv.kvnode.model.attention import cpu_kernel, get_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +178,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer configs (< 60 s)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads (2)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: the C++ kernel / reference / auto (default); cuda: the "
+                             "Triton backend vs SDPA and the copy bandwidth")
+    parser.add_argument("--query-fp32", action="store_true",
+                        help="cuda prefill: pass the query in fp32 (as the model's layers do "
+                             "today) instead of the cache's dtype")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.device == "cuda":
+        from bench import attention_cuda
+
+        report = attention_cuda.run(args.quick, args.query_fp32)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+            print(f"wrote {args.json}")
+        return
     torch.set_num_threads(args.threads)
 
     if not cpu_kernel.available():
         raise SystemExit("C++ paged attention could not be built; nothing to compare")
+    auto = get_attention_backend("auto", "cpu")
     try:
         ref_mod = importlib.import_module("pagekv.kvnode.model.attention.paged")
         ref_fn = getattr(ref_mod, "paged_attention", None)
@@ -191,7 +218,7 @@ def main() -> None:
     print(f"decode, fp32, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads, head {HEAD_SIZE}; "
           "µs per call (fastest of all calls); ratio = kernel / sdpa")
     cols = ["batch", "ctx", "bs", "sdpa", "gather", *(["ref"] if ref_fn else []), "kernel",
-            "ratio", "gather/kernel", "max_err"]
+            "auto", "ratio", "gather/kernel", "max_err"]
     print(" ".join(f"{c:>13}" if i > 2 else f"{c:>5}" for i, c in enumerate(cols)))
 
     rows = []
@@ -204,6 +231,7 @@ def main() -> None:
                     "sdpa": lambda c=case: sdpa_contiguous(c),
                     "gather": lambda c=case: gather_then_sdpa(c),
                     "kernel": lambda a=pargs: cpu_kernel.paged_attention(**a),
+                    "auto": lambda a=pargs: auto.paged_attention(**a),
                 }
                 if ref_fn is not None:
                     fns["ref"] = lambda a=pargs: ref_fn(**a)
@@ -216,19 +244,22 @@ def main() -> None:
                        **{f"{k}_median_us": round(v[2], 1) for k, v in tq.items()},
                        "ratio": t["kernel"] / t["sdpa"],
                        "gather_over_kernel": t["gather"] / t["kernel"],
+                       "auto_over_kernel": t["auto"] / t["kernel"],
                        "max_abs_err": float(err)}
                 rows.append(row)
                 vals = [f"{batch:>5}", f"{ctx:>5}", f"{block_size:>5}",
                         f"{t['sdpa']:>13.1f}", f"{t['gather']:>13.1f}",
                         *([f"{t['ref']:>13.1f}"] if ref_fn else []),
-                        f"{t['kernel']:>13.1f}", f"{row['ratio']:>13.2f}",
+                        f"{t['kernel']:>13.1f}", f"{t['auto']:>13.1f}", f"{row['ratio']:>13.2f}",
                         f"{row['gather_over_kernel']:>13.2f}", f"{float(err):>13.1e}"]
                 print(" ".join(vals), flush=True)
 
     for bs in (16, 128):
         ratios = [r["ratio"] for r in rows if r["block_size"] == bs]
+        dispatch = [r["auto_over_kernel"] for r in rows if r["block_size"] == bs]
         print(f"block_size {bs}: kernel/sdpa ratio max {max(ratios):.2f}, "
-              f"geomean {math.exp(statistics.fmean(math.log(x) for x in ratios)):.2f}")
+              f"geomean {math.exp(statistics.fmean(math.log(x) for x in ratios)):.2f}; "
+              f"auto/kernel geomean {math.exp(statistics.fmean(math.log(x) for x in dispatch)):.2f}")
 
     # KV cache dtypes: the kernel converts rows on load; the reference converts whole
     # gathered tensors. Ratios are against the fp32 kernel on the same batch.
@@ -257,13 +288,17 @@ def main() -> None:
         dtype_rows.append(row)
         print(line)
 
+    prefill_rows = attention_prefill.run(time_side_by_side, max(3, rounds // 2), min_round,
+                                         args.quick, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE)
+
     info["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     print(f"load average (1 min) at start {info['loadavg_1m']}, at end {info['loadavg_1m_end']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"machine": info, "statistic": "fastest call",
                        "heads": NUM_HEADS, "kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE,
-                       "dtype": "float32", "rows": rows, "cache_dtypes": dtype_rows},
+                       "dtype": "float32", "rows": rows, "cache_dtypes": dtype_rows,
+                       "prefill": prefill_rows},
                       f, indent=2)
         print(f"wrote {args.json}")
 
