@@ -12,7 +12,7 @@ cache through random, non-contiguous block tables, and as contiguous
 * ``ref``     ``kvnode.model.attention.paged.paged_attention`` (the fallback path), when present;
 * ``kernel``  ``kvnode.model.attention.cpu_kernel.paged_attention`` (reads blocks in place);
 * ``auto``    ``get_attention_backend("auto", "cpu")``: the ``cpp`` backend, which sends
-              decode rows to the kernel (its dispatch costs ~1 µs a call).
+              decode rows to the kernel (its dispatch costs ~0.5 µs a call).
 
 Then the prefill rows (``bench.attention_prefill``): cold prompts, extends over a cached
 prefix and a mixed step, the kernel vs the reference vs the dispatched ``auto`` backend, each

@@ -17,6 +17,7 @@ from pagekv.kvnode.model.attention import (
     get_attention_backend,
     write_kv_cache,
 )
+from pagekv.kvnode.model.attention.phase_dispatch import AVX512_LIMITS, PORTABLE_LIMITS
 
 KERNEL = "pagekv.kvnode.model.attention.cpu_kernel"
 TRITON = "pagekv.kvnode.model.attention.triton_backend"
@@ -69,8 +70,9 @@ def test_auto_on_cpu_is_the_phase_dispatched_kernel(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, TRITON, _fake_triton(True))
     caplog.set_level("INFO", logger="pagekv.kvnode.model.attention")
     backend = get_attention_backend()
-    assert backend.name == "cpp" and backend.describe() == "cpp decode, torch SDPA prefill"
-    assert "attention: cpp decode, torch SDPA prefill" in caplog.text
+    assert backend.name == "cpp" and backend.describe() == PORTABLE_LIMITS.describe()
+    assert "attention: cpp decode and short prefill (<= 8 new tokens" in caplog.text
+    assert "torch SDPA longer prefill (backend cpp, device cpu)" in caplog.text
     assert backend.write_kv_cache is write_kv_cache  # kernel without its own writer
     assert not sys.modules[TRITON].asked  # auto never considers triton on CPU
     # A pure decode batch goes to the kernel whole.
@@ -81,6 +83,14 @@ def test_auto_on_cpu_is_the_phase_dispatched_kernel(monkeypatch, caplog):
                                   torch.tensor([0, 1, 2], dtype=torch.int32), 0.3)
     assert fake.calls == [([5, 9], [0, 1, 2])]
     assert out[:, 0, 0].tolist() == [5.0, 9.0]
+
+
+def test_the_kernels_avx512_path_raises_its_limits(monkeypatch):
+    fake = _fake_kernel(True)
+    fake.has_avx512_path = lambda: True  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, KERNEL, fake)
+    assert get_attention_backend("cpp").describe() == AVX512_LIMITS.describe()
+    assert AVX512_LIMITS.max_query_len > PORTABLE_LIMITS.max_query_len
 
 
 @pytest.mark.parametrize("kernel", [None, "unavailable"])

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagekv.kvnode.model.attention import cpu_kernel, get_attention_backend
-from pagekv.kvnode.model.attention.phase_dispatch import phase_dispatched
+from pagekv.kvnode.model.attention.phase_dispatch import KernelLimits, phase_dispatched
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
                                   reason="C++ paged attention extension could not be built")
@@ -69,9 +69,10 @@ def mixed_batch(seqs: list[tuple[int, int]], block_size: int, window: int | None
     return args, torch.cat(wants) if wants else torch.empty(0, heads, dim)
 
 
-# A step of a real engine: decodes, a cold prefill chunk, a prefix hit that extends cached
-# blocks, an empty row, a decode right at a block boundary.
-MIXED = [(40, 1), (0, 23), (1, 1), (32, 9), (17, 0), (63, 1), (64, 1), (5, 30)]
+# A step of a real engine: decodes, short and long cold prefill chunks, prefix hits that
+# extend cached blocks (short and long), an empty row, a decode right at a block boundary.
+MIXED = [(40, 1), (0, 23), (1, 1), (32, 9), (17, 0), (63, 1), (64, 1), (5, 30), (10, 40),
+         (0, 530)]
 
 
 @needs_kernel
@@ -110,22 +111,27 @@ def test_random_mixed_batches(seqs, window, seed):
 
 
 def test_rows_reach_the_right_path():
-    """Only decodes the window cannot cut reach the kernel; its answers land on their rows."""
+    """Only short queries the window cannot cut reach the kernel; its answers land on their
+    rows, the reference's on the others."""
     calls = []
 
     def kernel(query, key_cache, value_cache, block_tables, seq_lens, qsl, *rest):
         calls.append((seq_lens.tolist(), qsl.tolist(), block_tables[:, 0].tolist()))
         return torch.full(query.shape, -7.0)
 
-    seqs = [(40, 1), (0, 23), (9, 1), (5, 4), (63, 1)]
+    # Token offsets: 0 | 1-16 | 17-33 | 34 | 35-38 | 39-43 | 44
+    seqs = [(40, 1), (0, 16), (0, 17), (9, 1), (5, 4), (5, 5), (63, 1)]
     args, want = mixed_batch(seqs, 16, window=30, seed=1)
-    got = phase_dispatched(kernel)(**args, sliding_window=30)
-    # seq_len 10 fits the window, 41 and 64 do not: those decodes take the reference path.
-    assert calls == [([10], [0, 1], [int(args["block_tables"][2, 0])])]
-    assert got[24].eq(-7.0).all()  # sequence 2's single token (after 1 + 23 tokens)
-    keep = torch.ones(len(got), dtype=torch.bool)
-    keep[24] = False
-    torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=1e-5)
+    got = phase_dispatched(kernel, KernelLimits(4, 16))(**args, sliding_window=30)
+    # To the kernel: the 16-token prompt, the decode at seq_len 10, the 4-token extend. Not:
+    # the 17-token prompt and the 5-token extend (too long), the decodes at 41 and 64 (the
+    # window cuts their context).
+    tables = args["block_tables"][:, 0].tolist()
+    assert calls == [([16, 10, 9], [0, 16, 17, 21], [tables[1], tables[3], tables[4]])]
+    to_kernel = torch.zeros(len(got), dtype=torch.bool)
+    to_kernel[1:17] = to_kernel[34:39] = True
+    assert got[to_kernel].eq(-7.0).all()
+    torch.testing.assert_close(got[~to_kernel], want[~to_kernel], atol=2e-5, rtol=1e-5)
 
 
 def test_dispatcher_uses_the_kernel_module(monkeypatch):

@@ -3,10 +3,11 @@
 Backends share one signature (see ``paged.paged_attention``, ``sliding_window`` included).
 
 * ``torch``: the pure-torch reference (``paged``), every phase.
-* ``cpp``: CPU. Decode rows go to the C++ kernel (``cpu_kernel``: a module exposing
-  ``available() -> bool``, ``paged_attention(...)`` and optionally ``write_kv_cache(...)``),
-  prefill and extend rows to the reference's SDPA path, which is faster there
-  (``phase_dispatch``; measured in ``bench/attention.py``).
+* ``cpp``: CPU. Decode rows and short prefill/extend rows go to the C++ kernel
+  (``cpu_kernel``: a module exposing ``available() -> bool``, ``paged_attention(...)`` and
+  optionally ``has_avx512_path()`` and ``write_kv_cache(...)``), longer ones to the
+  reference's SDPA path, which is faster there (``phase_dispatch``; measured in
+  ``bench/attention.py``).
 * ``triton``: the Triton kernels (``triton_backend``: ``available(device) -> (bool, str)``
   and ``backend() -> AttentionBackend``). CUDA; on CPU only under Triton's interpreter
   (``TRITON_INTERPRET=1``), which is for tests.
@@ -26,7 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagekv.kvnode.model.attention.paged import paged_attention, write_kv_cache
-from pagekv.kvnode.model.attention.phase_dispatch import phase_dispatched
+from pagekv.kvnode.model.attention.phase_dispatch import (
+    AVX512_LIMITS,
+    PORTABLE_LIMITS,
+    phase_dispatched,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +46,7 @@ class AttentionBackend:
     name: str  # "torch", "cpp" or "triton"
     paged_attention: Callable[..., object]
     write_kv_cache: Callable[..., None]
-    phases: str = ""  # what runs each phase, for the log line ("cpp decode, torch SDPA prefill")
+    phases: str = ""  # what runs each phase, for the log line
 
     def describe(self) -> str:
         return self.phases or self.name
@@ -53,8 +58,8 @@ REFERENCE_BACKEND = AttentionBackend(
 
 
 def _load_kernel() -> tuple[AttentionBackend | None, str]:
-    """The C++ backend (decode in the kernel, prefill on the reference path), or None and
-    the reason it is unusable."""
+    """The C++ backend (decode and short prefill in the kernel, the rest on the reference
+    path), or None and the reason it is unusable."""
     try:
         mod = importlib.import_module(_KERNEL_MODULE)
     except ImportError as exc:
@@ -66,8 +71,13 @@ def _load_kernel() -> tuple[AttentionBackend | None, str]:
     if not ok:
         return None, f"{_KERNEL_MODULE}.available() is False"
     writer = getattr(mod, "write_kv_cache", write_kv_cache)
-    return AttentionBackend("cpp", phase_dispatched(mod.paged_attention), writer,
-                            "cpp decode, torch SDPA prefill"), ""
+    try:
+        avx512 = bool(mod.has_avx512_path())
+    except Exception:  # an older or stand-in module: assume the slower path
+        avx512 = False
+    limits = AVX512_LIMITS if avx512 else PORTABLE_LIMITS
+    return AttentionBackend("cpp", phase_dispatched(mod.paged_attention, limits), writer,
+                            limits.describe()), ""
 
 
 def _interpreting() -> bool:

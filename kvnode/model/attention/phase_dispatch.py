@@ -1,12 +1,15 @@
 """One attention call, two kernels: each sequence goes to whichever path is fastest for its
 phase.
 
-The C++ kernel (``cpu_kernel``) reads K/V blocks in place and wins decode by ~2x over
-contiguous SDPA, but its prefill is slower than the reference path, which gathers the
-context once and runs torch's fused (flash) SDPA kernel over it (``bench/attention.py``,
-"prefill by phase"). So a batch is split by rows: single-token queries (decodes) go to the
-kernel, longer ones (prefill and extend chunks) to ``paged.paged_attention``. Batches of one
-phase only, the common case, are passed through whole with no copy.
+The C++ kernel (``cpu_kernel``) reads K/V blocks in place and wins decode by 2-10x over the
+reference, but for long queries the reference's gather + torch's fused (flash) SDPA kernel is
+faster: a 2,048-token prompt takes 1.4-1.6x longer in the kernel. The crossover, measured with
+``python -m bench.attention`` (docs/BENCHMARKS.md §2, "Prefill by phase"), lies near 32 new
+tokens over a cached prefix and near 512 tokens for a whole prompt (no prefix) with the
+kernel's AVX-512 path, at 8 and 128 with its portable path. So a batch is split by rows:
+short queries (decodes, small extends, short prompts) go to the kernel, the others to
+``paged.paged_attention``. Batches of one side only, the common case, are passed through
+whole with no copy.
 
 The kernel has no sliding window. A row is only sent to it when the window cannot mask
 anything (its whole context fits in the window); every other row takes the reference path,
@@ -16,21 +19,33 @@ which implements the window, so results equal the reference's for every row.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from pagekv.kvnode.model.attention.paged import paged_attention as reference_attention
 
-# Longest query (new tokens of one sequence) the kernel takes: decodes only. Measured with
-# `python -m bench.attention` (docs/BENCHMARKS.md §2): at 16+ new tokens over a 2,048-token
-# context the kernel is already slower than the reference's gather + SDPA.
-KERNEL_MAX_QUERY_LEN = 1
-
 PagedAttentionFn = Callable[..., torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
+class KernelLimits:
+    """The longest queries the kernel is faster for (measured, 2 threads, head 64, GQA 4)."""
+
+    max_query_len: int  # new tokens of a sequence, whatever its cached prefix
+    max_prompt_len: int  # new tokens of a sequence with no cached prefix (a whole prompt)
+
+    def describe(self) -> str:
+        return (f"cpp decode and short prefill (<= {self.max_query_len} new tokens, prompts "
+                f"<= {self.max_prompt_len}), torch SDPA longer prefill")
+
+
+AVX512_LIMITS = KernelLimits(max_query_len=32, max_prompt_len=512)
+PORTABLE_LIMITS = KernelLimits(max_query_len=8, max_prompt_len=128)
+
+
 def _kernel_rows(starts: list[int], lens: list[int], window: int | None,
-                 max_query_len: int) -> tuple[list[int], list[int]]:
+                 limits: KernelLimits) -> tuple[list[int], list[int]]:
     """(rows for the kernel, rows for the reference); rows without new tokens are in
     neither."""
     kernel, reference = [], []
@@ -38,7 +53,8 @@ def _kernel_rows(starts: list[int], lens: list[int], window: int | None,
         qlen = starts[i + 1] - starts[i]
         if qlen <= 0:
             continue
-        if qlen <= max_query_len and (window is None or ctx <= window):
+        short = qlen <= limits.max_query_len or (qlen == ctx and qlen <= limits.max_prompt_len)
+        if short and (window is None or ctx <= window):
             kernel.append(i)
         else:
             reference.append(i)
@@ -69,11 +85,10 @@ def _run_rows(fn: PagedAttentionFn, rows: list[int], starts: list[int], out: tor
     )
 
 
-def phase_dispatched(kernel: PagedAttentionFn,
-                     max_kernel_query_len: int = KERNEL_MAX_QUERY_LEN) -> PagedAttentionFn:
+def phase_dispatched(kernel: PagedAttentionFn, limits: KernelLimits) -> PagedAttentionFn:
     """A ``paged.paged_attention``-compatible function (``sliding_window`` included) that runs
-    decode rows on ``kernel`` (same signature, without ``sliding_window``) and the rest on
-    the reference path."""
+    the rows within ``limits`` on ``kernel`` (same signature, without ``sliding_window``) and
+    the rest on the reference path."""
 
     def paged_attention(
         query: torch.Tensor,
@@ -93,8 +108,7 @@ def phase_dispatched(kernel: PagedAttentionFn,
             return kernel(query, key_cache, value_cache, block_tables, seq_lens,
                           query_start_loc, scale, k_scale, v_scale)
         lens = seq_lens.tolist()
-        to_kernel, to_reference = _kernel_rows(starts, lens, sliding_window,
-                                               max_kernel_query_len)
+        to_kernel, to_reference = _kernel_rows(starts, lens, sliding_window, limits)
         window = {} if sliding_window is None else {"sliding_window": sliding_window}
         args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                 scale, k_scale, v_scale)
