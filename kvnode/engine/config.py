@@ -78,8 +78,8 @@ HELP: dict[str, str] = {
     "num_threads": "torch threads for CPU compute (default: torch's; give each pod on a "
                    "shared host its own share of the cores)",
     "attention_backend": "auto (CPU: cpp, CUDA: triton, else torch), torch (pure-torch "
-                         "reference), cpp (CPU: C++ decode kernel, SDPA prefill) or triton "
-                         "(CUDA kernels)",
+                         "reference), cpp (CPU: C++ kernel for decode and short prefill, SDPA "
+                         "for longer prefill) or triton (CUDA kernels)",
     "cpu_offload_bytes": "DRAM tier size; evicted blocks spill here (0: off)",
     "disk_offload_bytes": "SSD tier size; DRAM's evictions spill here (0: off)",
     "disk_offload_dir": "directory of the SSD tier (survives restarts)",
