@@ -4,8 +4,8 @@
 #
 #   scripts/gpu_check.sh [OUT]        # OUT default: $OUT, else ./gpu-check
 #
-# It needs Python >= 3.11 with torch (CUDA), triton, pytest and numpy — what the GPU machines
-# here carry — and nothing else of the project's dependencies: the paths it runs (the attention
+# It needs Python >= 3.11 with torch (CUDA), triton and numpy — what the GPU machines here
+# carry, with pytest — and nothing else of the project's dependencies: the paths it runs (the attention
 # kernels, the KV cache, the DRAM tier's copies, the memory plan, bench/attention.py and
 # bench/tiers.py in --device cuda mode) import only those. Wheels it lacks can be put in .whl/
 # (scripts/gpu_check_wheels.sh fetches them where pip works): they are installed into a
