@@ -48,21 +48,31 @@ def next_pow2(n: int) -> int:
 
 
 @triton.jit
-def e4m3_to_f32(bits):
-    """uint8 E4M3 (fn: no inf, S.1111.111 is NaN) -> fp32, exactly.
-
-    The 7 magnitude bits shifted into an fp16 (exponent bias 15 instead of 7, subnormals
-    included) give the value times 2^-8."""
+def fp8_bits_to_f16(bits, FORMAT: tl.constexpr):
+    """uint8 fp8 bits -> fp16, exactly, by moving the bits. E5M2 is fp16's top byte (inf and
+    NaN too). E4M3 (fn: no inf, S.1111.111 is NaN) comes out as value * 2^-8: its exponent and
+    mantissa move up into fp16's, whose exponent bias is 8 more (15 vs 7), subnormals
+    included; its NaN pattern becomes fp16's NaN. Kernels that compute in 16 bits fold the
+    2^8 into their scales; `e4m3_to_f32` multiplies it back."""
     b = bits.to(tl.uint16)
-    half_bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    x = half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), x)
+    if FORMAT == 2:  # KV_E5M2 (jit code reads no plain globals)
+        half_bits = b << 8
+    else:
+        half_bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        half_bits = tl.where((b & 0x7F) == 0x7F, 0x7E00, half_bits)
+    return half_bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e4m3_to_f32(bits):
+    """uint8 E4M3 -> fp32, exactly."""
+    return fp8_bits_to_f16(bits, 1).to(tl.float32) * 256.0  # KV_E4M3
 
 
 @triton.jit
 def e5m2_to_f32(bits):
-    """uint8 E5M2 -> fp32, exactly: E5M2 is the top byte of an fp16 (inf and NaN too)."""
-    return (bits.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    """uint8 E5M2 -> fp32, exactly."""
+    return fp8_bits_to_f16(bits, 2).to(tl.float32)  # KV_E5M2
 
 
 @triton.jit

@@ -33,10 +33,15 @@ import triton
 import triton.language as tl
 
 from pagekv.kvnode.model.attention.kv_cache import FP8_DTYPES
+from pagekv.kvnode.model.attention.triton_formats import (
+    KV_E4M3,
+    fp8_bits_to_f16,
+    kernel_view,
+    kv_format,
+)
 
 _LOG2E = 1.4426950408889634
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-_FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -51,20 +56,6 @@ def _find_sequence(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
         lo = tl.where(first_slot <= pid, mid, lo)
         hi = tl.where(first_slot <= pid, hi, mid)
     return lo
-
-
-@triton.jit
-def _fp8_bytes_to_fp16(x, FP8_FORMAT: tl.constexpr):
-    """fp8 bytes -> fp16, exactly. E5M2 is fp16's top byte. E4M3 comes out as value * 2**-8:
-    its exponent and mantissa bits move up into fp16's, whose exponent bias is 8 more (15 vs
-    7); subnormals line up too; its one NaN pattern (no infinities) becomes fp16's NaN."""
-    x = x.to(tl.uint16)
-    if FP8_FORMAT == 2:
-        bits = x << 8
-    else:
-        bits = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
-        bits = tl.where((x & 0x7F) == 0x7F, 0x7E00, bits)
-    return bits.to(tl.float16, bitcast=True)
 
 
 # num_seqs bounds the binary search's loop: kept a runtime value even when it is 1 (Triton
@@ -138,7 +129,7 @@ def _paged_prefill_kernel(
         kt = tl.load(k_head + k_off[None, :] + dims[:, None],
                      mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
         if FP8_FORMAT != 0:
-            kt = _fp8_bytes_to_fp16(kt, FP8_FORMAT)
+            kt = fp8_bits_to_f16(kt, FP8_FORMAT)
         kt = kt.to(COMPUTE)
         if COMPUTE == tl.float32:
             s = tl.dot(q, kt, input_precision="ieee")
@@ -160,7 +151,7 @@ def _paged_prefill_kernel(
         v = tl.load(v_head + v_off[:, None] + dims[None, :],
                     mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
         if FP8_FORMAT != 0:
-            v = _fp8_bytes_to_fp16(v, FP8_FORMAT)
+            v = fp8_bits_to_f16(v, FP8_FORMAT)
         v = v.to(COMPUTE)
         if COMPUTE == tl.float32:
             pv = tl.dot(p, v, input_precision="ieee")
@@ -251,10 +242,9 @@ def paged_prefill(
     head_pad = max(16, triton.next_power_of_2(head_size))
     block_q, tile_n, warps = _tiles(head_pad, group_pad)
     compute = _TL_DTYPES[_compute_dtype(query.dtype, key_cache.dtype)]
-    fp8_format = _FP8_FORMATS.get(key_cache.dtype, 0)
-    if fp8_format:
-        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-    if fp8_format == 1:  # E4M3 decodes to value * 2**-8: the scales take the 2**8 back
+    fp8_format = kv_format(key_cache.dtype) if key_cache.dtype in FP8_DTYPES else 0
+    key_cache, value_cache = kernel_view(key_cache), kernel_view(value_cache)
+    if fp8_format == KV_E4M3:  # E4M3 decodes to value * 2**-8: the scales take the 2**8 back
         k_scale, v_scale = k_scale * 256.0, v_scale * 256.0
     grid = (num_tokens // block_q + num_seqs, kv_heads)
     _paged_prefill_kernel[grid](
