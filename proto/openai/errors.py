@@ -44,10 +44,6 @@ class ApiError(Exception):
 def _default_type(status: int) -> str:
     if status == 401:
         return "authentication_error"
-    if status == 404:
-        return "invalid_request_error"
-    if status == 413:
-        return "invalid_request_error"
     return "invalid_request_error" if status < 500 else "server_error"
 
 

@@ -183,18 +183,14 @@ def parse_common(body: dict, *, chat: bool) -> Parsed:
     ignored = _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     sp = pb.SamplingParams()
     if chat:
-        max_tokens = read_int(body, "max_completion_tokens", 0, UINT32_MAX)
+        max_tokens = read_int(body, "max_completion_tokens", 1, UINT32_MAX)
         if max_tokens is None:
-            max_tokens = read_int(body, "max_tokens", 0, UINT32_MAX)
+            max_tokens = read_int(body, "max_tokens", 1, UINT32_MAX)
     else:
         # OpenAI's legacy completions default: 16 tokens (chat: up to the context length).
-        max_tokens = read_int(body, "max_tokens", 0, UINT32_MAX)
+        max_tokens = read_int(body, "max_tokens", 1, UINT32_MAX)
         max_tokens = 16 if max_tokens is None else max_tokens
     if max_tokens is not None:
-        if max_tokens == 0:
-            raise invalid("max_tokens must be >= 1, got 0",
-                          "max_completion_tokens" if "max_completion_tokens" in body
-                          else "max_tokens")
         sp.max_tokens = max_tokens
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
