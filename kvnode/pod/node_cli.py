@@ -79,13 +79,18 @@ def main(args: argparse.Namespace) -> int:
         starting = asyncio.create_task(pod.start())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
+        if not starting.done() and pod.aengine is None:  # still loading: nothing in flight
             logger.info("stopped while starting")
             starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
             await pod.stop(0.0)
             return
+        if not starting.done():
+            # The engine already takes requests; only the index's first sync (bounded) is
+            # left. Finish it, then drain like any stop: in-flight requests complete.
+            logger.info("stop requested while joining the index: finishing start, then draining")
+            await starting
         starting.result()  # a failed start raises here (it already cleaned up)
         freeze_startup_heap(logger)
         await stop.wait()

@@ -292,9 +292,11 @@ class PodServer:
         except BaseException:
             await self.stop(0.0)  # no registration or half-started threads left behind
             raise
-        for name in ("", *names[:2]):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
+        # The overall status ("") last: a client that sees it SERVING finds start() done,
+        # so a SIGTERM from then on takes the draining path, not the stopped-while-starting one.
+        for name in (*names[:2], ""):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("pod %s serving gRPC on %s:%d (%s); %s", self.pod_id, self.host, self.port,
                     transport(self.tls), self.guard.describe())
 

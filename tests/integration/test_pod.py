@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 import urllib.request
@@ -256,3 +257,50 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         assert "draining in-flight requests" in pod.log_tail(50)
     finally:
         cluster.stop()
+
+
+def test_sigterm_while_still_starting_drains_accepted_requests(tmp_path):
+    """The engine takes requests before the index's first sync ends (health is still
+    NOT_SERVING): a SIGTERM in that window must drain them, not cut them off."""
+    import socket
+    import threading
+    silent = socket.socket()  # a "Redis" that accepts connections and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    conns: list[socket.socket] = []
+
+    def accept_all():
+        with contextlib.suppress(OSError):
+            while True:
+                conns.append(silent.accept()[0])
+    threading.Thread(target=accept_all, daemon=True).start()
+    cluster = LocalCluster(nodes=1, run_dir=tmp_path, start_router=False,
+                           redis_url=f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+    try:
+        # A long answer: leaving the unreachable index takes a second before gRPC stops.
+        pod = cluster.start_pod("node-a", [*POD_ARGS, "--max-model-len", "2048",
+                                           "--num-gpu-blocks", "160"])
+        deadline = time.time() + 60
+        with grpc.insecure_channel(pod.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            while True:
+                stream = stub.GenerateStream(pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=greedy(2000)),
+                    wait_for_ready=True, timeout=60)
+                try:
+                    chunks = [next(stream)]
+                    break
+                except grpc.RpcError as e:  # "pod is starting": the engine is not built yet
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE and time.time() < deadline
+                    time.sleep(0.05)
+            pod.proc.send_signal(signal.SIGTERM)
+            silent.close()  # the index goes away: leaving it does not hold the stop up
+            for conn in conns:
+                conn.close()
+            chunks.extend(stream)
+        assert sum(len(c.token_ids) for c in chunks) == 2000
+        assert pod.proc.wait(30) == 0
+        assert "finishing start, then draining" in pod.log_tail(50)
+    finally:
+        cluster.stop()
+        silent.close()
