@@ -201,6 +201,11 @@ class KVNodeStub:
                 request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.PullBlocks = channel.unary_stream(
+                '/pagekv.v1.KVNode/PullBlocks',
+                request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PullBlocksChunk.FromString,
+                _registered_method=True)
 
 
 class KVNodeServicer:
@@ -219,6 +224,18 @@ class KVNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullBlocks(self, request, context):
+        """Cross-pod KV pull: the KV of the leading blocks of `block_hashes` this pod holds (pool,
+        DRAM or SSD), in order, as checksummed entries. The stream ends at the first block the
+        pod does not hold, at the byte limit, or at the end of the list. Errors:
+        FAILED_PRECONDITION: another hash configuration or KV layout (the blocks would not be
+        the puller's); RESOURCE_EXHAUSTED: --kv-transfer-max-concurrent transfers already run;
+        UNAVAILABLE: the pod is starting or stopping. An API call (under --api-token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +248,11 @@ def add_KVNodeServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PullBlocksRequest.FromString,
+                    response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PullBlocksChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -288,6 +310,33 @@ class KVNode:
             '/pagekv.v1.KVNode/ResetPrefixCache',
             pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheRequest.SerializeToString,
             pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagekv.v1.KVNode/PullBlocks',
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PullBlocksRequest.SerializeToString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PullBlocksChunk.FromString,
             options,
             channel_credentials,
             insecure,
