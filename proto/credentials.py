@@ -18,6 +18,7 @@ from dataclasses import dataclass
 ADMIN_TOKEN_ENV = "PAGEKV_ADMIN_TOKEN"
 API_TOKEN_ENV = "PAGEKV_API_TOKEN"
 POD_API_TOKEN_ENV = "PAGEKV_POD_API_TOKEN"
+PEER_API_TOKEN_ENV = "PAGEKV_PEER_API_TOKEN"  # a pod's token when it pulls KV from a peer
 REDIS_URL_ENV = "PAGEKV_REDIS_URL"
 
 

@@ -33,6 +33,9 @@ class Medium(StrEnum):
 
 
 MEDIUMS: tuple[Medium, ...] = tuple(Medium)  # best first
+# The share of a request's cached tokens pulled from a peer pod (GenerateRequest.kv_source):
+# a key of the per-tier token counts, not a medium (the blocks land in the pool).
+PEER_SHARE = "PEER"
 OFFLOAD_MEDIUMS: tuple[Medium, ...] = (Medium.CPU, Medium.DISK)  # the tiers below the pool
 ALL_BITS = (1 << len(MEDIUMS)) - 1
 

@@ -113,6 +113,11 @@ def check_request(request: GenerateRequest, limits: PromptLimits) -> None:
     refuse_unsupported(request)
     _at_most("request_id", _utf8_bytes(request.request_id), MAX_REQUEST_ID_BYTES, "bytes")
     _at_most("cache_salt", _utf8_bytes(request.cache_salt), MAX_CACHE_SALT_BYTES, "bytes")
+    if request.HasField("kv_source"):
+        _at_most("kv_source.pod_id", _utf8_bytes(request.kv_source.pod_id), MAX_REQUEST_ID_BYTES,
+                 "bytes")
+        _at_most("kv_source.address", _utf8_bytes(request.kv_source.address),
+                 MAX_REQUEST_ID_BYTES, "bytes")
     sampling = request.sampling
     _at_most("sampling.stop_token_ids", len(sampling.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
     _check_stop_strings(sampling.stop)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine
 from pagekv.kvnode.engine.outputs import RequestOutput
+from pagekv.kvnode.engine.peer_pull import KvSource
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.proto.requests import already_in_flight
 
@@ -116,6 +117,12 @@ class AsyncEngine:
             raise value
         return value
 
+    def post(self, fn: Callable[[], object]) -> None:
+        """Run fn on the loop thread soon, without waiting (releases that must happen even
+        when the caller is being cancelled)."""
+        self._commands.put(fn)
+        self._wake.set()
+
     async def generate(
         self,
         request_id: str,
@@ -123,6 +130,7 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         lora_id: str | None = None,
+        kv_source: KvSource | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas as they are produced; closing the iterator aborts it."""
         if len(self._streams) >= self.max_queue:
@@ -138,7 +146,7 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(
-                    request_id, prompt_token_ids, params, cache_salt, lora_id, arrival
+                    request_id, prompt_token_ids, params, cache_salt, lora_id, arrival, kv_source
                 )
                 loop.call_soon_threadsafe(_set_result, admitted, None)
             except Exception as e:

@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from pagekv.kvnode.engine.config import EngineArgs
+from pagekv.kvnode.engine.kv_export import KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
 from pagekv.kvnode.engine.outputs import (
     CompletionOutput,
@@ -25,11 +26,17 @@ from pagekv.kvnode.engine.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
+from pagekv.kvnode.engine.peer_pull import Fetch, KvSource, PeerPuller
 from pagekv.kvnode.engine.sampler import make_generator, sample
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
 from pagekv.kvnode.engine.stop_checker import check_stop
-from pagekv.kvnode.engine.tier_connector import TierConnector, TierEvictor, build_tier_chain
+from pagekv.kvnode.engine.tier_connector import (
+    TierConnector,
+    TierEvictor,
+    build_tier_chain,
+    kv_layout,
+)
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
 from pagekv.kvnode.memory.request import Request
@@ -107,8 +114,11 @@ class Engine:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_chunked_prefill=args.enable_chunked_prefill,
-            prefix_loader=self.tiers.load_prefix if self.tiers is not None else None,
+            prefix_loader=self._load_prefix,
         )
+        self.puller: PeerPuller | None = None  # enable_peer_pull: the pod supplies a transport
+        self.kv_layout = kv_layout(self.runner)  # what peers must share to exchange blocks
+        self.exporter = KvExporter(self.kv_manager, self.runner, chain)  # peers pull from it
         self.groups: dict[str, SequenceGroup] = {}
         # Ids of the live extra samples of n>1 requests ("<id>#<i>"): the block tables and tier
         # loads are keyed by sequence id, so a client id must never equal one of them.
@@ -133,6 +143,21 @@ class Engine:
                 self.runner.num_blocks * bs)
         if n >= 1:
             self.runner.execute([SeqBatchItem([0] * n, 0, list(range(-(-n // bs))))])
+
+    def enable_peer_pull(self, fetch: Fetch, max_concurrent: int = 4,
+                         deadline_s: float = 2.0) -> PeerPuller:
+        """Pull prefixes named by a request's kv_source from that peer (before serving)."""
+        if not self.args.enable_prefix_caching:
+            raise ValueError("cross-pod KV pull needs prefix caching (blocks are found by hash)")
+        self.puller = PeerPuller(self.kv_manager, self.runner, self.kv_layout, fetch,
+                                 max_concurrent=max_concurrent, deadline_s=deadline_s)
+        return self.puller
+
+    def _load_prefix(self, req: Request, hit) -> bool:
+        """The scheduler's hook: the tiers extend the pool hit, then a peer pull."""
+        if self.tiers is not None and not self.tiers.load_prefix(req, hit):
+            return False
+        return self.puller is None or self.puller.load_prefix(req, hit)
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -174,6 +199,7 @@ class Engine:
         cache_salt: str | None = None,
         lora_id: str | None = None,
         arrival_time: float | None = None,
+        kv_source: KvSource | None = None,
     ) -> str:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -187,6 +213,8 @@ class Engine:
         seq = Sequence(req, group, 0, make_generator(params.seed))
         group.seqs.append(seq)
         self.groups[request_id] = group
+        if kv_source is not None and self.puller is not None and kv_source.num_blocks > 0:
+            self.puller.sources[request_id] = kv_source
         self.scheduler.add(seq)
         return request_id
 
@@ -210,6 +238,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.tiers is not None:
             self.tiers.finish_loads()  # finished SSD loads release their pins before scheduling
+        if self.puller is not None:
+            self.puller.finish_pulls()
         sched = self.scheduler.schedule()
         self.num_steps += 1
         self.last_step_idle = not sched.scheduled
@@ -217,6 +247,8 @@ class Engine:
             self._publish_events()
             if self.tiers is not None and self.tiers.has_pending_loads():
                 self.tiers.wait_for_loads(0.05)  # let the loader thread have the GIL
+            elif self.puller is not None and self.puller.has_pending():
+                self.puller.wait_for_pulls(0.05)
             return []
         copies = self.kv_manager.take_block_copies()
         if copies:
@@ -316,6 +348,8 @@ class Engine:
         self._child_ids.discard(seq.req.request_id)
         if self.tiers is not None:
             self.tiers.forget(seq.req.request_id)
+        if self.puller is not None:
+            self.puller.forget(seq.req.request_id)
 
     def _delta(self, group: SequenceGroup, now: float) -> RequestOutput:
         completions = []
@@ -403,5 +437,7 @@ class Engine:
 
     def close(self) -> None:
         """Flush and close the tiers (the SSD tier's manifest must be consistent on exit)."""
+        if self.puller is not None:
+            self.puller.close()
         if self.tiers is not None:
             self.tiers.close(persist=self.args.disk_offload_persist)

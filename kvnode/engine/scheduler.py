@@ -40,7 +40,8 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
     num_cached_tokens: int = 0
-    cached_tokens_by_tier: dict[Medium, int] = field(
+    # Per medium; a "PEER" entry (proto.medium.PEER_SHARE) when tokens were pulled.
+    cached_tokens_by_tier: dict[Medium | str, int] = field(
         default_factory=lambda: dict.fromkeys(MEDIUMS, 0)
     )
     # The prompt as a tensor, made once for the repetition penalty (sampler.SeqHistory).

@@ -34,7 +34,9 @@ from pagekv.proto.medium import OFFLOAD_MEDIUMS, Medium
 from pagekv.proto.tier_stats import ChainStats
 from pagekv.tiers.chain import TierChain
 from pagekv.tiers.chain_copies import async_dram
+from pagekv.tiers.codec import elem_size_of
 from pagekv.tiers.dram import DramTier
+from pagekv.tiers.peer_entries import KvLayout
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,17 @@ def _as_rows(datas: list[torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(np.stack([d.numpy() for d in datas]))
 
 
+def kv_layout(runner) -> KvLayout:
+    """What a block's bytes mean (model, shape, dtype): the SSD tier files blocks under it
+    and two pods exchange blocks only when theirs are equal."""
+    spec = runner.kv_spec
+    dtype = str(spec.dtype).removeprefix("torch.")
+    layout = {"num_layers": spec.num_layers, "block_size": spec.block_size,
+              "num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size, "dtype": dtype,
+              "model": runner.model_config.name or runner.model_config.architecture}
+    return KvLayout.of(layout, elem_size_of(dtype), runner.block_bytes)
+
+
 def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
                      disk_offload_dir: str | None, block_size: int) -> TierChain | None:
     if cpu_offload_bytes <= 0 and disk_offload_bytes <= 0:
@@ -89,11 +102,9 @@ def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
             os.makedirs(disk_offload_dir, exist_ok=True)
         except OSError as e:  # the SSD tier then disables itself; the pod keeps serving
             logger.error("SSD tier directory %s unusable: %s", disk_offload_dir, e)
-        spec = runner.kv_spec
-        layout = {"num_layers": spec.num_layers, "block_size": spec.block_size,
-                  "num_kv_heads": spec.num_kv_heads, "head_size": spec.head_size,
-                  "dtype": str(spec.dtype).removeprefix("torch."), "model": runner.model_config.name or runner.model_config.architecture}
-        ssd = SsdTier(disk_offload_dir, disk_offload_bytes, runner.block_bytes, layout)
+        layout = kv_layout(runner)
+        ssd = SsdTier(disk_offload_dir, disk_offload_bytes, runner.block_bytes, layout.json,
+                      dtype=layout.dtype)
     chain = TierChain(dram, ssd, block_size=block_size)
     logger.info(
         "offload tiers: DRAM %.1f MiB (%d blocks), SSD %.1f MiB in %s",

@@ -7,7 +7,7 @@ from typing import Any
 
 from pagekv.kvnode.engine.outputs import TokenLogprobs
 from pagekv.kvnode.engine.sampling_params import SamplingParams
-from pagekv.proto.medium import Medium
+from pagekv.proto.medium import PEER_SHARE, Medium
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.requests import BadRequest
 
@@ -124,4 +124,5 @@ def usage(prompt_tokens: int, delta, completion_tokens: int) -> pb.Usage:
         cached_tokens_gpu=by.get(Medium.GPU, 0),
         cached_tokens_cpu=by.get(Medium.CPU, 0),
         cached_tokens_disk=by.get(Medium.DISK, 0),
+        cached_tokens_peer=by.get(PEER_SHARE, 0),
     )

@@ -10,10 +10,12 @@ import logging
 import signal
 import socket
 
+from pagekv.kvnode.pod.kv_transfer import TransferConfig
 from pagekv.kvnode.pod.server import PodServer
 from pagekv.proto.credentials import (
     ADMIN_TOKEN_ENV,
     API_TOKEN_ENV,
+    PEER_API_TOKEN_ENV,
     add_redis_arguments,
     add_server_tls_arguments,
     add_token_argument,
@@ -53,7 +55,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        "anyone who reaches the port may clear the cache)")
     add_token_argument(p, "--api-token", API_TOKEN_ENV,
                        "bearer token that Generate, GenerateStream and Stats require")
+    add_transfer_arguments(p)
     add_engine_arguments(p)
+
+
+def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
+    d = TransferConfig()
+    g = p.add_argument_group("cross-pod KV pull (README \"Cross-pod KV pull\")")
+    g.add_argument("--kv-pull", action=argparse.BooleanOptionalAction, default=d.pull,
+                   help="pull a request's missing prefix blocks from the peer its kv_source "
+                        "names (the router's hint) instead of recomputing them")
+    g.add_argument("--kv-pull-max-concurrent", type=int, default=d.pull_max_concurrent,
+                   help="pulls running at once; more wait for a slot within their deadline")
+    g.add_argument("--kv-pull-deadline-s", type=float, default=d.pull_deadline_s,
+                   help="a pull not done by then keeps what arrived and recomputes the rest")
+    g.add_argument("--kv-transfer-max-concurrent", type=int, default=d.serve_max_concurrent,
+                   help="peers served at once; more are refused (RESOURCE_EXHAUSTED) and "
+                        "recompute")
+    g.add_argument("--kv-transfer-max-bytes", type=int, default=d.serve_max_bytes,
+                   help="bytes of KV entries sent per pull call, at most")
+    g.add_argument("--kv-transfer-compress", action=argparse.BooleanOptionalAction,
+                   default=d.compress, help="LZ4 the served blocks when it shrinks them "
+                                            "(slow links; costs CPU on both sides)")
+    add_token_argument(p, "--peer-api-token", PEER_API_TOKEN_ENV,
+                       "bearer token presented to peers when pulling (default: --api-token)")
+
+
+def transfer_config_from(args: argparse.Namespace) -> TransferConfig:
+    return TransferConfig(
+        pull=args.kv_pull, pull_max_concurrent=args.kv_pull_max_concurrent,
+        pull_deadline_s=args.kv_pull_deadline_s,
+        serve_max_concurrent=args.kv_transfer_max_concurrent,
+        serve_max_bytes=args.kv_transfer_max_bytes, compress=args.kv_transfer_compress,
+        peer_token=token_from(args.peer_api_token, PEER_API_TOKEN_ENV))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -68,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
         tls=tls_from(args), admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
         api_token=token_from(args.api_token, API_TOKEN_ENV), redis_tls=tls_from(args, "redis"),
         prompt_limits=prompt_limits_from(args), http_port=args.http_port,
-        served_model_names=args.served_model_name,
+        served_model_names=args.served_model_name, transfer=transfer_config_from(args),
     )
 
     async def run() -> None:

@@ -62,6 +62,20 @@ class EngineCollector(Collector):
         c.add_metric(self.label_values, value)
         return c
 
+    def _pull_metrics(self, st) -> Iterable:
+        yield self._counter("pagekv_kv_pulls", "Cross-pod KV pulls finished (any outcome)",
+                            st.pulls)
+        yield self._counter("pagekv_kv_pulled_blocks", "KV blocks pulled from peers and landed "
+                            "in the pool", st.blocks)
+        yield self._counter("pagekv_kv_pulled_bytes", "Entry bytes received from peers",
+                            st.bytes)
+        fallbacks = CounterMetricFamily(
+            "pagekv_kv_pull_fallbacks", "Pulls that fell back to recompute (for the rest of "
+            "the prefix), by reason", labels=[*self.label_names, "reason"])
+        for reason, n in dict(st.fallbacks).items():
+            fallbacks.add_metric([*self.label_values, reason], n)
+        yield fallbacks
+
     def collect(self) -> Iterable:
         eng = self.engine
         m = eng.metrics
@@ -104,6 +118,8 @@ class EngineCollector(Collector):
         chain = eng.stats()["chain"]
         if chain is not None:
             yield from self._tier_metrics(chain)
+        if eng.puller is not None:
+            yield from self._pull_metrics(eng.puller.stats)
         if self.publish_lag is not None:
             yield _histogram_family("pagekv_index_publish_lag_seconds",
                                     "Index publisher: submit to visible in Redis, per batch",

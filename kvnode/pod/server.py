@@ -20,11 +20,14 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pagekv.kvnode.engine.async_engine import AsyncEngine, QueueFull
 from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
+from pagekv.kvnode.engine.peer_pull import KvSource, PullResult
+from pagekv.kvnode.pod.kv_pull_client import PeerFetcher
+from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
 from pagekv.kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
 from pagekv.kvnode.pod.prom import EngineCollector, RequestMetricsExporter
 from pagekv.kvnode.pod.publisher import IndexPublisher
@@ -69,7 +72,16 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         tokens = list(prompt.token_ids)
         params = to_sampling_params(request.sampling, eng.max_model_len - len(tokens))
         rid = request.request_id or uuid.uuid4().hex
-        return rid, tokens, params, prompt.cache_salt, prompt.lora_id
+        return rid, tokens, params, prompt.cache_salt, prompt.lora_id, self._kv_source(request)
+
+    def _kv_source(self, request: pb.GenerateRequest) -> KvSource | None:
+        """The request's peer hint, unless it names this pod or nothing to pull."""
+        src = request.kv_source
+        if not request.HasField("kv_source") or src.num_blocks == 0 or not src.address:
+            return None
+        if src.pod_id == self.pod.pod_id or src.address == self.pod.address:
+            return None
+        return KvSource(src.pod_id, src.address, src.num_blocks)
 
     async def _stream(self, request, context):
         """The request's deltas; every failure becomes a gRPC status, never a stack trace."""
@@ -78,10 +90,10 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is starting")
         rid = request.request_id
         try:
-            rid, tokens, params, salt, lora = await self._parse(request)
+            rid, tokens, params, salt, lora, source = await self._parse(request)
             # aclosing: a cancelled call aborts its request now, not when collected.
             async with contextlib.aclosing(
-                pod.aengine.generate(engine_request_id(rid), tokens, params, salt, lora)
+                pod.aengine.generate(engine_request_id(rid), tokens, params, salt, lora, source)
             ) as deltas:
                 async for delta in deltas:
                     yield rid, tokens, delta
@@ -133,6 +145,10 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
             chunks[-1].served_by = self.pod.pod_id
         return chunks
 
+    async def PullBlocks(self, request, context):
+        async for chunk in self.pod.transfer.pull_blocks(request, context):
+            yield chunk
+
     async def Stats(self, request, context):
         return await asyncio.to_thread(self.pod.stats_response)
 
@@ -166,6 +182,7 @@ class PodServer:
         prompt_limits: PromptLimits | None = None,
         http_port: int | None = None,
         served_model_names: list[str] | None = None,
+        transfer: TransferConfig | None = None,
     ) -> None:
         self.args = engine_args
         self.pod_id = pod_id
@@ -204,6 +221,13 @@ class PodServer:
             api_token, admin_token, ADMIN_METHODS,
             lambda method, code: refused.labels(**self.metric_labels, method=method,
                                                 code=code).inc())
+        self.transfer_config = transfer or TransferConfig()
+        self.transfer = KvTransferService(self, self.transfer_config)
+        self.fetcher: PeerFetcher | None = None
+        self.pull_seconds = Histogram(
+            "pagekv_kv_pull_seconds", "Cross-pod KV pull: admission to landed in the pool "
+            "(failed pulls included)", [*self.metric_labels], registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
         self.http_responses = Counter(
             "pagekv_http_requests", "OpenAI API (HTTP) responses by route and status",
             [*self.metric_labels, "route", "status"], registry=self.registry)
@@ -232,6 +256,9 @@ class PodServer:
             costs["prefill"] = eng.prefill_s_per_token
         if eng.tiers is not None:
             costs.update(eng.tiers.reload_s_per_token(eng.runner.kv_bytes_per_token))
+        peer = eng.puller.stats.s_per_token() if eng.puller is not None else None
+        if peer is not None:
+            costs["peer"] = peer  # measured pulls, landing included: the router's pull cost
         return costs
 
     def stats_response(self) -> pb.StatsResponse:
@@ -300,6 +327,29 @@ class PodServer:
         logger.info("pod %s serving gRPC on %s:%d (%s); %s", self.pod_id, self.host, self.port,
                     transport(self.tls), self.guard.describe())
 
+    def _enable_pull(self, engine: Engine) -> None:
+        """Pull prefixes from the peer a request names (its kv_source), over gRPC."""
+        cfg = self.transfer_config
+        if not cfg.pull or not self.args.enable_prefix_caching:
+            logger.info("cross-pod KV pull: off")
+            return
+        a = self.args
+        hash_config = pb.HashConfig(algo=a.hash_algo, block_size=a.block_size,
+                                    seed_fingerprint=engine.kv_manager.hash_config.fingerprint())
+        self.fetcher = PeerFetcher(hash_config, engine.kv_layout, self.tls,
+                                   cfg.peer_token or self.api_token)
+        puller = engine.enable_peer_pull(self.fetcher, cfg.pull_max_concurrent,
+                                         cfg.pull_deadline_s)
+        labels = self.metric_labels
+
+        def observe(result: PullResult) -> None:
+            self.pull_seconds.labels(**labels).observe(result.seconds)
+
+        puller.observers.append(observe)
+        logger.info("cross-pod KV pull: on (%d at once, %.1fs deadline); serving peers: %d at "
+                    "once, %d MiB per call", cfg.pull_max_concurrent, cfg.pull_deadline_s,
+                    cfg.serve_max_concurrent, cfg.serve_max_bytes >> 20)
+
     async def _start_engine(self) -> None:
         # Building the engine loads weights: keep the event loop free meanwhile. It is built
         # on the thread that will step it (see AsyncEngine.build).
@@ -307,6 +357,7 @@ class PodServer:
                                           self.max_queue)
         engine = self.engine = aengine.engine
         self.aengine = aengine  # from here on stop() shuts it down, started or not
+        self._enable_pull(engine)
         if self.redis_url:
             self.schema = IndexSchema(self.args.model, self.args.block_size,
                                       self.args.hash_algo, self.args.hash_seed)
@@ -348,6 +399,8 @@ class PodServer:
         await asyncio.gather(*draining)
         if self.aengine is not None:
             self.aengine.shutdown()
+        if self.fetcher is not None:
+            self.fetcher.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()  # a restarted pod in this process rebinds the port
             self.metrics_server.server_close()

@@ -1,0 +1,85 @@
+"""The serving side of a cross-pod pull, in the engine: find a chain's blocks, pin, read.
+
+`open` (on the engine thread) walks the asked chain through the pool, then the tiers, and
+stops at the first block this pod does not hold. The pool blocks of the run get a reference
+each, as a request's would, so no eviction can hand them out for reuse while a peer reads
+them; `close` gives the references back (tail first, as a request frees). Pool rows are read
+on the engine thread (`read_pool`); tier blocks are copied where they lie
+(tiers.chain_reads), off the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pagekv.kvnode.memory.block_pool import KVCacheBlock
+from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
+from pagekv.proto.medium import Medium
+from pagekv.tiers.chain import TierChain
+from pagekv.tiers.chain_reads import media_below, read_run
+
+
+@dataclass(slots=True)
+class ExportRun:
+    hashes: list[bytes]  # the leading run of the asked chain this pod holds
+    media: list[Medium]  # where each one is
+    pinned: list[KVCacheBlock] = field(default_factory=list)  # the pool's, referenced
+    closed: bool = False
+
+    def pool_ids(self, lo: int, hi: int) -> list[int]:
+        """Block ids of the pool blocks among hashes[lo:hi] (they are pinned in order)."""
+        ids = {b.block_hash: b.block_id for b in self.pinned}
+        return [ids[h] for h, m in zip(self.hashes[lo:hi], self.media[lo:hi], strict=True)
+                if m == Medium.GPU]
+
+
+class KvExporter:
+    def __init__(self, manager: KVCacheManager, runner, chain: TierChain | None) -> None:
+        self.manager = manager
+        self.runner = runner
+        self.chain = chain
+        self.open_runs = 0  # runs not closed yet (a leak check for tests and /metrics)
+
+    def open(self, block_hashes: Sequence[bytes]) -> ExportRun:
+        """Engine thread. The run this pod can serve, its pool blocks pinned."""
+        cached = self.manager.block_pool.get_cached_block
+        blocks = [cached(h) for h in block_hashes]
+        below = (media_below(self.chain, block_hashes) if self.chain is not None
+                 else [None] * len(block_hashes))
+        run = ExportRun([], [])
+        for h, block, medium in zip(block_hashes, blocks, below, strict=True):
+            if block is not None:
+                run.pinned.append(block)
+                medium = Medium.GPU
+            elif medium is None:
+                break
+            run.hashes.append(h)
+            run.media.append(medium)
+        self.manager.pin(run.pinned)
+        self.open_runs += 1
+        return run
+
+    def read_pool(self, run: ExportRun, lo: int, hi: int) -> torch.Tensor:
+        """Engine thread. The pool blocks among run.hashes[lo:hi], as [n, block_bytes] uint8
+        rows on the CPU."""
+        return self.runner.read_blocks(run.pool_ids(lo, hi)).cpu()
+
+    def read_below(self, run: ExportRun, lo: int, hi: int) -> list[torch.Tensor]:
+        """Any thread. Copies of the tier blocks among run.hashes[lo:hi], up to the first that
+        is gone (the run is cut there)."""
+        if self.chain is None:
+            return []
+        hashes = [h for h, m in zip(run.hashes[lo:hi], run.media[lo:hi], strict=True)
+                  if m != Medium.GPU]
+        return read_run(self.chain, hashes)
+
+    def close(self, run: ExportRun) -> None:
+        """Engine thread. Release the run's pool blocks (once)."""
+        if run.closed:
+            return
+        run.closed = True
+        self.manager.unpin(run.pinned)
+        self.open_runs -= 1

@@ -1,0 +1,185 @@
+"""`KVNode.PullBlocks`: a pod serves the KV blocks of a chain to a peer that pulls them.
+
+Checks first (the pod serving, the same hash configuration and KV layout, the list's size,
+a free transfer slot: `--kv-transfer-max-concurrent`), then the run this pod holds is found
+and its pool blocks pinned on the engine thread (kvnode.engine.kv_export). The blocks go out
+a message at a time (about `chunk_bytes` each), packed as SSD entries (tiers.peer_entries);
+each message waits for gRPC's flow control, so a slow puller slows the reads instead of
+filling this pod's memory. The stream stops at `--kv-transfer-max-bytes` (or the puller's
+smaller limit). Whatever ends the call — done, cancelled, the puller gone — the pins are
+released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from pagekv.kvnode.engine.kv_export import ExportRun
+from pagekv.proto.medium import Medium
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.tiers.peer_entries import pack_block
+
+logger = logging.getLogger(__name__)
+
+MAX_PULL_BLOCKS = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """The pod's cross-pod KV flags (README "Cross-pod KV pull")."""
+
+    pull: bool = True                 # --kv-pull: act on a request's kv_source
+    pull_max_concurrent: int = 4      # --kv-pull-max-concurrent: pulls running at once
+    pull_deadline_s: float = 2.0      # --kv-pull-deadline-s: then recompute the rest
+    serve_max_concurrent: int = 4     # --kv-transfer-max-concurrent: peers served at once
+    serve_max_bytes: int = 1 << 30    # --kv-transfer-max-bytes: per call
+    compress: bool = False            # --kv-transfer-compress: LZ4 entries (slow links)
+    chunk_bytes: int = 4 << 20        # bytes of blocks per stream message
+    peer_token: str | None = None     # the API token peers expect (default: the pod's own)
+
+    def __post_init__(self) -> None:
+        for name in ("pull_max_concurrent", "serve_max_concurrent", "serve_max_bytes",
+                     "chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.pull_deadline_s > 0:
+            raise ValueError(f"pull_deadline_s must be > 0, got {self.pull_deadline_s}")
+
+
+class KvTransferService:
+    def __init__(self, pod, config: TransferConfig) -> None:
+        self.pod = pod
+        self.max_concurrent = config.serve_max_concurrent
+        self.max_bytes = config.serve_max_bytes
+        self.compress = config.compress
+        self.chunk_bytes = config.chunk_bytes
+        self.active = 0
+        labels = pod.metric_labels
+        names = [*labels]
+        self._served_blocks = Counter(
+            "pagekv_kv_served_blocks", "KV blocks sent to peers that pulled them, by tier",
+            [*names, "tier"], registry=pod.registry)
+        self._served_bytes = Counter(
+            "pagekv_kv_served_bytes", "Entry bytes sent to peers that pulled KV blocks",
+            names, registry=pod.registry).labels(**labels)
+        self._refused = Counter(
+            "pagekv_kv_transfers_refused", "Pull calls refused, by reason", [*names, "reason"],
+            registry=pod.registry)
+        self._active = Gauge("pagekv_kv_transfers_active", "Pull calls being served now",
+                             names, registry=pod.registry).labels(**labels)
+        self._labels = labels
+
+    def _refuse(self, reason: str) -> None:
+        self._refused.labels(**self._labels, reason=reason).inc()
+
+    def mismatch(self, request: pb.PullBlocksRequest) -> str:
+        """Why this pod's blocks would not be the puller's ("" : they would)."""
+        eng = self.pod.engine
+        mine = eng.kv_manager.hash_config
+        theirs = request.hash_config
+        if (theirs.algo, theirs.seed_fingerprint, theirs.block_size) != (
+                self.pod.args.hash_algo, mine.fingerprint(), self.pod.args.block_size):
+            return (f"hash configuration {theirs.algo}/{theirs.seed_fingerprint}/"
+                    f"{theirs.block_size} (puller) vs {self.pod.args.hash_algo}/"
+                    f"{mine.fingerprint()}/{self.pod.args.block_size} (this pod)")
+        layout = eng.kv_layout.json
+        if request.kv_layout != layout:
+            return f"KV layout {request.kv_layout} (puller) vs {layout} (this pod)"
+        return ""
+
+    async def pull_blocks(self, request: pb.PullBlocksRequest, context):
+        pod = self.pod
+        if pod.aengine is None or not pod.serving:
+            self._refuse("unavailable")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is starting or stopping")
+        if len(request.block_hashes) > MAX_PULL_BLOCKS:
+            self._refuse("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"at most {MAX_PULL_BLOCKS} block hashes per pull")
+        reason = self.mismatch(request)
+        if reason:
+            self._refuse("config_mismatch")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        if self.active >= self.max_concurrent:
+            self._refuse("busy")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.active} transfers running "
+                                f"(--kv-transfer-max-concurrent {self.max_concurrent})")
+        self.active += 1
+        self._active.inc()
+        try:
+            async for chunk in self._serve(request):
+                yield chunk
+        finally:
+            self.active -= 1
+            self._active.dec()
+
+    async def _serve(self, request: pb.PullBlocksRequest):
+        pod = self.pod
+        eng = pod.engine
+        exporter = eng.exporter
+        hashes = list(request.block_hashes)
+        run: ExportRun = await asyncio.to_thread(pod.aengine.call, lambda: exporter.open(hashes))
+        budget = min(request.max_bytes or self.max_bytes, self.max_bytes)
+        per_message = max(1, self.chunk_bytes // eng.runner.block_bytes)
+        sent = 0
+        try:
+            parent = request.parent_hash or None
+            for lo in range(0, len(run.hashes), per_message):
+                hi = min(lo + per_message, len(run.hashes))
+                rows = await self._read(run, lo, hi)
+                entries = await asyncio.to_thread(self._pack, run, lo, rows, parent)
+                kept = []
+                for entry in entries:
+                    if sent + len(entry) > budget:
+                        break
+                    sent += len(entry)
+                    kept.append(entry)
+                if kept:
+                    self._count(run, lo, kept)
+                    yield pb.PullBlocksChunk(entries=kept)
+                if len(kept) < hi - lo:
+                    break  # the byte limit, or a tier block gone since the run was found
+                parent = run.hashes[hi - 1]
+        finally:
+            # Posted, not awaited: this also runs when the call is cancelled.
+            pod.aengine.post(lambda: exporter.close(run))
+        logger.debug("served %s: %d of %d blocks asked, %d bytes", request.request_id or "-",
+                     len(run.hashes), len(hashes), sent)
+
+    async def _read(self, run: ExportRun, lo: int, hi: int) -> list:
+        """The blocks run.hashes[lo:hi] in order, cut at the first tier block that is gone."""
+        media = run.media[lo:hi]
+        exporter = self.pod.engine.exporter
+        pool = below = []
+        if Medium.GPU in media:
+            pool = list(await asyncio.to_thread(
+                self.pod.aengine.call, lambda: exporter.read_pool(run, lo, hi)))
+        if any(m != Medium.GPU for m in media):
+            below = await asyncio.to_thread(exporter.read_below, run, lo, hi)
+        rows, p, b = [], iter(pool), iter(below)
+        for m in media:
+            row = next(p) if m == Medium.GPU else next(b, None)
+            if row is None:
+                break
+            rows.append(row)
+        return rows
+
+    def _pack(self, run: ExportRun, lo: int, rows: list, parent: bytes | None) -> list[bytes]:
+        layout = self.pod.engine.kv_layout
+        out = []
+        for i, row in enumerate(rows):
+            h = run.hashes[lo + i]
+            out.append(pack_block(layout, h, parent, row.numpy(), self.compress))
+            parent = h
+        return out
+
+    def _count(self, run: ExportRun, lo: int, entries: list[bytes]) -> None:
+        for m in run.media[lo : lo + len(entries)]:
+            self._served_blocks.labels(**self._labels, tier=m).inc()
+        self._served_bytes.inc(sum(len(e) for e in entries))

@@ -1,0 +1,108 @@
+"""Blocks between pods: the SSD tier's self-describing entry, one per block, on the wire.
+
+A pod serving a cross-pod pull (kvnode/pod/kv_transfer.py) packs each block as an SSD entry
+(tiers/ssd_format.py): header with the block's hash, its parent's hash, the KV layout id,
+the codec and both checksums, then the payload (tiers/codec.py: raw or byte-shuffled LZ4).
+The puller unpacks it here and checks everything the entry says before a byte reaches its
+pool: both checksums, the layout, the length, and that the entry continues the chain it
+asked for (its hash is the next expected one and its parent the previous). No torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagekv.tiers.codec import CODEC_RAW, decode_array, dtype_code, encode
+from pagekv.tiers.ssd_format import (
+    FormatError,
+    canonical_layout,
+    checksum,
+    layout_id_of,
+    pack_entry_header,
+    parse_entry_header,
+)
+
+# Why an entry was refused (metric label values on the puller).
+BAD_CHECKSUM = "checksum"        # torn or corrupt bytes
+BAD_CHAIN = "hash_mismatch"      # not the block asked for, or not its chain
+BAD_LAYOUT = "config_mismatch"   # another KV layout (model, dtype, shape)
+
+
+class EntryRejected(ValueError):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """The KV layout both pods must share for a block to be usable: its canonical JSON
+    (the SSD tier's layout descriptor), its id, and the sizes a decode needs."""
+
+    json: str
+    layout_id: int
+    dtype: str
+    elem_size: int
+    block_bytes: int
+
+    @classmethod
+    def of(cls, layout: dict, elem_size: int, block_bytes: int) -> KvLayout:
+        data = canonical_layout(layout)
+        return cls(data.decode(), layout_id_of(data), str(layout["dtype"]), elem_size,
+                   block_bytes)
+
+
+def pack_block(layout: KvLayout, block_hash: bytes, parent_hash: bytes | None,
+               data: np.ndarray, compress: bool = False) -> bytes:
+    """One block as one entry (header + payload). `compress`: LZ4 over byte planes when it
+    shrinks the block enough (tiers.codec's rule); raw otherwise (cheapest on a fast link)."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if raw.size != layout.block_bytes:
+        raise ValueError(f"block is {raw.size} bytes, the layout's blocks {layout.block_bytes}")
+    codec, payload = encode(raw, layout.elem_size) if compress else (CODEC_RAW, memoryview(raw))
+    header = pack_entry_header(block_hash=block_hash, parent_hash=parent_hash, token_ids=(),
+                               layout_id=layout.layout_id, dtype_code=dtype_code(layout.dtype),
+                               codec=codec, raw_len=raw.size, payload=payload)
+    return header + bytes(payload)
+
+
+def unpack_block(layout: KvLayout, entry: bytes | memoryview, block_hash: bytes,
+                 parent_hash: bytes | None) -> np.ndarray:
+    """The block in `entry`, as a uint8 array of the layout's block size; EntryRejected
+    (with its reason) unless the entry is intact, of this layout, and exactly that block."""
+    mv = memoryview(entry)
+    try:
+        hdr = parse_entry_header(mv)
+    except FormatError as exc:
+        raise EntryRejected(BAD_CHECKSUM, str(exc)) from None
+    if hdr.entry_len != len(mv):
+        raise EntryRejected(BAD_CHECKSUM, f"entry is {len(mv)} bytes, its header says "
+                                          f"{hdr.entry_len}")
+    if hdr.layout_id != layout.layout_id or hdr.raw_len != layout.block_bytes:
+        raise EntryRejected(BAD_LAYOUT, f"layout {hdr.layout_id:016x} of {hdr.raw_len} bytes, "
+                                        f"expected {layout.layout_id:016x} of "
+                                        f"{layout.block_bytes}")
+    if hdr.block_hash != block_hash or hdr.parent_hash != parent_hash:
+        raise EntryRejected(BAD_CHAIN, "the entry is not the next block of the chain asked for")
+    payload = mv[hdr.header_len:]
+    if checksum(payload) != hdr.payload_xxh:
+        raise EntryRejected(BAD_CHECKSUM, "payload checksum mismatch")
+    try:
+        arr = decode_array(hdr.codec, payload, hdr.raw_len, layout.elem_size)
+    except ValueError as exc:
+        raise EntryRejected(BAD_CHECKSUM, str(exc)) from None
+    return arr
+
+
+def unpack_chain(layout: KvLayout, entries: Sequence[bytes], hashes: Sequence[bytes],
+                 parent_hash: bytes | None) -> list[np.ndarray]:
+    """Consecutive entries for `hashes[0], hashes[1], ...` continuing `parent_hash`."""
+    out = []
+    parent = parent_hash
+    for entry, h in zip(entries, hashes, strict=False):
+        out.append(unpack_block(layout, entry, h, parent))
+        parent = h
+    return out
