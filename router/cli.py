@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds per token to reload KV from DRAM (pods may override)")
     group.add_argument("--cost-disk-per-token", type=float, default=c.disk_per_token,
                        help="seconds per token to reload KV from SSD (pods may override)")
+    group.add_argument("--cost-peer-per-token", type=float, default=c.peer_per_token,
+                       help="seconds per token to pull KV from a peer pod that holds the "
+                            "prefix (pods may override)")
+    group.add_argument("--kv-pull", action=argparse.BooleanOptionalAction, default=d.kv_pull,
+                       help="let a pod pull a prefix it lacks from a peer that holds it "
+                            "(kv_source) when that is cheaper than recomputing it")
     group.add_argument("--cost-queue-per-request", type=float, default=c.queue_per_request,
                        help="seconds each waiting or running request adds to the TTFT on "
                             "a pod as fast as --cost-prefill-per-token (scaled by the pod's "
@@ -99,6 +105,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         cpu_per_token=args.cost_cpu_per_token,
         disk_per_token=args.cost_disk_per_token,
         queue_per_request=args.cost_queue_per_request,
+        peer_per_token=args.cost_peer_per_token,
         tie_rel=args.tie_tolerance,
         speed_band=args.speed_band,
     )
@@ -106,7 +113,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         redis_url=redis_url_from(args, RouterConfig().redis_url), model=args.model,
         block_size=args.block_size,
         hash_algo=args.hash_algo, hash_seed=args.hash_seed, index_prefix=args.index_prefix,
-        policy=args.policy, costs=costs, burst_ttl_s=args.burst_ttl_s,
+        policy=args.policy, costs=costs, kv_pull=args.kv_pull, burst_ttl_s=args.burst_ttl_s,
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
         reap_dead_after_s=args.reap_dead_after_s,
         redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,

@@ -11,6 +11,12 @@ one pod with 2 torch threads:
   block measured 6 µs/token (about 1 GB/s).
 * DISK (SSD reload) 3e-5 s/token: five times the DRAM figure for the read, checksum and
   decode of an SSD entry; an estimate, not a measurement (pods publish the real one).
+* peer (a pull from another pod, GenerateRequest.kv_source) 6e-5 s/token: the 6 KiB/token
+  is copied three times (read and checksummed on the peer, sent through gRPC, checked and
+  landed in the pool here), 1.8e-5 at the DRAM figure; gRPC framing, Python-side copies and
+  a round trip per pull on top make it ten times the DRAM reload. Twice the SSD estimate and
+  a tenth of prefill: a pull wins only where it saves most of the recompute. An estimate,
+  not a measurement (pods publish `cost.peer`).
 * queue 0.025 s/request: each queued request with a 48-token uncached suffix delayed a
   probe's first token by about 25 ms (0 -> 8 queued: 39 -> 238 ms). It is scaled by each
   pod's prefill speed (pagekv-tiny measured 5.5 ms per queued request). A queued cold
@@ -35,6 +41,7 @@ DEFAULT_COSTS = CostModel(
     cpu_per_token=6e-6,
     disk_per_token=3e-5,
     queue_per_request=0.025,
+    peer_per_token=6e-5,
 )
 
 
@@ -49,6 +56,7 @@ class RouterConfig:
     policy: str = "prefix"
     costs: CostModel = field(default_factory=lambda: DEFAULT_COSTS)
     burst_ttl_s: float = 2.0
+    kv_pull: bool = True              # score the pull option and send pods kv_source hints
     refresh_interval_s: float = 0.5
     namespace_check_interval_s: float = 2.0
     reap_dead_after_s: float = 60.0   # drop a lease-less pod's index entries after this; 0: never

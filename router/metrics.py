@@ -32,6 +32,10 @@ class RouterMetrics:
             "pagekv_router_retries_total",
             "Calls moved to the next-best pod after the first one was UNAVAILABLE",
             ["pod"], registry=r)
+        self.pull_hints = Counter(
+            "pagekv_router_pull_hints_total",
+            "Calls forwarded with a kv_source hint: the pod pulls its prefix from a peer",
+            registry=r)
         self.predicted_tokens = Histogram(
             "pagekv_router_predicted_cached_tokens", "Predicted cached prompt tokens per request",
             buckets=_TOKEN_BUCKETS, registry=r)

@@ -33,7 +33,7 @@ from pagekv.router.scoring import (
     order_random,
     order_round_robin,
     rank,
-    score_candidate,
+    score_all,
     settle_prefill_costs,
 )
 from pagekv.router.tokenize import PromptTokenizer
@@ -60,11 +60,16 @@ class Decision:
     lookup_ms: float
     predicted: dict[str, int] = field(default_factory=dict)  # pod -> predicted cached tokens
 
-    def routing_info(self, chosen: Score, reason: str | None = None) -> pagekv_pb2.RoutingInfo:
+    def routing_info(self, chosen: Score, reason: str | None = None,
+                     pulled: bool = True) -> pagekv_pb2.RoutingInfo:
+        """`pulled`: the chosen pod was sent its pull option (a retry may drop it)."""
         info = pagekv_pb2.RoutingInfo(
             chosen_pod=chosen.pod_id, chosen_address=chosen.address,
             reason=reason or self.reason, predicted_cached_tokens=chosen.cached_tokens,
             prompt_blocks=self.prompt_blocks, lookup_ms=self.lookup_ms)
+        if pulled and chosen.pull_from:
+            info.pull_from, info.pull_tokens = chosen.pull_from, chosen.pull_tokens
+            info.predicted_pull_saving_s = chosen.pull_saving_s
         for s in self.scores:
             info.candidates.add(
                 pod_id=s.pod_id, address=s.address, cached_tokens=s.cached_tokens,
@@ -72,7 +77,8 @@ class Decision:
                 cached_tokens_disk=s.cached_disk, queue_waiting=s.waiting,
                 queue_running=s.running,
                 estimated_cost_s=s.cost_s if s.eligible and s.cost_s != float("inf") else 0.0,
-                eligible=s.eligible, excluded_reason=s.excluded_reason)
+                eligible=s.eligible, excluded_reason=s.excluded_reason,
+                pull_from=s.pull_from, pull_tokens=s.pull_tokens, pull_saving_s=s.pull_saving_s)
         return info
 
 
@@ -193,18 +199,22 @@ class Router:
             {p.pod_id: p.info.tier_costs["prefill"] for p in pods
              if "prefill" in p.info.tier_costs}, self.config.costs.speed_band,
             [p.pod_id for p in pods if "prefill" not in p.info.tier_costs])
-        scores: list[Score] = []
+        now = time.monotonic()
+        cands: list[Candidate] = []
         for p in pods:
             match = matches.get(p.pod_id)
-            tiers, from_burst = merge_prediction(match.tiers if match else (),
-                                                 bursts.get(p.pod_id, 0), limit)
+            held = match.tiers if match else ()
+            tiers, from_burst = merge_prediction(held, bursts.get(p.pod_id, 0), limit)
             cand = self._candidate(p)
             cand.tiers, cand.burst_blocks = tiers, from_burst
+            cand.held_blocks = min(len(held), limit)
+            cand.lendable = p.unavailable_until <= now  # just UNAVAILABLE: a pull would fail
             cand.published_costs = p.info.tier_costs
             if p.pod_id in speeds:
                 cand.published_costs = {**p.info.tier_costs, "prefill": speeds[p.pod_id]}
-            scores.append(score_candidate(cand, prompt_len, self.config.block_size,
-                                          self.config.costs))
+            cands.append(cand)
+        scores = score_all(cands, prompt_len, self.config.block_size, self.config.costs,
+                           self.config.kv_pull)
         order, reason = rank(scores, self.config.costs, counter)
         return self._finish(order, reason, scores, prepared, lookup_ms)
 

@@ -20,6 +20,16 @@ within `speed_band` times of the pods' median are therefore scored at that media
 fast; only a pod further off (other hardware) keeps its own figure. Otherwise noise, not
 load, would decide where every cold prompt goes.
 
+The pull option (`score_all` with `pull`): a pod C whose predicted prefix is shorter than the
+longest one the index confirms on another pod H may pull the blocks in between from H
+(GenerateRequest.kv_source) instead of recomputing them:
+
+    pull cost = cost − pulled tokens × prefill s/token + pulled tokens × peer s/token
+
+C keeps its own tiers for its own prefix; the peer figure is C's published `cost.peer`, else
+the configured one. C's score takes the pull cost when it is lower. The source is measured by
+the index only: a burst-predicted block may not exist yet, so it cannot be pulled.
+
 The cheapest pod wins. Pods whose costs are within the tie tolerance of the best one are
 tied; ties go to the pod this router has sent the fewest requests lately (a decayed count),
 then the smaller queue, then the larger free pool, then rotate so that cold requests spread
@@ -47,8 +57,10 @@ REASON_ROUND_ROBIN = "round_robin"    # --policy round_robin
 REASON_RANDOM = "random"              # --policy random
 REASON_COOLDOWN = "best_pod_cooling_down"  # the best pod was just UNAVAILABLE: next best
 REASON_RETRY = "retry_after_unavailable"   # the pod tried before this one was UNAVAILABLE
+REASON_PULL = "peer_pull"             # the chosen pod pulls its prefix from a peer (kv_source)
 REASONS = (REASON_PREFIX, REASON_BURST, REASON_COST, REASON_TIE_LOAD, REASON_TIE_ROTATE,
-           REASON_FALLBACK, REASON_ROUND_ROBIN, REASON_RANDOM, REASON_COOLDOWN, REASON_RETRY)
+           REASON_FALLBACK, REASON_ROUND_ROBIN, REASON_RANDOM, REASON_COOLDOWN, REASON_RETRY,
+           REASON_PULL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +77,14 @@ class CostModel:
     cpu_per_token: float
     disk_per_token: float
     queue_per_request: float
+    peer_per_token: float = 6e-5  # a pull from a peer pod; why this figure: router/config.py
     tie_rel: float = 0.05
     tie_abs_s: float = 0.0005
     speed_band: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_per_token", "cpu_per_token", "disk_per_token",
-                     "queue_per_request", "tie_rel", "tie_abs_s", "speed_band"):
+                     "queue_per_request", "peer_per_token", "tie_rel", "tie_abs_s", "speed_band"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -94,6 +107,8 @@ class Candidate:
     free_blocks: int = 0
     published_costs: Mapping[str, float] = field(default_factory=dict)
     burst_blocks: int = 0       # how many of `tiers` come only from the burst prediction
+    held_blocks: int = 0        # the prefix the index confirms (what a peer could pull)
+    lendable: bool = True       # may be a pull source (not while cooling down)
     eligible: bool = True
     excluded_reason: str = ""
 
@@ -121,6 +136,12 @@ class Score:
     from_burst: bool = False  # the burst prediction extended this pod's hit
     eligible: bool = True
     excluded_reason: str = ""
+    # The pull option, when cost_s includes it: blocks up to pull_blocks come from pull_from.
+    pull_from: str = ""
+    pull_address: str = ""
+    pull_blocks: int = 0     # the source's prefix: what KvSource.num_blocks says
+    pull_tokens: int = 0     # pulled, not prefilled (not in cached_tokens)
+    pull_saving_s: float = 0.0
 
     @property
     def cached_tokens(self) -> int:
@@ -174,7 +195,34 @@ def settle_prefill_costs(published: Mapping[str, float], band: float,
     return settled
 
 
-def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostModel) -> Score:
+@dataclass(frozen=True, slots=True)
+class PullSource:
+    """The peer other pods would pull from: the longest prefix the index confirms."""
+
+    pod_id: str
+    address: str
+    blocks: int
+
+
+def pull_source(cands: Sequence[Candidate], limit: int) -> PullSource | None:
+    """The eligible, lendable pod with the most index-confirmed blocks (capped at `limit`);
+    ties go to the shorter queue (it answers the pull sooner), then the pod id."""
+    holders = [c for c in cands if c.eligible and c.lendable and min(c.held_blocks, limit) > 0]
+    if not holders:
+        return None
+    best = min(holders, key=lambda c: (-min(c.held_blocks, limit), c.queue, c.pod_id))
+    return PullSource(best.pod_id, best.address, min(best.held_blocks, limit))
+
+
+def score_all(cands: Sequence[Candidate], prompt_len: int, block_size: int, costs: CostModel,
+              pull: bool = True) -> list[Score]:
+    """Every candidate's score; with `pull`, each may take the pull option from the source."""
+    source = pull_source(cands, max_hit_blocks(prompt_len, block_size)) if pull else None
+    return [score_candidate(c, prompt_len, block_size, costs, source) for c in cands]
+
+
+def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostModel,
+                    source: PullSource | None = None) -> Score:
     s = Score(c.pod_id, c.address, waiting=c.waiting, running=c.running, queue=c.queue,
               recent=c.recent, free_blocks=c.free_blocks, eligible=c.eligible,
               excluded_reason=c.excluded_reason)
@@ -195,7 +243,25 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
                 + s.cached_cpu * _pod_cost(pub, Medium.CPU, costs.cpu_per_token)
                 + s.cached_disk * _pod_cost(pub, Medium.DISK, costs.disk_per_token)
                 + c.queue * queue_cost(costs, prefill))
+    if source is not None and source.pod_id != c.pod_id:
+        _take_pull(s, source, min(len(c.tiers), limit), min(source.blocks, limit),
+                   block_size, prefill, _pod_cost(pub, "peer", costs.peer_per_token))
     return s
+
+
+def _take_pull(s: Score, source: PullSource, own: int, blocks: int, block_size: int,
+               prefill: float, peer: float) -> None:
+    """Blocks own..blocks pulled at `peer` s/token instead of prefilled, if that is cheaper."""
+    if blocks <= own:
+        return
+    pulled = (blocks - own) * block_size
+    pull_cost = s.cost_s - pulled * prefill + pulled * peer
+    if pull_cost >= s.cost_s:
+        return
+    s.pull_saving_s = s.cost_s - pull_cost
+    s.cost_s = pull_cost
+    s.pull_from, s.pull_address = source.pod_id, source.address
+    s.pull_blocks, s.pull_tokens = blocks, pulled
 
 
 def queue_cost(costs: CostModel, pod_prefill: float) -> float:
@@ -243,6 +309,9 @@ def rank(scores: Sequence[Score], costs: CostModel, rotation: int = 0
     if chosen.cached_tokens > min(s.cached_tokens for s in eligible):
         # Its cached prefix is what set the chosen pod apart.
         reason = REASON_BURST if chosen.from_burst else REASON_PREFIX
+    elif chosen.pull_from:
+        # Its own prefix is no longer than anyone's: the pull priced it in.
+        reason = REASON_PULL
     return tied + rest, reason
 
 

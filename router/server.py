@@ -7,6 +7,11 @@ the pod call excluded). Once the chosen pod answers, the initial metadata names 
 (`pagekv-served-by`, `pagekv-routing-reason`, `pagekv-predicted-cached-tokens`) — what the
 HTTP front end (proto/openai, on --http-port) turns into response headers.
 
+A pod whose score carries the pull option gets `kv_source` (the peer to pull its prefix
+from) on its own attempt only: each attempt sets or clears the field on the one forwarded
+message, so no hint outlives its attempt, none names the pod it goes to, none a pod that
+failed this request, and a client's own `kv_source` never reaches a pod.
+
 Faults: a pod that fails with UNAVAILABLE before anything reached the client is replaced by
 the next-best pod (up to `max_attempts` pods); any other status from a pod, including the
 client's own errors (INVALID_ARGUMENT, RESOURCE_EXHAUSTED), is passed through unchanged. A
@@ -140,6 +145,21 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             self.router.dispatched(score.pod_id, prepared)
         return entry, reason
 
+    def _aim(self, prepared: Prepared, score: Score, failed: set[str]) -> bool:
+        """Point this attempt's request at its pod's pull source, or at none; True: a hint."""
+        forward = prepared.forward
+        source = score.pull_from
+        if not source or source == score.pod_id or source in failed:
+            forward.ClearField("kv_source")
+            return False
+        forward.kv_source.CopyFrom(pagekv_pb2.KvSource(
+            pod_id=source, address=score.pull_address, num_blocks=score.pull_blocks))
+        self.metrics.pull_hints.inc()
+        logger.debug("pull hint: %s pulls %d tokens (blocks to %d) from %s at %s, saving "
+                     "%.4f s", score.pod_id, score.pull_tokens, score.pull_blocks, source,
+                     score.pull_address, score.pull_saving_s)
+        return True
+
     def _on_unavailable(self, score: Score, exc: grpc.aio.AioRpcError) -> None:
         logger.warning("pod %s at %s UNAVAILABLE (%s); trying the next-best pod",
                        score.pod_id, score.address, exc.details())
@@ -156,8 +176,9 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
 
     def _finish(self, context: grpc.aio.ServicerContext, prepared: Prepared,
                 decision: Decision, score: Score, usage: pagekv_pb2.Usage,
-                overhead_s: float) -> None:
-        predicted = decision.predicted.get(score.pod_id, 0)
+                overhead_s: float, hinted: bool) -> None:
+        # The pod's usage counts pulled tokens as cached: so does the prediction here.
+        predicted = decision.predicted.get(score.pod_id, 0) + (score.pull_tokens if hinted else 0)
         self.metrics.observe_cached(predicted, usage.cached_tokens, len(prepared.token_ids))
         self.metrics.overhead_seconds.observe(overhead_s)
         context.set_trailing_metadata(((OVERHEAD_METADATA_KEY, str(int(overhead_s * 1e6))),))
@@ -177,10 +198,12 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                         decision: Decision, t0: float) -> pagekv_pb2.GenerateResponse:
         attempts = decision.order[:self.router.config.max_attempts]
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
+        failed: set[str] = set()  # pods UNAVAILABLE for this request: no pull source either
         for i, score in enumerate(attempts):
             entry, reason = self._dispatch(score, i, decision, prepared)
             if entry is None:
                 continue  # dropped from the registry since the decision
+            hinted = self._aim(prepared, score, failed)
             t_call = time.perf_counter()
             with _Attempt(entry, self.metrics):
                 call = entry.stub.Generate(prepared.forward, timeout=context.time_remaining())
@@ -189,6 +212,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAVAILABLE and i + 1 < len(attempts):
                         self._on_unavailable(score, exc)
+                        failed.add(score.pod_id)
                         in_pods += time.perf_counter() - t_call
                         continue
                     await self._fail(context, exc)
@@ -196,11 +220,11 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                     call.cancel()  # the client went away: stop the pod's work too
                     raise
             t_back = time.perf_counter()
-            response.routing.CopyFrom(decision.routing_info(score, reason))
+            response.routing.CopyFrom(decision.routing_info(score, reason, hinted))
             if not response.served_by:
                 response.served_by = score.pod_id
             overhead = (t_call - t0 - in_pods) + (time.perf_counter() - t_back)
-            self._finish(context, prepared, decision, score, response.usage, overhead)
+            self._finish(context, prepared, decision, score, response.usage, overhead, hinted)
             return response
         self.metrics.failures.labels(code="UNAVAILABLE").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
@@ -227,10 +251,12 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                                ) -> AsyncIterator[pagekv_pb2.GenerateChunk]:
         attempts = decision.order[:self.router.config.max_attempts]
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
+        failed: set[str] = set()  # pods UNAVAILABLE for this request: no pull source either
         for i, score in enumerate(attempts):
             entry, reason = self._dispatch(score, i, decision, prepared)
             if entry is None:
                 continue
+            hinted = self._aim(prepared, score, failed)
             t_call = time.perf_counter()
             overhead = t_call - t0 - in_pods
             sent = False
@@ -245,18 +271,20 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                         if chunk.served_by or chunk.HasField("usage"):
                             # The very last chunk: it carries usage, so routing goes here too.
                             t_last = time.perf_counter()
-                            chunk.routing.CopyFrom(decision.routing_info(score, reason))
+                            chunk.routing.CopyFrom(
+                                decision.routing_info(score, reason, hinted))
                             if not chunk.served_by:
                                 chunk.served_by = score.pod_id
                             overhead += time.perf_counter() - t_last
                             self._finish(context, prepared, decision, score, chunk.usage,
-                                         overhead)
+                                         overhead, hinted)
                         sent = True
                         yield chunk
                 except grpc.aio.AioRpcError as exc:
                     if (exc.code() == grpc.StatusCode.UNAVAILABLE and not sent
                             and i + 1 < len(attempts)):
                         self._on_unavailable(score, exc)
+                        failed.add(score.pod_id)
                         in_pods += time.perf_counter() - t_call
                         continue
                     await self._fail(context, exc)

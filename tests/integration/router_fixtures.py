@@ -81,6 +81,7 @@ class FakePod(pb_grpc.GenerationServicer):
         self.schema = schema
         self.mode = "ok"  # ok | unavailable | invalid | exhausted | slow
         self.calls = 0
+        self.kv_sources: list[pb.KvSource | None] = []  # each call's hint, failed calls too
         self.cancelled = threading.Event()
         self.state: dict[bytes, str] = {}
         self._lock = threading.Lock()
@@ -103,6 +104,7 @@ class FakePod(pb_grpc.GenerationServicer):
 
     def _serve(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.Usage:
         self.calls += 1
+        self.kv_sources.append(request.kv_source if request.HasField("kv_source") else None)
         if self.mode == "unavailable":
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.pod_id} is draining")
         if self.mode == "invalid":
