@@ -13,6 +13,7 @@ released.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -113,8 +114,10 @@ class KvTransferService:
         self.active += 1
         self._active.inc()
         try:
-            async for chunk in self._serve(request):
-                yield chunk
+            # Closed here, not left to the garbage collector: its finally releases the pins.
+            async with contextlib.aclosing(self._serve(request)) as stream:
+                async for chunk in stream:
+                    yield chunk
         finally:
             self.active -= 1
             self._active.dec()
