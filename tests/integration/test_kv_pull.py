@@ -91,3 +91,32 @@ def test_pull_from_each_tier_gives_cold_tokens(tmp_path, tier, block_size):
                                                                      "pagekv_kv_cache_blocks")
     finally:
         cluster.stop()
+
+
+def test_router_sends_a_busy_holders_prefix_to_an_idle_pod_by_pull(tmp_path):
+    """The holder is busy (a queued request costs 10 s here): the router picks the idle
+    pod with the pull option, names the holder in kv_source, and the idle pod pulls."""
+    args = ["--num-gpu-blocks", "128", "--max-model-len", "1024"]
+    cluster = LocalCluster(nodes=2, run_dir=tmp_path, node_args=args,
+                           router_args=["--cost-queue-per-request", "10"]).start()
+    try:
+        router = cluster.router.address
+        first = generate(router, PROMPT)
+        holder = first.routing.chosen_pod
+        with grpc.insecure_channel(router) as ch:
+            busy = pb_grpc.GenerationStub(ch).GenerateStream(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[*PROMPT, 1, 2]), sampling=pb.SamplingParams(
+                    max_tokens=600, temperature=0.0, ignore_eos=True)), timeout=60)
+            next(busy)  # in flight on the holder now
+            got = generate(router, [*PROMPT, 3, 4])
+            busy.cancel()
+        info = got.routing
+        assert info.chosen_pod != holder and info.reason == "peer_pull"
+        assert info.pull_from == holder and info.pull_tokens == 18 * 16
+        assert info.predicted_pull_saving_s > 0
+        assert got.usage.cached_tokens_peer == 18 * 16
+        holder_pod = next(p for p in cluster.pods if p.name == holder)
+        direct = generate(holder_pod.address, [*PROMPT, 3, 4])  # as the holder computes it
+        assert got.completions[0].token_ids == direct.completions[0].token_ids
+    finally:
+        cluster.stop()
