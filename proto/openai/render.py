@@ -182,7 +182,7 @@ class Renderer:
         """PageKV's extension object (documented in README "OpenAI API")."""
         per_prompt = [_prompt_extension(r) for r in self.prompts]
         tiers = {t: sum(p["cached_tokens_by_tier"][t] for p in per_prompt)
-                 for t in ("gpu", "cpu", "disk")}
+                 for t in ("gpu", "cpu", "disk", "peer")}
         out: dict[str, Any] = {"cached_tokens_by_tier": tiers,
                                "served_by": per_prompt[0]["served_by"],
                                "routing": per_prompt[0]["routing"]}
@@ -218,7 +218,8 @@ def _prompt_extension(r: _PromptResult) -> dict[str, Any]:
     u = r.usage or pb.Usage()
     return {"served_by": r.served_by or None,
             "cached_tokens_by_tier": {"gpu": u.cached_tokens_gpu, "cpu": u.cached_tokens_cpu,
-                                      "disk": u.cached_tokens_disk},
+                                      "disk": u.cached_tokens_disk,
+                                      "peer": u.cached_tokens_peer},
             "routing": routing_json(r.routing) if r.routing is not None else None}
 
 
@@ -228,6 +229,8 @@ def routing_json(info: pb.RoutingInfo) -> dict[str, Any]:
         "chosen_pod": info.chosen_pod, "chosen_address": info.chosen_address,
         "reason": info.reason, "predicted_cached_tokens": info.predicted_cached_tokens,
         "prompt_blocks": info.prompt_blocks, "lookup_ms": round(info.lookup_ms, 3),
+        "pull_from": info.pull_from or None, "pull_tokens": info.pull_tokens,
+        "predicted_pull_saving_s": info.predicted_pull_saving_s,
         "candidates": [{
             "pod_id": s.pod_id, "address": s.address, "cached_tokens": s.cached_tokens,
             "cached_tokens_by_tier": {"gpu": s.cached_tokens_gpu, "cpu": s.cached_tokens_cpu,
@@ -235,5 +238,7 @@ def routing_json(info: pb.RoutingInfo) -> dict[str, Any]:
             "queue_waiting": s.queue_waiting, "queue_running": s.queue_running,
             "estimated_cost_s": s.estimated_cost_s, "eligible": s.eligible,
             "excluded_reason": s.excluded_reason or None,
+            "pull_from": s.pull_from or None, "pull_tokens": s.pull_tokens,
+            "pull_saving_s": s.pull_saving_s,
         } for s in info.candidates],
     }
