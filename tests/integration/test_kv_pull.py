@@ -48,7 +48,7 @@ SOURCE_ARGS = {
     "GPU": ["--num-gpu-blocks", "128"],
     "CPU": ["--num-gpu-blocks", "{small}", "--cpu-offload-bytes", "8MiB"],
     "DISK": ["--num-gpu-blocks", "{small}", "--disk-offload-bytes", "64MiB",
-             "--disk-offload-dir", "{run_dir}/ssd-{pod_id}"],
+             "--disk-offload-dir", "{tmp}/ssd"],
 }
 
 
@@ -56,7 +56,8 @@ SOURCE_ARGS = {
 @pytest.mark.parametrize("tier", ["GPU", "CPU", "DISK"])
 def test_pull_from_each_tier_gives_cold_tokens(tmp_path, tier, block_size):
     small = str(352 // block_size)  # room for one request: the fillers evict the prompt
-    source_args = [a.replace("{small}", small) for a in SOURCE_ARGS[tier]]
+    source_args = [a.replace("{small}", small).replace("{tmp}", str(tmp_path))
+                   for a in SOURCE_ARGS[tier]]
     common = ["--block-size", str(block_size), "--max-model-len", "320"]
     cluster = LocalCluster(nodes=0, run_dir=tmp_path, start_router=False)
     try:
