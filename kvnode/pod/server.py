@@ -146,8 +146,10 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         return chunks
 
     async def PullBlocks(self, request, context):
-        async for chunk in self.pod.transfer.pull_blocks(request, context):
-            yield chunk
+        # aclosing: a cancelled call releases the served blocks' pins now, not when collected.
+        async with contextlib.aclosing(self.pod.transfer.pull_blocks(request, context)) as it:
+            async for chunk in it:
+                yield chunk
 
     async def Stats(self, request, context):
         return await asyncio.to_thread(self.pod.stats_response)
