@@ -51,10 +51,8 @@ class KvSource:
     num_blocks: int
 
 
-class PullFailed(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+class PullFailed(EntryRejected):
+    """A pull that stopped for its peer, its transport or its deadline (`reason`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +212,7 @@ class PeerPuller:
             if len(out.datas) < len(ask.hashes):
                 raise PullFailed(PEER_MISSING, f"the peer holds {len(out.datas)} of the "
                                                f"{len(ask.hashes)} blocks asked for")
-        except (PullFailed, EntryRejected) as exc:
+        except EntryRejected as exc:  # PullFailed too
             out.failure, out.detail = exc.reason, str(exc)
         except Exception as exc:  # a bug must not fail the request: it recomputes
             logger.exception("kv pull %s failed", ask.request_id)
