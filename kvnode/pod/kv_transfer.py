@@ -159,7 +159,8 @@ class KvTransferService:
         """The blocks run.hashes[lo:hi] in order, cut at the first tier block that is gone."""
         media = run.media[lo:hi]
         exporter = self.pod.engine.exporter
-        pool = below = []
+        pool: list = []
+        below: list = []
         if Medium.GPU in media:
             pool = list(await asyncio.to_thread(
                 self.pod.aengine.call, lambda: exporter.read_pool(run, lo, hi)))
