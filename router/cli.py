@@ -22,6 +22,7 @@ from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from pagekv.proto.heap import freeze_startup_heap
 from pagekv.proto.requests import add_prompt_limit_arguments, prompt_limits_from
 from pagekv.router.config import DEFAULT_COSTS, POLICIES, RouterConfig
+from pagekv.router.placement import COLD_PLACEMENTS
 from pagekv.router.scoring import CostModel
 from pagekv.router.server import RouterServer
 
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-pull", action=argparse.BooleanOptionalAction, default=d.kv_pull,
                        help="let a pod pull a prefix it lacks from a peer that holds it "
                             "(kv_source) when that is cheaper than recomputing it")
+    group.add_argument("--cold-placement", default=d.cold_placement, choices=COLD_PLACEMENTS,
+                       help="a prompt no pod holds any of: hash (its first block's rendezvous "
+                            "hash over the pods within the load band, so its siblings meet) or "
+                            "least_loaded (the fewest recent requests, then the freer pool)")
     group.add_argument("--cost-queue-per-request", type=float, default=c.queue_per_request,
                        help="seconds each waiting or running request adds to the TTFT on "
                             "a pod as fast as --cost-prefill-per-token (scaled by the pod's "
@@ -113,7 +118,8 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         redis_url=redis_url_from(args, RouterConfig().redis_url), model=args.model,
         block_size=args.block_size,
         hash_algo=args.hash_algo, hash_seed=args.hash_seed, index_prefix=args.index_prefix,
-        policy=args.policy, costs=costs, kv_pull=args.kv_pull, burst_ttl_s=args.burst_ttl_s,
+        policy=args.policy, costs=costs, kv_pull=args.kv_pull,
+        cold_placement=args.cold_placement, burst_ttl_s=args.burst_ttl_s,
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
         reap_dead_after_s=args.reap_dead_after_s,
         redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,

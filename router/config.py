@@ -32,6 +32,7 @@ from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from pagekv.proto.index.connect import check_tls_url
 from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import PromptLimits
+from pagekv.router.placement import COLD_PLACEMENTS
 from pagekv.router.scoring import CostModel
 
 POLICIES = ("prefix", "round_robin", "random")
@@ -57,6 +58,7 @@ class RouterConfig:
     costs: CostModel = field(default_factory=lambda: DEFAULT_COSTS)
     burst_ttl_s: float = 2.0
     kv_pull: bool = True              # score the pull option and send pods kv_source hints
+    cold_placement: str = "hash"      # no pod holds the prefix: router/placement.py
     refresh_interval_s: float = 0.5
     namespace_check_interval_s: float = 2.0
     reap_dead_after_s: float = 60.0   # drop a lease-less pod's index entries after this; 0: never
@@ -84,6 +86,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.cold_placement not in COLD_PLACEMENTS:
+            raise ValueError(f"cold_placement must be one of {', '.join(COLD_PLACEMENTS)}, "
+                             f"got {self.cold_placement!r}")
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo must be one of {', '.join(HASH_ALGOS)}, "
                              f"got {self.hash_algo!r}")

@@ -19,6 +19,7 @@ from pagekv.proto.requests import parse_prompt
 from pagekv.router.burst import BurstTracker
 from pagekv.router.config import RouterConfig
 from pagekv.router.metrics import RouterMetrics
+from pagekv.router.placement import place_cold
 from pagekv.router.pods import PodEntry, PodRegistry
 from pagekv.router.scoring import (
     REASON_COOLDOWN,
@@ -216,6 +217,9 @@ class Router:
         scores = score_all(cands, prompt_len, self.config.block_size, self.config.costs,
                            self.config.kv_pull)
         order, reason = rank(scores, self.config.costs, counter)
+        if self.config.cold_placement == "hash" and prepared.block_hashes:
+            order, reason = place_cold(order, reason, self.config.costs,
+                                       prepared.block_hashes[0])
         return self._finish(order, reason, scores, prepared, lookup_ms)
 
     def _finish(self, order: list[Score], reason: str, scores: list[Score], prepared: Prepared,

@@ -33,7 +33,8 @@ the index only: a burst-predicted block may not exist yet, so it cannot be pulle
 The cheapest pod wins. Pods whose costs are within the tie tolerance of the best one are
 tied; ties go to the pod this router has sent the fewest requests lately (a decayed count),
 then the smaller queue, then the larger free pool, then rotate so that cold requests spread
-instead of piling onto the first pod id.
+instead of piling onto the first pod id. A cold request (no pod holds any of its prefix) is then
+placed by router/placement.py (`--cold-placement hash`): that is where its siblings will go.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ REASON_RANDOM = "random"              # --policy random
 REASON_COOLDOWN = "best_pod_cooling_down"  # the best pod was just UNAVAILABLE: next best
 REASON_RETRY = "retry_after_unavailable"   # the pod tried before this one was UNAVAILABLE
 REASON_PULL = "peer_pull"             # the chosen pod pulls its prefix from a peer (kv_source)
+REASON_COLD_SPREAD = "cold_spread"    # no pod holds a prefix: the first block's hash picked
 REASONS = (REASON_PREFIX, REASON_BURST, REASON_COST, REASON_TIE_LOAD, REASON_TIE_ROTATE,
            REASON_FALLBACK, REASON_ROUND_ROBIN, REASON_RANDOM, REASON_COOLDOWN, REASON_RETRY,
-           REASON_PULL)
+           REASON_PULL, REASON_COLD_SPREAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,7 @@ class Score:
     recent: float = 0.0
     free_blocks: int = 0
     cost_s: float = math.inf
+    queue_s: float = 0.0   # the queue's share of cost_s (the rest: prefill and reloads)
     from_burst: bool = False  # the burst prediction extended this pod's hit
     eligible: bool = True
     excluded_reason: str = ""
@@ -239,10 +242,11 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
     pub = c.published_costs
     prefill = _pod_cost(pub, "prefill", costs.prefill_per_token)
     uncached = prompt_len - s.cached_tokens
+    s.queue_s = c.queue * queue_cost(costs, prefill)
     s.cost_s = (uncached * prefill
                 + s.cached_cpu * _pod_cost(pub, Medium.CPU, costs.cpu_per_token)
                 + s.cached_disk * _pod_cost(pub, Medium.DISK, costs.disk_per_token)
-                + c.queue * queue_cost(costs, prefill))
+                + s.queue_s)
     if source is not None and source.pod_id != c.pod_id:
         _take_pull(s, source, min(len(c.tiers), limit), min(source.blocks, limit),
                    block_size, prefill, _pod_cost(pub, "peer", costs.peer_per_token))

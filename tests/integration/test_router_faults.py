@@ -24,7 +24,6 @@ def test_unavailable_pod_is_retried_on_the_next_best(redis_server, fake_pods, ma
                                                      ) -> None:
     router = make_router(redis_server.url, unavailable_cooldown_s=0.0)
     router.wait_pods(3)
-    retries = 0
     for i, call in enumerate((router.stub.Generate,
                               lambda r: list(router.stub.GenerateStream(r))[-1])):
         prompt = list(range(1 + i, 100 + i))  # held by one pod only: it is the first choice
@@ -35,8 +34,9 @@ def test_unavailable_pod_is_retried_on_the_next_best(redis_server, fake_pods, ma
         resp = call(tokens_req(prompt))
         assert resp.served_by != home
         assert resp.routing.reason == "retry_after_unavailable"
-        retries += router.metric("pagekv_router_retries_total", {"pod": home})
-    assert retries == 2
+    # Summed over the pods: both prompts may have the same home (cold placement by hash).
+    assert sum(router.metric("pagekv_router_retries_total", {"pod": p.pod_id})
+               for p in fake_pods) == 2
     pod = next(p for p in fake_pods if p.mode == "unavailable")
     home = pod.pod_id
     # With a cooldown, the failed pod is tried last for a while instead of first every time.
