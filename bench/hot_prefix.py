@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sys
 import tempfile
@@ -193,6 +194,10 @@ def calibrate(holder: Child, prefix: list[int], rng: random.Random, suffix: int,
             "capacity_rps": batch / wall, "concurrency": concurrency}
 
 
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b and math.isfinite(a) and math.isfinite(b) else "n/a"
+
+
 def fmt_reasons(s: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items()))
 
@@ -276,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                         a.get(key, 0.0) - b.get(key, 0.0) for a, b in zip(after, before, strict=True))
                 runs[name].append(res)
                 s = summarize(res)
+                errors = Counter(r.error for r in res if r.error)
+                for error, k in errors.items():
+                    print(f"  {k} failed: {error[:300]}", flush=True)
                 print(f"pass {p + 1}, {name}: TTFT p50 {s['ttft_p50_ms']:.0f} ms, p90 "
                       f"{s['ttft_p90_ms']:.0f} ms, {s['requests_per_s']:.2f} req/s, served by "
                       f"{s['served_by']}, {fmt_reasons(s)}, {s['failed']} failed", flush=True)
@@ -295,11 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for name, s in summary.items():
         print(f"| {name} | {s['ttft_p50_ms']:.0f} | {s['ttft_p90_ms']:.0f} | "
-              f"{s['ttft_p90_ms'] / h['ttft_p90_ms']:.2f}x | "
-              f"{s['ttft_p90_ms'] / rc['ttft_p90_ms']:.2f}x | {s['requests_per_s']:.2f} | "
+              f"{ratio(s['ttft_p90_ms'], h['ttft_p90_ms'])} | "
+              f"{ratio(s['ttft_p90_ms'], rc['ttft_p90_ms'])} | {s['requests_per_s']:.2f} | "
               f"{s['output_tokens_per_s']:.1f} | "
-              f"{s['output_tokens_per_s'] / h['output_tokens_per_s']:.2f}x | "
-              f"{s['output_tokens_per_s'] / rc['output_tokens_per_s']:.2f}x |")
+              f"{ratio(s['output_tokens_per_s'], h['output_tokens_per_s'])} | "
+              f"{ratio(s['output_tokens_per_s'], rc['output_tokens_per_s'])} |")
     print("\n| configuration | requests (failed) | served by | routing reasons | pulls done "
           "(fallbacks) | blocks landed | MB pulled | pull s mean | requests with peer tokens "
           "(tokens) | same tokens as holder |")
