@@ -3,9 +3,10 @@
 `open` (on the engine thread) walks the asked chain through the pool, then the tiers, and
 stops at the first block this pod does not hold. The pool blocks of the run get a reference
 each, as a request's would, so no eviction can hand them out for reuse while a peer reads
-them; `close` gives the references back (tail first, as a request frees). Pool rows are read
-on the engine thread (`read_pool`); tier blocks are copied where they lie
-(tiers.chain_reads), off the engine thread.
+them; `close` gives the references back (tail first, as a request frees). Rows are read off
+the engine thread: a pinned pool block is never written (its content is fixed by its hash
+and no one can be handed it for reuse), so `read_pool` may gather it while a step runs; tier
+blocks are copied where they lie (tiers.chain_reads).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class KvExporter:
         return run
 
     def read_pool(self, run: ExportRun, lo: int, hi: int) -> torch.Tensor:
-        """Engine thread. The pool blocks among run.hashes[lo:hi], as [n, block_bytes] uint8
-        rows on the CPU."""
+        """Any thread, while the run is open. The pool blocks among run.hashes[lo:hi], as
+        [n, block_bytes] uint8 rows on the CPU."""
         return self.runner.read_blocks(run.pool_ids(lo, hi)).cpu()
 
     def read_below(self, run: ExportRun, lo: int, hi: int) -> list[torch.Tensor]:

@@ -152,6 +152,7 @@ class PeerPuller:
         self.sources: dict[str, KvSource] = {}  # request -> its hint, until its admission
         self._pulls: dict[str, _Pull] = {}
         self._landed: dict[str, int] = {}  # request -> tokens pulled (its "peer" share)
+        self._inflight: dict[bytes, str] = {}  # block hash -> the request pulling it
         self.stats = PullStats()
         self.observers: list[Callable[[PullResult], None]] = []  # each finished pull (metrics)
 
@@ -166,8 +167,12 @@ class PeerPuller:
                 return False
             self._land(pull, hit)
         else:
-            source = self.sources.pop(rid, None)  # one attempt per request
             start = len(hit.blocks)
+            if start < hit.max_blocks and req.block_hashes[start] in self._inflight:
+                # Another request is pulling this prefix: wait and hit it in the pool, rather
+                # than recompute (or pull) the same blocks a second time.
+                return False
+            source = self.sources.pop(rid, None)  # one attempt per request
             if source is not None and min(source.num_blocks, hit.max_blocks) > start:
                 self._start(req, source, start, min(source.num_blocks, hit.max_blocks), hit)
                 return False
@@ -185,6 +190,7 @@ class PeerPuller:
         future = self._workers.submit(self._receive, source, ask, handle)
         self._pulls[req.request_id] = _Pull(req, source, start, ask, future, handle, pinned,
                                            time.monotonic())
+        self._inflight.update(dict.fromkeys(hashes, req.request_id))
         logger.debug("kv pull %s: blocks %d..%d from %s (%s)", req.request_id, start, end,
                      source.pod_id, source.address)
 
@@ -223,7 +229,7 @@ class PeerPuller:
     def _land(self, pull: _Pull, hit: PrefixHit | None = None) -> None:
         """A finished pull: its blocks into the pool as cached blocks (extending `hit` if
         its request is being admitted now), the pinned prefix released."""
-        del self._pulls[pull.req.request_id]
+        self._end(pull)
         result = pull.future.result()  # _receive never raises
         req = pull.req
         try:
@@ -262,6 +268,13 @@ class PeerPuller:
             logger.info("kv pull %s: %d blocks (%.1f MiB) from %s in %.1f ms", req.request_id,
                         landed, result.nbytes / 2**20, pull.source.pod_id, result.seconds * 1e3)
 
+    def _end(self, pull: _Pull) -> None:
+        """The pull leaves the books: its blocks are no longer in flight."""
+        del self._pulls[pull.req.request_id]
+        for h in pull.ask.hashes:
+            if self._inflight.get(h) == pull.req.request_id:
+                del self._inflight[h]
+
     def _share(self, rid: str, hit: PrefixHit) -> None:
         """Report pulled tokens as the hit's peer share (they are pool blocks by now)."""
         pulled = min(self._landed.get(rid, 0), hit.num_tokens)
@@ -292,8 +305,9 @@ class PeerPuller:
         """The request left: stop its pull; its pinned prefix is released now."""
         self.sources.pop(request_id, None)
         self._landed.pop(request_id, None)
-        pull = self._pulls.pop(request_id, None)
+        pull = self._pulls.get(request_id)
         if pull is not None:
+            self._end(pull)
             pull.handle.cancel()
             self.manager.unpin(pull.pinned)
 

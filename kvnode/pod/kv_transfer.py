@@ -161,9 +161,8 @@ class KvTransferService:
         exporter = self.pod.engine.exporter
         pool: list = []
         below: list = []
-        if Medium.GPU in media:
-            pool = list(await asyncio.to_thread(
-                self.pod.aengine.call, lambda: exporter.read_pool(run, lo, hi)))
+        if Medium.GPU in media:  # off the engine thread: a busy pod must not pace the pull
+            pool = list(await asyncio.to_thread(exporter.read_pool, run, lo, hi))
         if any(m != Medium.GPU for m in media):
             below = await asyncio.to_thread(exporter.read_below, run, lo, hi)
         rows, p, b = [], iter(pool), iter(below)

@@ -219,3 +219,35 @@ def test_pulls_respect_the_concurrency_cap(cold):
     for i, p in enumerate(prompts):
         assert outs[f"d{i}"] == run(ref, p, rid=f"c{i}")[0]
     assert_nothing_pinned(dst)
+
+
+def test_a_request_waits_for_the_pull_in_flight_of_its_prefix(cold):
+    """A second request for the same prefix (no hint of its own) waits for the first one's
+    pull and hits the landed blocks, instead of recomputing them while the pull runs."""
+    src = engine()
+    run(src, PROMPT)
+    inner = direct_fetch(src)
+    calls = []
+
+    def slow(source, ask, handle):
+        calls.append(ask)
+        time.sleep(0.2)  # the engine steps meanwhile
+        yield from inner(source, ask, handle)
+
+    dst = engine()
+    dst.enable_peer_pull(slow, deadline_s=10)
+    dst.add_request("first", PROMPT, P, kv_source=SOURCE)
+    dst.add_request("second", PROMPT, P)
+    outs: dict[str, list] = {}
+    last = {}
+    while dst.has_unfinished():
+        for out in dst.step():
+            outs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            last[out.request_id] = out
+    full = (len(PROMPT) - 1) // 16
+    assert len(calls) == 1
+    assert outs["first"] == outs["second"] == cold[16]
+    assert last["first"].cached_tokens_by_tier[PEER_SHARE] == full * 16
+    assert last["second"].cached_tokens_by_tier[Medium.GPU] == full * 16
+    assert dst.puller.stats.blocks == full
+    assert_nothing_pinned(src, dst)
