@@ -1,7 +1,11 @@
 """Pod discovery from the index, the configuration handshake, and one channel per pod.
 
 Every `refresh_interval_s` the registry reads the live pods of the router's namespace (one
-script, one round trip) and keeps a grpc.aio channel per pod address. A pod whose published
+script, one round trip) and keeps a grpc.aio channel per pod address. Lookups read no lease
+(on a Redis Cluster the leases sit on another shard than a request's claims): they take
+the pods and epochs from here, so the registry is the bound on staleness. It refreshes at
+least twice per lease's remaining time, and a pod whose lease, as last read, has run out is
+dropped at once, refresh or not. A pod whose published
 hash configuration differs from the router's is kept but marked ineligible, with one warning
 line per pod. Pods registered under another namespace (another seed, algorithm, block size
 or model) cannot appear in ours at all; every few seconds the registry also lists the
@@ -37,6 +41,7 @@ _FINISHED_KEEP = 4096  # completion times kept per pod
 _RECENT_HALF_LIFE_S = 10.0  # memory of "how much have we sent there lately"
 _WIPED_GRACE_S = 30.0  # keep the last known pods this long while the index is empty
 _CHANNEL_IDLE_CLOSE_S = 30.0  # close a departed pod's channel once unused this long
+_MIN_REFRESH_S = 0.05  # however short a lease: not a busy loop
 _CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),  # the router decides retries itself (next-best pod)
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -68,6 +73,7 @@ class PodEntry:
     inflight: int = 0
     unavailable_until: float = 0.0  # monotonic time; tried last until then
     finished: list[float] = field(default_factory=list)  # unix times our calls ended
+    lease_until: float = 0.0  # monotonic time its lease, as last read, runs out
     _recent: float = 0.0  # requests routed here, decayed with _RECENT_HALF_LIFE_S
     _recent_at: float = 0.0
 
@@ -138,6 +144,7 @@ class PodRegistry:
         self.reap_dead_after_s = reap_dead_after_s  # 0: never
         self._dead_since: dict[tuple[str, str], float] = {}  # (pod, epoch) -> first seen
         self._task: asyncio.Task[None] | None = None
+        self._reaping: asyncio.Task[None] | None = None  # one reap at a time, off the refresh
         # Read once: a bad file fails the router's start, not each new pod's channel.
         self._pod_credentials = channel_credentials(pod_tls) if pod_tls is not None else None
         self._pod_token = pod_token
@@ -150,13 +157,14 @@ class PodRegistry:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="pod-registry")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        for task in (self._task, self._reaping):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._task = self._reaping = None
         for ch in self._channels.values():
             await ch.channel.close()
         self._channels.clear()
@@ -169,7 +177,13 @@ class PodRegistry:
                 raise
             except Exception:  # a bug or a malformed registration must not stop discovery
                 logger.exception("pod registry refresh failed; keeping the last known pods")
-            await asyncio.sleep(self.refresh_interval_s)
+            await asyncio.sleep(self.next_refresh_s())
+
+    def next_refresh_s(self) -> float:
+        """`refresh_interval_s`, or half the shortest lease time left when that is sooner:
+        a renewed lease is seen before the one last read runs out."""
+        leases = [p.info.lease_ms / 2000 for p in self.pods.values() if p.info.lease_ms > 0]
+        return max(_MIN_REFRESH_S, min([self.refresh_interval_s, *leases]))
 
     # -- index state -----------------------------------------------------------------------
     def index_failed(self, op: str, exc: BaseException) -> None:
@@ -187,14 +201,16 @@ class PodRegistry:
         self.metrics.index_up.set(0)
 
     async def _index_wiped(self) -> bool:
-        """No live pod, while we know some, and not even our namespace's config key: Redis
-        restarted empty or was flushed, and the pods have not re-registered yet. They are
-        most likely fine; keep routing to them by load for a grace period."""
-        if not self.pods or await self.index.has_config():
+        """No live pod, while we know some, and either not even our namespace's config key
+        (Redis restarted empty or was flushed) or an outage just ended (a failover: the
+        leases ran out while no pod could renew them). The pods have not re-registered yet;
+        they are most likely fine: keep routing to them by load for a grace period."""
+        if not self.pods or (not self._down_since and await self.index.has_config()):
             return False
         if self._down_since and time.monotonic() - self._down_since > _WIPED_GRACE_S:
             return False  # nobody came back: believe the empty index
-        self._index_down("empty_index", "is empty (restarted or flushed?)")
+        self._index_down("empty_index", "lists no live pod (restarted, flushed or failed "
+                         "over?)")
         return True
 
     def _index_ok(self) -> None:
@@ -207,6 +223,7 @@ class PodRegistry:
 
     async def refresh(self) -> bool:
         """Read the live pods once; False (and state kept) when Redis fails."""
+        read_at = time.monotonic()  # leases are counted from before the read: never late
         try:
             infos = await self.index.list_live_pods()
             if not infos and await self._index_wiped():
@@ -221,20 +238,30 @@ class PodRegistry:
             self.index_failed("list_pods", exc)
             return False
         self._index_ok()
-        self._apply(infos)
+        self._apply(infos, read_at)
         self.ready.set()
         return True
 
-    def drop(self, pod_ids: set[str]) -> None:
-        """Forget pods the lookup found without a lease (dead since the last refresh)."""
-        for pod_id in pod_ids:
-            entry = self.pods.pop(pod_id, None)
-            if entry is not None:
-                logger.info("pod %s at %s: lease gone; no longer routed to", pod_id,
-                            entry.info.address)
-        self._update_gauges()
+    def drop_expired(self, now: float | None = None) -> None:
+        """Forget pods whose lease, as last read, has run out (dead since the last refresh).
+        Only while the index answers: when it does not, the last known pods are all there
+        is, and they are routed to by load."""
+        if not self.index_up:
+            return
+        now = time.monotonic() if now is None else now
+        gone = [p for p in self.pods.values() if p.lease_until <= now]
+        for entry in gone:
+            del self.pods[entry.pod_id]
+            logger.info("pod %s at %s: lease ran out; no longer routed to", entry.pod_id,
+                        entry.info.address)
+        if gone:
+            self._update_gauges()
 
-    def _apply(self, infos: list[PodInfo]) -> None:
+    def live_epochs(self) -> dict[str, str]:
+        """Pod id -> live epoch of every eligible pod: what a lookup matches claims with."""
+        return {p.pod_id: p.info.epoch for p in self.pods.values() if p.eligible}
+
+    def _apply(self, infos: list[PodInfo], read_at: float) -> None:
         now = time.monotonic()
         mine = self.schema.hash_config()
         fresh: dict[str, PodEntry] = {}
@@ -244,12 +271,13 @@ class PodRegistry:
             ch = self._channel(info.address, now)
             if old is not None and old.info.address == info.address:
                 old.info, old.stub, old.excluded_reason = info, ch.stub, reason
-                fresh[info.pod_id] = old
+                entry = fresh[info.pod_id] = old
             else:
-                fresh[info.pod_id] = PodEntry(info, ch.stub, reason)
+                entry = fresh[info.pod_id] = PodEntry(info, ch.stub, reason)
                 if not reason:
                     logger.info("pod %s at %s (epoch %s) joined", info.pod_id, info.address,
                                 info.epoch)
+            entry.lease_until = read_at + info.lease_ms / 1000
         for pod_id, entry in self.pods.items():
             if pod_id not in fresh:
                 logger.info("pod %s at %s: lease expired; no longer routed to", pod_id,
@@ -300,23 +328,36 @@ class PodRegistry:
         """Remove the claims and registration of pod ids that have had no lease for
         `reap_dead_after_s` (by this router's clock). A pod that stops cleanly removes its
         own; one that crashed and never came back under the same id would otherwise leave
-        them in Redis for good. Several routers may reap at once: each step is conditional."""
+        them in Redis for good. Several routers may reap at once: each step is conditional.
+        The removal runs as its own task (a round trip per bucket the pod used), so the
+        refresh, which bounds how stale the pods of a lookup are, never waits for it."""
         dead = await self.index.dead_pods()
         seen = set(dead.items())
         self._dead_since = {k: t for k, t in self._dead_since.items() if k in seen}
-        for pod_id, epoch in dead.items():
-            since = self._dead_since.setdefault((pod_id, epoch), now)
-            if now - since < self.reap_dead_after_s:
-                continue
-            removed = await self.index.reap_pod(pod_id, epoch)
-            del self._dead_since[(pod_id, epoch)]
+        if self._reaping is not None and not self._reaping.done():
+            return
+        due = [(pod_id, epoch, now - self._dead_since.setdefault((pod_id, epoch), now))
+               for pod_id, epoch in dead.items()]
+        due = [d for d in due if d[2] >= self.reap_dead_after_s]
+        if due:
+            self._reaping = asyncio.get_running_loop().create_task(self._reap(due),
+                                                                   name="reap-dead-pods")
+
+    async def _reap(self, due: list[tuple[str, str, float]]) -> None:
+        for pod_id, epoch, dead_s in due:
+            try:
+                removed = await self.index.reap_pod(pod_id, epoch)
+            except REDIS_ERRORS as exc:  # the next check tries again
+                logger.warning("reaping pod %s failed (%s); will retry", pod_id, exc)
+                return
+            self._dead_since.pop((pod_id, epoch), None)
             if removed is None:
                 continue  # it came back meanwhile
             self.metrics.reaped_pods.inc()
             self.metrics.reaped_claims.inc(removed)
             logger.warning("pod %s (epoch %s) has had no lease for %.0fs: removed its %d block "
                            "claims and its registration from the index", pod_id,
-                           epoch or "unregistered", now - since, removed)
+                           epoch or "unregistered", dead_s, removed)
 
     # -- channels --------------------------------------------------------------------------
     def _channel(self, address: str, now: float) -> _Channel:

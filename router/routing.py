@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagekv.proto.hashing import HashConfig, RequestBlockHasher, lora_key
-from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch
+from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch, bucket_of
+from pagekv.proto.index.connect import is_cluster
 from pagekv.proto.pagekv.v1 import pagekv_pb2
 from pagekv.proto.requests import parse_prompt
 from pagekv.router.burst import BurstTracker
@@ -40,6 +41,8 @@ from pagekv.router.scoring import (
 from pagekv.router.tokenize import PromptTokenizer
 
 logger = logging.getLogger(__name__)
+
+_BUCKET_RETRY_S = 1.0  # a cluster bucket whose lookup failed is read again after this
 
 
 @dataclass(slots=True)
@@ -98,6 +101,8 @@ class Router:
                                     config.reap_dead_after_s, pod_tls=config.pod_tls,
                                     pod_token=config.pod_api_token)
         self.burst = BurstTracker(config.burst_ttl_s)
+        self._sharded = is_cluster(redis_client)
+        self._bucket_down_until: dict[int, float] = {}  # bucket -> monotonic time
         self._counter = 0
         self._rng = random.Random(config.random_seed)
 
@@ -152,16 +157,33 @@ class Router:
     async def _lookup(self, prepared: Prepared) -> tuple[dict[str, PodMatch] | None, float]:
         if prepared.lookup_blocks == 0:
             return {}, 0.0
+        hashes = prepared.block_hashes[:prepared.lookup_blocks]
+        bucket = bucket_of(hashes[0])
+        if self._bucket_down_until.get(bucket, 0.0) > time.monotonic():
+            return None, 0.0  # its shard failed a moment ago: by load, without waiting on it
         start = time.perf_counter()
         try:
-            matches = await self.index.lookup_prefix(
-                prepared.block_hashes[:prepared.lookup_blocks])
+            matches = await self.index.lookup_prefix(hashes, self.registry.live_epochs())
         except REDIS_ERRORS as exc:
-            self.registry.index_failed("lookup", exc)
+            self._lookup_failed(bucket, exc)
             return None, (time.perf_counter() - start) * 1e3
         elapsed = time.perf_counter() - start
         self.metrics.lookup_seconds.observe(elapsed)
         return matches, elapsed * 1e3
+
+    def _lookup_failed(self, bucket: int, exc: BaseException) -> None:
+        """A single Redis that fails is down for every request; a cluster's failing shard
+        only for the buckets it serves, so only this bucket's requests stop reading it for a
+        moment, and the others keep their prefix routing through a failover."""
+        if not self._sharded:
+            self.registry.index_failed("lookup", exc)
+            return
+        now = time.monotonic()
+        self.metrics.index_errors.labels(op="lookup").inc()
+        if not any(t > now for t in self._bucket_down_until.values()):
+            logger.warning("redis index shard of bucket %03x unreachable (%s: %s): its requests "
+                           "route by load until it answers", bucket, type(exc).__name__, exc)
+        self._bucket_down_until[bucket] = now + _BUCKET_RETRY_S
 
     async def decide(self, prepared: Prepared) -> Decision:
         reg = self.registry
@@ -178,15 +200,10 @@ class Router:
 
         matches: dict[str, PodMatch] | None = None
         lookup_ms = 0.0
+        reg.drop_expired()  # leases run out since the last refresh
         if reg.index_up:
             matches, lookup_ms = await self._lookup(prepared)
         cause = "index_down" if matches is None else ""
-        if matches is not None and prepared.lookup_blocks:
-            gone = {p.pod_id for p in reg.pods.values() if p.pod_id not in matches}
-            if gone and len(gone) == len(reg.pods):
-                cause = "index_empty"  # every lease gone at once: a wiped index, most likely
-            elif gone:
-                reg.drop(gone)  # leases expired since the last refresh
         if cause:  # load only, among the last known pods
             base = self._base_scores(reg.eligible())
             self.metrics.fallbacks.labels(cause=cause).inc()

@@ -68,6 +68,18 @@ class PublishCounters:
     lease_renewals: int = 0
     lag: PublishLag = field(default_factory=PublishLag)
 
+    def as_dict(self) -> dict[str, float]:
+        """The counts and the lag summary, as the publisher's stats() reports them."""
+        return {
+            "events_published": self.events_published,
+            "batches": self.batches,
+            "errors": self.errors,
+            "reconnects": self.reconnects,
+            "republishes": self.republishes,
+            "lease_renewals": self.lease_renewals,
+            **self.lag.summary(),
+        }
+
     def published(self, events: int, lag_s: float) -> None:
         """One batch of `events` is visible, `lag_s` after its first event was submitted."""
         self.events_published += events

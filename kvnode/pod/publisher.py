@@ -3,8 +3,9 @@
 The engine's step loop calls `submit(events)`, which only appends to an in-memory queue. A
 background thread applies the events in order to a local mirror (block hash -> tier bitmask)
 and writes the net change of each batch in pipelined round trips, at least every
-`flush_interval_s` while there is something to send. The same thread renews the lease every
-second with the pod's current load.
+`flush_interval_s` while there is something to send; each claim goes to the bucket of its
+chain's block 0, learned from the events' parent links (proto.index.placement). The same
+thread renews the lease every second with the pod's current load.
 
 Failure policy: the index is a hint, the pod keeps serving. When Redis is unreachable the
 queued deltas are dropped (nothing grows without bound) and the state is marked dirty; the
@@ -14,20 +15,21 @@ thread reconnects with capped exponential backoff and then republishes the FULL 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagekv.kvnode.memory.metrics import Histogram
+from pagekv.kvnode.pod.publish_queue import EventQueue
 from pagekv.kvnode.pod.publish_stats import PublishCounters
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.index import writes
-from pagekv.proto.index.connect import REDIS_ERRORS, connect
+from pagekv.proto.index.connect import REDIS_ERRORS, check_tls_url, connect, drop_connections
 from pagekv.proto.index.handshake import config_mismatch
-from pagekv.proto.index.mirror import ClaimMirror
+from pagekv.proto.index.mirror import PodClaims
 from pagekv.proto.index.schema import IndexSchema, claim_values, new_epoch
 from pagekv.proto.kv_events import KVEvent
 
@@ -90,19 +92,19 @@ class IndexPublisher:
         self.max_pending = max_pending
         self.epoch = ""
 
-        # Our loop owns the retries. TLS files: rediss:// only (checked there).
-        self._client = connect(redis_url, socket_timeout_s, redis_tls)
+        # Our loop owns the retries. TLS files: rediss:// only (checked there). A cluster
+        # client reads the slot map as it is built, so it is built by the thread's first
+        # sync (and retried like any command): a pod starts while its Redis is down.
+        check_tls_url(redis_url, redis_tls)
+        self._connect: Callable[[], Any] = lambda: connect(redis_url, socket_timeout_s,
+                                                           redis_tls)
+        self._client: Any = None
 
-        # Shared with submit(): guarded by _lock.
-        self._lock = threading.Lock()
-        self._queue: deque[tuple[int, float, KVEvent]] = deque()
-        self._seq = 0  # last sequence number handed out
-        self._discarding = True  # until the first full sync, the snapshot covers everything
-        self._dropped = 0
-        self._submitted = 0
+        self._events = EventQueue(max_pending)  # shared with submit()
 
         # Owned by the publisher thread.
-        self._mirror = ClaimMirror()  # as written to Redis
+        self._claims = PodClaims()  # as written to Redis
+        self._listed: set[int] = set()  # the pod's bucket list as written
         self._values: list[str] = []
         self._applied_seq = 0
         self._needs_resync = True
@@ -125,27 +127,7 @@ class IndexPublisher:
     # -- engine side ---------------------------------------------------------------------
     def submit(self, events: Iterable[KVEvent]) -> None:
         """Queue events for publication, in order. Never blocks on Redis."""
-        now = time.monotonic()
-        with self._lock:
-            if self._discarding:
-                n = sum(1 for _ in events)  # only counted: the next resync covers them
-                self._seq += n
-                self._submitted += n
-                self._dropped += n
-                return
-            for ev in events:
-                self._seq += 1
-                self._queue.append((self._seq, now, ev))
-                self._submitted += 1
-            if len(self._queue) > self.max_pending:
-                # The thread cannot keep up: drop and resync rather than grow.
-                self._dropped += len(self._queue)
-                self._queue.clear()
-                self._discarding = True
-                overflow = True
-            else:
-                overflow = False
-        if overflow:
+        if self._events.submit(events):
             logger.warning("index publisher %s: more than %d events pending; dropping them "
                            "and republishing the full state", self.pod_id, self.max_pending)
             self._wake.set()
@@ -170,8 +152,7 @@ class IndexPublisher:
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every event submitted so far is visible in Redis."""
-        with self._lock:
-            target = self._seq
+        target = self._events.seq
         self._wake.set()
         deadline = time.monotonic() + timeout
         with self._visible:
@@ -195,13 +176,14 @@ class IndexPublisher:
             if thread.is_alive():
                 logger.warning("index publisher %s: thread did not stop in %.1fs",
                                self.pod_id, timeout)
-        if clear and self.epoch:
+        if clear and self.epoch and self._client is not None:
             try:
                 self._clear_registration()
             except REDIS_ERRORS as exc:
                 logger.warning("index publisher %s: could not clear its claims (%s); they "
                                "expire with the lease", self.pod_id, exc)
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
 
     def __enter__(self) -> IndexPublisher:
         self.start()
@@ -216,28 +198,20 @@ class IndexPublisher:
         return self._counters.lag.histogram
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            pending = len(self._queue)
-            submitted, dropped, seq = self._submitted, self._dropped, self._seq
-        c = self._counters
+        q = self._events.counts()
         return {
             "pod_id": self.pod_id,
             "epoch": self.epoch,
             "connected": self._connected,
             "superseded": self._superseded,
-            "events_submitted": submitted,
-            "events_published": c.events_published,
-            "events_dropped": dropped,
-            "pending": pending,
-            "seq": seq,
+            "events_submitted": q.submitted,
+            "events_dropped": q.dropped,
+            "pending": q.pending,
+            "seq": q.seq,
             "visible_seq": self._visible_seq,
-            "claims": len(self._mirror),
-            "batches": c.batches,
-            "errors": c.errors,
-            "reconnects": c.reconnects,
-            "republishes": c.republishes,
-            "lease_renewals": c.lease_renewals,
-            **c.lag.summary(),
+            "claims": len(self._claims),
+            "claims_unplaced": len(self._claims.unplaced),
+            **self._counters.as_dict(),
         }
 
     # -- publisher thread ----------------------------------------------------------------
@@ -282,22 +256,31 @@ class IndexPublisher:
                 logger.debug("index publisher %s: final flush failed: %s", self.pod_id, exc)
 
     def _back_off(self) -> None:
-        """Wait before the next try, twice as long as the last time (capped)."""
-        self._stop.wait(self._backoff)
+        """Wait before the next try, twice as long as the last time (capped). The lease is
+        still renewed when due: on a cluster it sits on the control shard, and a claim shard
+        that fails must not take the pod out of routing."""
+        until = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, _BACKOFF_CAP_S)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= until:
+                return
+            if self._registered_once and now >= self._next_renew:
+                self._next_renew = now + self.renew_interval_s
+                with contextlib.suppress(*REDIS_ERRORS):  # the next try reports it
+                    self._renew(between_tries=True)
+            self._stop.wait(max(0.0, min(until, self._next_renew) - time.monotonic()))
 
     def _drop_pending(self) -> None:
         """Forget queued deltas and stop queueing until the next full republish."""
-        with self._lock:
-            self._dropped += len(self._queue)
-            self._queue.clear()
-            self._discarding = True
+        self._events.discard()
         self._needs_resync = True
 
     def _on_error(self, exc: BaseException) -> None:
         self._counters.errors += 1
         self._drop_pending()
-        self._client.connection_pool.disconnect()
+        if self._client is not None:
+            drop_connections(self._client)
         if self._connected or not self._down_since:
             self._down_since = time.monotonic()
             logger.warning("index publisher %s: redis unavailable (%s: %s); dropping deltas, "
@@ -330,37 +313,45 @@ class IndexPublisher:
     def _resync(self) -> None:
         """Register, then make Redis hold exactly full_state_fn() for this pod id."""
         t0 = time.monotonic()
-        self._client.ping()
-        if self._down_since and self._registered_once:
+        was_registered = self._registered_once
+        if self._client is None:
+            self._client = self._connect()
+        self._register()  # (its first read is the probe)
+        # Events from here on are queued and replayed on top of the snapshot. Replaying one
+        # the snapshot already reflects is harmless: every event sets tier bits to a
+        # constant, so applying a suffix twice gives the same state as once.
+        snap_seq, dropped_runs = self._events.reopen()
+        claims = self._claims
+        claims.learn(dropped_runs)
+        state = self._full_state_fn()
+        claims.learn(self._events.queued_events())  # the state may reflect these already
+        wanted = claims.reset(state)
+        self._listed = writes.write_all_claims(self._client, self.schema, self.pod_id, wanted,
+                                               self._values)
+        self._applied_seq = snap_seq
+        self._needs_resync = False
+        self._counters.republishes += 1
+        # Reachable again only now: on a cluster, one shard may answer while another fails.
+        if self._down_since and was_registered:
             self._counters.reconnects += 1
             logger.info("index publisher %s: redis reachable again after %.1fs", self.pod_id,
                         t0 - self._down_since)
         self._connected = True
         self._down_since = 0.0
         self._backoff = _BACKOFF_START_S
-        self._register()
-        with self._lock:
-            # Events from here on are queued and replayed on top of the snapshot. Replaying
-            # one the snapshot already reflects is harmless: every event sets tier bits to
-            # a constant, so applying a suffix twice gives the same state as once.
-            self._queue.clear()
-            self._discarding = False
-            snap_seq = self._seq
-        mirror = ClaimMirror.from_state(self._full_state_fn())
-        writes.write_all_claims(self._client, self.schema, self.pod_id, mirror.masks,
-                                self._values)
-        self._mirror = mirror
-        self._applied_seq = snap_seq
-        self._needs_resync = False
-        self._counters.republishes += 1
         self._set_visible(snap_seq)
         self._synced.set()
-        logger.info("index publisher %s epoch %s: republished %d blocks in %.3fs",
-                    self.pod_id, self.epoch, len(mirror), time.monotonic() - t0)
+        unplaced = len(claims.unplaced)
+        logger.info("index publisher %s epoch %s: republished %d blocks in %d buckets in "
+                    "%.3fs%s", self.pod_id, self.epoch, len(claims) - unplaced, len(wanted),
+                    time.monotonic() - t0, f" ({unplaced} held back: their chain's block 0 "
+                    "is unknown)" if unplaced else "")
 
-    def _renew(self) -> None:
+    def _renew(self, between_tries: bool = False) -> None:
         result = writes.renew_lease(self._client, self.schema, self.pod_id, self.epoch,
                                     self._lease_ms, self._pod_fields())
+        if between_tries and result != writes.RENEWED:
+            return  # the resync being retried re-registers, or finds it superseded
         if result == writes.SUPERSEDED:
             raise _Superseded("another instance renewed this pod id")
         if result == writes.REGISTRATION_GONE:
@@ -372,20 +363,18 @@ class IndexPublisher:
         self._counters.lease_renewals += 1
 
     def _publish_pending(self) -> None:
-        with self._lock:
-            if not self._queue:
-                return
-            batch = list(self._queue)
-            self._queue.clear()
+        batch = self._events.take()
+        if not batch:
+            return
         if batch[0][0] != self._applied_seq + 1:
             # A gap means deltas were lost: the index cannot be patched, only rebuilt.
             logger.warning("index publisher %s: sequence gap (%d after %d); republishing",
                            self.pod_id, batch[0][0], self._applied_seq)
             self._drop_pending()
             return
-        changes = self._mirror.apply(ev for _, _, ev in batch)
+        changes = self._claims.apply([ev for _, _, ev in batch])
         writes.write_claim_changes(self._client, self.schema, self.pod_id, changes,
-                                   self._values)
+                                   self._values, self._listed)
         last_seq = batch[-1][0]
         self._applied_seq = last_seq
         self._counters.published(len(batch), time.monotonic() - batch[0][1])
@@ -406,5 +395,6 @@ class IndexPublisher:
             return
         removed = writes.clear_pod_claims(self._client, s, pod)
         writes.unregister_pod(self._client, s, pod)
-        self._mirror = ClaimMirror()
+        self._claims.clear()
+        self._listed = set()
         logger.info("index publisher %s: cleared %d claims and the registration", pod, removed)

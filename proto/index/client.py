@@ -1,4 +1,5 @@
-"""The router's client of the index: every read and clean-up it makes, on `redis.asyncio`.
+"""The router's client of the index: every read and clean-up it makes, on an asyncio client
+(one node's or a cluster's).
 
 One object per namespace the router routes for. The queries themselves (keys, scripts,
 reply parsing) live in `proto.index.queries`, shared with the pods' synchronous side.
@@ -6,7 +7,7 @@ reply parsing) live in `proto.index.queries`, shared with the pods' synchronous 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagekv.proto.index import queries, scripts
@@ -15,7 +16,7 @@ from pagekv.proto.index.schema import IndexSchema, text
 
 
 class IndexClient:
-    """`redis` is a `redis.asyncio` client (see `proto.index.connect.connect_async`)."""
+    """`redis` is an asyncio client (see `proto.index.connect.connect_async`)."""
 
     def __init__(self, redis_client: Any, schema: IndexSchema) -> None:
         self.redis = redis_client
@@ -26,9 +27,13 @@ class IndexClient:
         for script in scripts.PRELOADED:
             await self.redis.script_load(script.source)
 
-    async def lookup_prefix(self, block_hashes: Sequence[bytes]) -> dict[str, PodMatch]:
-        """For every live pod, its consecutive prefix of `block_hashes`: one EVALSHA."""
-        return await queries.lookup(self.schema, block_hashes).run_async(self.redis)
+    async def lookup_prefix(self, block_hashes: Sequence[bytes],
+                            live: Mapping[str, str]) -> dict[str, PodMatch]:
+        """For every pod of `live` (pod id -> its live epoch, from the registry), its
+        consecutive prefix of `block_hashes`: one EVALSHA on one shard."""
+        if not block_hashes or not live:
+            return {pod: PodMatch(0, []) for pod in live}
+        return await queries.lookup(self.schema, block_hashes, live).run_async(self.redis)
 
     async def list_live_pods(self, schema: IndexSchema | None = None) -> list[PodInfo]:
         """The live pods of this namespace (or of `schema`'s, to name foreign pods)."""
@@ -56,18 +61,25 @@ class IndexClient:
         return await queries.dead_pods(self.schema).run_async(self.redis)
 
     async def reap_pod(self, pod_id: str, epoch: str, batch: int = 1000) -> int | None:
-        """Remove a dead pod's claims and registration, `batch` claims per script call so
-        Redis is never blocked for long. Returns the claims removed, or None when the pod id
-        came back (a lease, or another epoch) before it was gone."""
+        """Remove a dead pod's claims and registration: bucket by bucket, `batch` claims
+        per script call so Redis is never blocked for long. Returns the claims removed, or
+        None when the pod id came back (a lease, or another epoch) before it was gone."""
+        s, r = self.schema, self.redis
+        buckets = await queries.reap_start(s, pod_id, epoch).run_async(r)
+        if buckets is None:
+            return None
         removed = 0
-        while True:
-            step = await queries.reap_batch(self.schema, pod_id, epoch, batch).run_async(
-                self.redis)
-            if step is None:
-                return None
-            removed += step[0]
-            if step[1]:
-                return removed
+        for bucket in buckets:
+            while True:
+                step = await queries.reap_bucket(s, pod_id, epoch, bucket, batch).run_async(r)
+                if step is None:
+                    return None
+                removed += step[0]
+                if step[1]:
+                    break
+        if not await queries.reap_finish(s, pod_id, epoch).run_async(r):
+            return None
+        return removed
 
     async def aclose(self) -> None:
         await self.redis.aclose()

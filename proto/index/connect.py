@@ -32,8 +32,10 @@ from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.redact import redact_url
 
 # What a failed index call raises. asyncio.TimeoutError is the builtin TimeoutError, an
-# OSError, since Python 3.11: this covers the asyncio client too.
-REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+# OSError, since Python 3.11: this covers the asyncio client too. A cluster client also
+# raises RedisClusterException (not a RedisError) when no node answers or a slot is unserved.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 TLS_SCHEMES = ("rediss", "rediss+cluster")

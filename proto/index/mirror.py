@@ -1,5 +1,5 @@
-"""A pod's claims as last written to the index (block hash -> tier bitmask), and the net
-change a batch of KV events makes to them.
+"""A pod's claims as last written to the index (block hash -> tier bitmask, and its
+bucket), and the net change a batch of KV events makes to them.
 
 Tiers are an exclusive chain, but a demotion arrives as two events (removed from one tier,
 stored in the next) in either order, so a claim is a set of tiers and removing one tier
@@ -8,14 +8,21 @@ never removes another. Pure: the publisher writes what `apply` returns.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
+from pagekv.proto.index.placement import ChainBuckets
 from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagekv.proto.medium import ALL_BITS, MEDIUMS
 
 _BIT = {m.value: m.bit for m in MEDIUMS}  # by wire name, a str or a Medium
 
 Change = tuple[bytes, int, int]  # (block hash, mask before, mask after); 0 = no claim
+# (block hash, its bucket, mask before, mask after): a claim write (proto.index.writes).
+BucketChange = tuple[bytes, int, int, int]
+
+# Buckets of hashes no longer held are forgotten once there are this many more of them
+# than twice the claims (so the compaction's cost is spread over that many events).
+COMPACT_SLACK = 4096
 
 
 class ClaimMirror:
@@ -71,3 +78,74 @@ class ClaimMirror:
             if new != old:
                 changes.append((h, old, new))
         return changes
+
+
+class PodClaims:
+    """A pod's claims as the publisher wrote them: the tier masks (ClaimMirror), the bucket
+    of each (ChainBuckets), and the hashes held whose bucket is not known yet (unplaced: not
+    in Redis; written as soon as their chain is). Pure; the publisher thread owns it."""
+
+    __slots__ = ("buckets", "mirror", "unplaced")
+
+    def __init__(self) -> None:
+        self.mirror = ClaimMirror()
+        self.buckets = ChainBuckets()
+        self.unplaced: set[bytes] = set()
+
+    def __len__(self) -> int:
+        return len(self.mirror)
+
+    def learn(self, events: Iterable[KVEvent]) -> None:
+        """Learn buckets from events whose tier changes are not applied (dropped while Redis
+        was away: the next full state covers those)."""
+        self.buckets.learn(events)
+
+    def apply(self, events: Sequence[KVEvent]) -> list[BucketChange]:
+        """Apply events in order; return the claim writes they need, with their buckets:
+        each changed hash that has a bucket, and each hash placed just now (its whole mask:
+        nothing of it was written before)."""
+        placed = self.buckets.learn(events)
+        changes = self.mirror.apply(events)
+        fresh = set(placed)
+        get = self.buckets.get
+        out: list[BucketChange] = []
+        for h, old, new in changes:
+            if h in fresh:
+                continue
+            bucket = get(h)
+            if bucket is not None:
+                out.append((h, bucket, old, new))
+            elif new:
+                self.unplaced.add(h)
+            else:
+                self.unplaced.discard(h)
+        masks = self.mirror.masks
+        for h in placed:
+            self.unplaced.discard(h)
+            mask = masks.get(h, 0)
+            if mask:
+                out.append((h, get(h), 0, mask))  # type: ignore[arg-type]  (placed: known)
+        if len(self.buckets) > 2 * len(masks) + COMPACT_SLACK:
+            self.buckets.compact(masks)
+        return out
+
+    def reset(self, state: Mapping[bytes, str]) -> dict[int, dict[str, int]]:
+        """Start over from a pod's full state (hash -> tier). Returns what to publish:
+        bucket -> hex hash -> tier mask, for every hash whose bucket is known."""
+        self.mirror = ClaimMirror.from_state(state)
+        masks = self.mirror.masks
+        self.buckets.compact(masks)
+        get = self.buckets.get
+        wanted: dict[int, dict[str, int]] = {}
+        self.unplaced = set()
+        for h, mask in masks.items():
+            bucket = get(h)
+            if bucket is None:
+                self.unplaced.add(h)
+            else:
+                wanted.setdefault(bucket, {})[h.hex()] = mask
+        return wanted
+
+    def clear(self) -> None:
+        self.mirror = ClaimMirror()
+        self.unplaced = set()

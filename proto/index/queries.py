@@ -1,14 +1,15 @@
 """The index's reads: what each script call sends, and what its reply means.
 
 A `Call` pairs one script's keys and arguments with the parser of its reply, so the same
-query runs on a pod's or a test's `redis.Redis` (`run`) and on the router's `redis.asyncio`
-client (`run_async`, through `IndexClient`) without being written twice.
+query runs on a pod's or a test's synchronous client (`run`) and on the router's asyncio
+client (`run_async`, through `IndexClient`), each a single node's or a cluster's, without
+being written twice.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -134,36 +135,62 @@ def _parse_pairs(flat: Sequence[Any]) -> dict[str, str]:
     return {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
-def _parse_reap(reply: Any) -> tuple[int, bool] | None:
+def _parse_reap_start(reply: Any) -> list[int] | None:
+    if reply == -1:
+        return None
+    return sorted(int(text(name), 16) for name in reply)
+
+
+def _parse_reap_bucket(reply: Any) -> tuple[int, bool] | None:
     if reply == -1:
         return None
     return int(reply[0]), bool(int(reply[1]))
 
 
+def _parse_refused(reply: Any) -> bool:
+    """True when the script went ahead, False when it refused (-1)."""
+    return reply != -1
+
+
 # -- the calls -------------------------------------------------------------------------------
-def lookup(schema: IndexSchema, block_hashes: Sequence[bytes]) -> Call[dict[str, PodMatch]]:
-    """For every live pod, how many leading blocks of `block_hashes` it holds, and where.
-    Pods that are live but hold no prefix map to depth 0."""
-    keys = [schema.block_key(h) for h in block_hashes]
-    return Call(scripts.LOOKUP, keys, (schema.base,), _parse_lookup)
+def lookup(schema: IndexSchema, block_hashes: Sequence[bytes],
+           live: Mapping[str, str]) -> Call[dict[str, PodMatch]]:
+    """For every pod of `live` (pod id -> the epoch its claims must carry), how many leading
+    blocks of `block_hashes` it holds, and where; depth 0 for those that hold no prefix.
+    Every key is in block 0's bucket: one script, one slot."""
+    args = [part for pod, epoch in live.items() if epoch for part in (pod, epoch)]
+    return Call(scripts.LOOKUP, schema.chain_block_keys(block_hashes), args, _parse_lookup)
 
 
 def live_pods(schema: IndexSchema) -> Call[list[PodInfo]]:
     """Every pod of this namespace whose lease is present and whose epoch matches it."""
-    return Call(scripts.LIVE_PODS, (), (schema.base,), _parse_pods)
+    return Call(scripts.LIVE_PODS, (schema.pods_key,), (schema.base,), _parse_pods)
 
 
 def dead_pods(schema: IndexSchema) -> Call[dict[str, str]]:
     """Pod ids registered in this namespace without a lease, with their registered epoch
     ("" when even the registration is gone)."""
-    return Call(scripts.DEAD_PODS, (), (schema.base,), _parse_pairs)
+    return Call(scripts.DEAD_PODS, (schema.pods_key,), (schema.base,), _parse_pairs)
 
 
-def reap_batch(schema: IndexSchema, pod_id: str, epoch: str,
-               batch: int) -> Call[tuple[int, bool] | None]:
-    """Remove up to `batch` claims of a dead pod: (claims removed, nothing of it left), or
-    None when the pod id came back (a lease, or another epoch)."""
-    return Call(scripts.REAP_POD, (), (schema.base, pod_id, epoch, batch), _parse_reap)
+def reap_start(schema: IndexSchema, pod_id: str, epoch: str) -> Call[list[int] | None]:
+    """The buckets a dead pod may have claims in, or None when the pod id came back."""
+    return Call(scripts.REAP_START, (schema.pods_key,), (schema.base, pod_id, epoch),
+                _parse_reap_start)
+
+
+def reap_bucket(schema: IndexSchema, pod_id: str, epoch: str, bucket: int,
+                batch: int) -> Call[tuple[int, bool] | None]:
+    """Remove up to `batch` of a dead pod's claims in one bucket: (claims removed, none of
+    its claims left there), or None when a claim of another epoch shows the pod id back."""
+    return Call(scripts.REAP_BUCKET, (schema.pod_blocks_key(pod_id, bucket),),
+                (schema.bucket_base(bucket), pod_id, epoch, batch), _parse_reap_bucket)
+
+
+def reap_finish(schema: IndexSchema, pod_id: str, epoch: str) -> Call[bool]:
+    """Remove a reaped pod's registration: False when the pod id came back meanwhile."""
+    return Call(scripts.REAP_FINISH, (schema.pods_key,), (schema.base, pod_id, epoch),
+                _parse_refused)
 
 
 def namespace_config_keys(prefix: str, ids: Sequence[str]) -> list[str]:
@@ -176,16 +203,31 @@ def parse_namespaces(ids: Sequence[str], configs: Sequence[Any]) -> dict[str, di
             for ns, flat in zip(ids, configs, strict=True)}
 
 
-# -- on a `redis.Redis` client (pods, tests, benchmarks) -------------------------------------
+# -- on a synchronous client (pods, tests, tools) -------------------------------------------
 def lookup_prefix(
-    redis_client: Any, schema: IndexSchema, block_hashes: Sequence[bytes]
+    redis_client: Any, schema: IndexSchema, block_hashes: Sequence[bytes],
+    live: Mapping[str, str] | None = None,
 ) -> dict[str, PodMatch]:
-    """`lookup`, in one EVALSHA round trip."""
-    return lookup(schema, block_hashes).run(redis_client)
+    """`lookup` in one EVALSHA round trip, for the pods of `live`; without it, for the
+    pods live right now (read first: a second round trip, fine outside the request path)."""
+    if live is None:
+        live = {p.pod_id: p.epoch for p in list_live_pods(redis_client, schema)}
+    if not block_hashes or not live:
+        return {pod: PodMatch(0, []) for pod in live}
+    return lookup(schema, block_hashes, live).run(redis_client)
 
 
 def list_live_pods(redis_client: Any, schema: IndexSchema) -> list[PodInfo]:
     return live_pods(schema).run(redis_client)
+
+
+def count_pod_claims(redis_client: Any, schema: IndexSchema, pod_id: str) -> int:
+    """How many claims `pod_id` has (any epoch): the sizes of its per-bucket claim sets."""
+    buckets = [int(text(b), 16) for b in redis_client.smembers(schema.pod_buckets_key(pod_id))]
+    pipe = redis_client.pipeline(transaction=False)
+    for bucket in buckets:
+        pipe.scard(schema.pod_blocks_key(pod_id, bucket))
+    return sum(int(n) for n in pipe.execute()) if buckets else 0
 
 
 def list_namespaces(redis_client: Any, prefix: str = "pagekv") -> dict[str, dict[str, str]]:
@@ -198,5 +240,4 @@ def list_namespaces(redis_client: Any, prefix: str = "pagekv") -> dict[str, dict
     pipe = redis_client.pipeline(transaction=False)
     for key in namespace_config_keys(prefix, ids):
         pipe.hgetall(key)
-    return parse_namespaces(ids, pipe.execute())
-
+    return parse_namespaces(ids, pipe.execute()) if ids else {}

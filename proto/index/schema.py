@@ -1,9 +1,15 @@
-"""The index's key layout: namespace, key names, claim values and pod epochs.
+"""The index's key layout: namespace, key names, buckets, claim values and pod epochs.
 
-Every key of one index lives under `pagekv:{ns}:` where `ns` is a short digest of everything
-that changes a block hash (model, block size, hash algorithm, seed). Pods whose hashes could
-not agree therefore never share keys, so they cannot produce false hits; the braces make `ns`
-a Redis Cluster hash tag, keeping the keys a lookup script touches in one slot.
+Every key of one index carries `ns`, a short digest of everything that changes a block hash
+(model, block size, hash algorithm, seed): pods whose hashes could not agree never share keys,
+so they cannot produce false hits. Two kinds of keys, two kinds of Redis Cluster hash tags:
+
+- control keys (config, the pods SET, each pod's HASH, lease and bucket list) under `{ns}`:
+  few, read by the router's registry refresh, never per request;
+- block claims and each pod's per-bucket claim sets under `{ns.<bucket>}`, where the bucket
+  is taken from the hash of the chain's block 0. Every block of a chain descends from block
+  0, so all the keys one lookup reads share one slot (one shard, one round trip), while
+  different chains spread over BUCKETS tags, hence over the cluster's shards.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +28,13 @@ HASH_CONFIG_FIELDS: tuple[str, ...] = ("model", "block_size", "hash_algo", "hash
 
 NAMESPACES_SUFFIX = ":namespaces"  # `<prefix>:namespaces`, a SET of every namespace id
 
+# Block claims are spread over this many hash tags, by the first bits of the chain's root
+# hash. Enough to spread over any realistic shard count; few enough that a pod's per-bucket
+# claim sets (at most BUCKETS of them) stay cheap to list, clear and reap. Part of the key
+# layout: every pod and router of one namespace must agree on it.
+BUCKET_BITS = 10
+BUCKETS = 1 << BUCKET_BITS
+
 # Claim value per tier bitmask (index 0 unused): codes of the tiers present, best first.
 MASK_CODES: tuple[str, ...] = tuple(mask_codes(m) for m in range(ALL_BITS + 1))
 
@@ -31,6 +44,16 @@ def text(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode()
     return str(value)
+
+
+def bucket_of(root_hash: bytes) -> int:
+    """The bucket of every block of the chain whose block 0 hashes to `root_hash`."""
+    return int.from_bytes(root_hash[:2], "big") >> (16 - BUCKET_BITS)
+
+
+def bucket_name(bucket: int) -> str:
+    """A bucket as written in key names and in a pod's bucket list (3 hex digits)."""
+    return f"{bucket:03x}"
 
 
 def namespaces_key(prefix: str) -> str:
@@ -124,25 +147,38 @@ class IndexSchema:
     def pods_key(self) -> str:
         return self.base + "pods"  # SET of pod ids that registered here
 
-    @property
-    def block_prefix(self) -> str:
-        return self.base + "b:"
-
-    def block_key(self, block_hash: bytes) -> str:
-        return self.block_key_hex(block_hash.hex())
-
-    def block_key_hex(self, hex_hash: str) -> str:
-        """A block key from a per-pod set member (the set holds hex hashes)."""
-        return self.block_prefix + hex_hash  # HASH pod_id -> "<tiers>:<epoch>"
-
     def pod_key(self, pod_id: str) -> str:
         return self.base + "p:" + pod_id  # HASH: address, epoch, cfg.*, load.*, cost.*
 
     def lease_key(self, pod_id: str) -> str:
         return self.base + "l:" + pod_id  # STRING: the live epoch, with a TTL
 
-    def pod_blocks_key(self, pod_id: str) -> str:
-        return self.base + "pb:" + pod_id  # SET of hex hashes this pod id claims
+    def pod_buckets_key(self, pod_id: str) -> str:
+        """SET of the buckets (bucket_name) where this pod id may have claims: what its
+        clean-up and the reaper walk, so neither ever scans the keyspace."""
+        return self.base + "pbk:" + pod_id
+
+    # -- block keys: one hash tag per bucket ----------------------------------------------
+    def bucket_base(self, bucket: int) -> str:
+        """The start of every key of one bucket: `pagekv:{ns.<bucket>}:`."""
+        return f"{self.prefix}:{{{self.namespace}.{bucket_name(bucket)}}}:"
+
+    def block_key(self, block_hash: bytes, bucket: int) -> str:
+        return self.block_key_hex(block_hash.hex(), bucket)
+
+    def block_key_hex(self, hex_hash: str, bucket: int) -> str:
+        """A block key from a per-pod set member (the sets hold hex hashes)."""
+        return self.bucket_base(bucket) + "b:" + hex_hash  # HASH pod_id -> "<tiers>:<epoch>"
+
+    def chain_block_keys(self, block_hashes: Sequence[bytes]) -> list[str]:
+        """The block keys of a chain from its block 0: all in block 0's bucket."""
+        if not block_hashes:
+            return []
+        base = self.bucket_base(bucket_of(block_hashes[0])) + "b:"
+        return [base + h.hex() for h in block_hashes]
+
+    def pod_blocks_key(self, pod_id: str, bucket: int) -> str:
+        return self.bucket_base(bucket) + "pb:" + pod_id  # SET of hex hashes it claims here
 
 
 def claim_value(mask: int, epoch: str) -> str:

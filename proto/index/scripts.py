@@ -1,7 +1,9 @@
 """The index's Lua scripts, and the runner that sends each as one EVALSHA.
 
-Every script takes the namespace base (`IndexSchema.base`) as ARGV[1] where it needs to name
-keys itself, so one script serves every namespace. See docs/INDEX.md for what each does.
+Every script declares at least one key, so that a cluster client sends it to the shard
+that holds that key's slot; a script that names further keys itself (from the namespace base,
+`IndexSchema.base`, in ARGV) names only keys of that same hash tag, so one script serves
+every namespace and every key it touches is local. See docs/INDEX.md for what each does.
 """
 
 from __future__ import annotations
@@ -13,20 +15,20 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-# KEYS: the request's block keys in chain order. ARGV[1]: the namespace base.
-# Reply: flat [pod, tier codes, pod, tier codes, ...] for every live pod; the code string's
-# length is the pod's depth. Only pods still matching are asked about the next block, and
-# the walk ends as soon as none is left.
+# KEYS: the request's block keys in chain order, all in one bucket (one slot). ARGV: pod,
+# epoch, pod, epoch, ... for each pod the caller believes live (the router's registry: the
+# leases live in the control slot, which this script cannot read on a cluster).
+# Reply: flat [pod, tier codes, pod, tier codes, ...] for every pod passed; the code string's
+# length is the pod's depth. A claim counts only under the epoch passed for its pod. Only
+# pods still matching are asked about the next block, and the walk ends as soon as none is
+# left.
 LOOKUP_LUA = """
-local base = ARGV[1]
 local live, suffix, codes = {}, {}, {}
-for _, pod in ipairs(redis.call('SMEMBERS', base .. 'pods')) do
-  local epoch = redis.call('GET', base .. 'l:' .. pod)
-  if epoch then
-    live[#live + 1] = pod
-    suffix[pod] = ':' .. epoch
-    codes[pod] = {}
-  end
+for i = 1, #ARGV - 1, 2 do
+  local pod = ARGV[i]
+  live[#live + 1] = pod
+  suffix[pod] = ':' .. ARGV[i + 1]
+  codes[pod] = {}
 end
 local active = live
 for i = 1, #KEYS do
@@ -55,11 +57,16 @@ end
 return out
 """
 
-# ARGV[1]: the namespace base. Reply: [[pod, lease epoch, lease pttl, [pod hash flat]], ...].
+# The control scripts below take the namespace's pods SET as KEYS[1] (so a cluster client
+# sends them to the control slot's shard) and name the other control keys, all under the
+# same `{ns}` tag, from ARGV[1], the namespace base.
+
+# KEYS[1]: pods SET. ARGV[1]: the namespace base.
+# Reply: [[pod, lease epoch, lease pttl, [pod hash flat]], ...].
 LIVE_PODS_LUA = """
 local base = ARGV[1]
 local out = {}
-for _, pod in ipairs(redis.call('SMEMBERS', base .. 'pods')) do
+for _, pod in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local lease = base .. 'l:' .. pod
   local epoch = redis.call('GET', lease)
   if epoch then
@@ -69,13 +76,12 @@ end
 return out
 """
 
-
-# ARGV[1]: the namespace base. Reply: flat [pod, registered epoch or ""] for every pod id in
-# the pods set whose lease is gone: crashed or cut off, or mid-restart.
+# KEYS[1]: pods SET. ARGV[1]: the namespace base. Reply: flat [pod, registered epoch or ""]
+# for every pod id in the pods set whose lease is gone: crashed or cut off, or mid-restart.
 DEAD_PODS_LUA = """
 local base = ARGV[1]
 local out = {}
-for _, pod in ipairs(redis.call('SMEMBERS', base .. 'pods')) do
+for _, pod in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if redis.call('EXISTS', base .. 'l:' .. pod) == 0 then
     out[#out + 1] = pod
     out[#out + 1] = redis.call('HGET', base .. 'p:' .. pod, 'epoch') or ''
@@ -84,26 +90,53 @@ end
 return out
 """
 
-# ARGV: base, pod, the epoch seen dead ("" = no registration), batch size. Removes up to
-# `batch` of the pod's claims, but only while the pod id is still lease-less under that same
-# epoch: a restarted instance (new lease and epoch, written in one MULTI) is left alone.
-# Reply: -1 refused (it came back), else {claims removed, 1 when nothing of it is left}.
-REAP_POD_LUA = """
-local base, pod, epoch, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+# Reaping a dead pod takes three scripts, because its claims sit in many slots: REAP_START
+# and REAP_FINISH in the control slot check that the pod id is still lease-less under the
+# epoch seen dead; REAP_BUCKET, in each bucket's slot, removes only that epoch's claims. A
+# pod id that restarts in between (new lease and epoch, written in one MULTI) has its new
+# claims left alone, and several routers reaping at once cannot conflict.
+
+# KEYS[1]: pods SET. ARGV: base, pod, the epoch seen dead ("" = no registration).
+# Reply: -1 refused (it came back), else the pod's bucket list (bucket names).
+REAP_START_LUA = """
+local base, pod, epoch = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('EXISTS', base .. 'l:' .. pod) == 1 then return -1 end
 if (redis.call('HGET', base .. 'p:' .. pod, 'epoch') or '') ~= epoch then return -1 end
-local set = base .. 'pb:' .. pod
-local members = redis.call('SPOP', set, n)
+return redis.call('SMEMBERS', base .. 'pbk:' .. pod)
+"""
+
+# KEYS[1]: the pod's claim set in one bucket. ARGV: the bucket base, pod, dead epoch ("":
+# any), batch size. Removes up to `batch` claims of the dead epoch. A claim of another epoch
+# means the pod id is back: its member is put back and the reap refused.
+# Reply: -1 refused, else {claims removed, 1 when the set is empty}.
+REAP_BUCKET_LUA = """
+local base, pod, epoch, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local suffix = ':' .. epoch
+local members = redis.call('SPOP', KEYS[1], n)
 local removed = 0
-for _, h in ipairs(members) do
-  removed = removed + redis.call('HDEL', base .. 'b:' .. h, pod)
+for i, h in ipairs(members) do
+  local key = base .. 'b:' .. h
+  local v = redis.call('HGET', key, pod)
+  if v then
+    if epoch ~= '' and string.sub(v, -#suffix) ~= suffix then
+      redis.call('SADD', KEYS[1], unpack(members, i))
+      return -1
+    end
+    removed = removed + redis.call('HDEL', key, pod)
+  end
 end
-if #members < n then
-  redis.call('DEL', base .. 'p:' .. pod, set)
-  redis.call('SREM', base .. 'pods', pod)
-  return {removed, 1}
-end
-return {removed, 0}
+return {removed, #members < n and 1 or 0}
+"""
+
+# KEYS[1]: pods SET. ARGV: base, pod, dead epoch. Reply: -1 refused (it came back), else 1
+# (its HASH, bucket list and pods entry removed).
+REAP_FINISH_LUA = """
+local base, pod, epoch = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('EXISTS', base .. 'l:' .. pod) == 1 then return -1 end
+if (redis.call('HGET', base .. 'p:' .. pod, 'epoch') or '') ~= epoch then return -1 end
+redis.call('DEL', base .. 'p:' .. pod, base .. 'pbk:' .. pod)
+redis.call('SREM', KEYS[1], pod)
+return 1
 """
 
 # KEYS[1] lease, KEYS[2] pod hash. ARGV[1] epoch, ARGV[2] ttl ms, ARGV[3..] field/value pairs.
@@ -150,7 +183,9 @@ class Script:
 LOOKUP = Script(LOOKUP_LUA)
 LIVE_PODS = Script(LIVE_PODS_LUA)
 DEAD_PODS = Script(DEAD_PODS_LUA)
-REAP_POD = Script(REAP_POD_LUA)
+REAP_START = Script(REAP_START_LUA)
+REAP_BUCKET = Script(REAP_BUCKET_LUA)
+REAP_FINISH = Script(REAP_FINISH_LUA)
 RENEW_LEASE = Script(RENEW_LEASE_LUA)
 
 # Loaded up front by a router, so that even its first lookup is one round trip.
@@ -158,6 +193,7 @@ PRELOADED: tuple[Script, ...] = (LOOKUP, LIVE_PODS)
 
 
 def register_scripts(redis_client: Any) -> None:
-    """SCRIPT LOAD the PRELOADED scripts on a `redis.Redis` client."""
+    """SCRIPT LOAD the PRELOADED scripts on a synchronous client (a cluster client loads
+    them on every primary)."""
     for script in PRELOADED:
         redis_client.script_load(script.source)

@@ -1,24 +1,25 @@
-"""Integration fixtures: a real redis-server on a free loopback port, data in a tmp dir; for
-the router's tests, in-process routers and fake pods; for the index's tests, a Redis client
-and publishing pods; for the Generation contract's tests, one cluster of two pods and a
-router."""
+"""Integration fixtures: a real redis-server on a free loopback port, data in a tmp dir, and a
+real Redis Cluster (3 primaries, 3 replicas) shared by the session; for the router's tests,
+in-process routers and fake pods; for the index's tests, each run on a single node and on
+the cluster, a Redis client and publishing pods; for the Generation contract's tests, one
+cluster of two pods and a router."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 import pytest
-import redis
 
 from pagekv.deploy.local_cluster import LocalCluster
 from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.kvnode.pod.redis_cluster import LocalRedisCluster
 from pagekv.kvnode.pod.redis_server import RedisProcess, find_redis_server
-from pagekv.proto.index import IndexSchema
+from pagekv.proto.index import IndexSchema, connect
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from pagekv.router.config import RouterConfig
@@ -47,6 +48,42 @@ def redis_server(redis_binary: str, tmp_path_factory: pytest.TempPathFactory
         yield proc
     finally:
         proc.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[LocalRedisCluster]:
+    """One Redis Cluster for the session (started by the first test that needs it, ~2 s);
+    tests that use it start from an empty one (see index_redis)."""
+    cluster = LocalRedisCluster(3, 1, data_dir=tmp_path_factory.mktemp("redis-cluster"),
+                                binary=redis_binary)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@dataclass(frozen=True)
+class IndexRedis:
+    """Where an index test's Redis is: a private single node, or the session's cluster."""
+
+    kind: str  # "single" | "cluster"
+    url: str
+    server: RedisProcess | None = None
+    cluster: LocalRedisCluster | None = None
+
+
+@pytest.fixture(params=["single", "cluster"])
+def index_redis(request: pytest.FixtureRequest) -> IndexRedis:
+    """Every index test runs on both (a test can narrow it with indirect parametrization)."""
+    if request.param == "single":
+        server: RedisProcess = request.getfixturevalue("redis_server")
+        return IndexRedis("single", server.url, server=server)
+    cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+    cluster.wait_ok()
+    cluster.flush()
+    return IndexRedis("cluster", cluster.url, cluster=cluster)
 
 
 # -- the router's tests (test_router_*.py; helpers in router_fixtures.py) ----------------------
@@ -88,14 +125,15 @@ def fake_pods(redis_server: RedisProcess) -> Iterator[list[FakePod]]:
 # -- the Redis index's tests (test_index_*.py; helpers in index_fixtures.py) ------------------
 
 @pytest.fixture
-def client(redis_server: RedisProcess) -> Iterator[redis.Redis]:
-    r = redis.Redis.from_url(redis_server.url)
+def client(index_redis: IndexRedis) -> Iterator[Any]:
+    """A synchronous client of the test's Redis: a node's, or a cluster client."""
+    r = connect(index_redis.url, 5.0)
     yield r
     r.close()
 
 
 @pytest.fixture
-def make_pod(redis_server: RedisProcess) -> Iterator[Callable[..., PodState]]:
+def make_pod(index_redis: IndexRedis) -> Iterator[Callable[..., PodState]]:
     started: list[IndexPublisher] = []
 
     def _make(pod_id: str, schema: IndexSchema = SCHEMA, start: bool = True,
@@ -103,7 +141,7 @@ def make_pod(redis_server: RedisProcess) -> Iterator[Callable[..., PodState]]:
         state = PodState()
         kwargs.setdefault("flush_interval_s", 0.01)
         pub = IndexPublisher(
-            redis_server.url, schema, pod_id, f"127.0.0.1:{5000 + len(started)}",
+            index_redis.url, schema, pod_id, f"127.0.0.1:{5000 + len(started)}",
             hash_config=schema.hash_config(),
             load_fn=lambda: {"waiting": 2, "running": 3, "free_blocks": 100},
             full_state_fn=state.full_state,

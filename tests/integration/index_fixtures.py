@@ -1,23 +1,47 @@
 """Shared by the Redis index's integration tests (tests/integration/test_index_*.py): the
-test schema, stand-in block hashes and PodState, what an engine would hold. The client and
-make_pod fixtures are in conftest.py.
+test schema, stand-in hash chains and PodState, what an engine would hold, and reading every
+key of a single node or a cluster. The client and make_pod fixtures are in conftest.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Iterator
+from typing import Any
+
+import redis
 
 from pagekv.kvnode.pod.publisher import IndexPublisher
 from pagekv.proto.index import IndexSchema
+from pagekv.proto.index.connect import is_cluster
 from pagekv.proto.kv_events import BlockRemoved, BlockStored, KVEvent
 
 SCHEMA = IndexSchema("tiny-llama", 16, "sha256", "seed-1")
 
+PARENT: dict[bytes, bytes | None] = {}  # every chain() hash -> the one before it
+
 
 def chain(n: int, tag: str = "a") -> list[bytes]:
-    """n distinct 32-byte block hashes (stand-ins for a real hash chain)."""
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+    """n distinct 32-byte block hashes (stand-ins for a real hash chain, block 0 first)."""
+    hashes = [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+    for i, h in enumerate(hashes):
+        PARENT[h] = hashes[i - 1] if i else None
+    return hashes
+
+
+def primaries(client: Any) -> Iterator[redis.Redis]:
+    """A plain client per primary: the node itself, or each primary of a cluster."""
+    if not is_cluster(client):
+        yield client
+        return
+    for node in client.get_primaries():
+        yield client.get_redis_connection(node)
+
+
+def all_keys(client: Any) -> list[bytes]:
+    """Every key, on every primary."""
+    return [k for node in primaries(client) for k in node.keys("*")]
 
 
 class PodState:
@@ -49,5 +73,7 @@ class PodState:
             return dict(self.blocks)
 
     def store(self, hashes: list[bytes], medium: str = "GPU") -> None:
-        self.emit([BlockStored(hashes, None, [], 16, medium=medium)])  # type: ignore[arg-type]
+        """A stored run, with its parent link as an engine reports it (chain() order)."""
+        parent = PARENT.get(hashes[0])
+        self.emit([BlockStored(hashes, parent, [], 16, medium=medium)])  # type: ignore[arg-type]
 

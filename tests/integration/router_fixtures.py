@@ -121,10 +121,12 @@ class FakePod(pb_grpc.GenerationServicer):
                 if h not in self.state:
                     break
                 hit += 1
+            first = next((i for i, h in enumerate(hashes) if h not in self.state), None)
             new = [h for h in hashes if h not in self.state]
             self.state.update(dict.fromkeys(new, "GPU"))
-        if new:
-            self.publisher.submit([BlockStored(new, None, [], BS)])
+        if new:  # with its parent link, as a pod's pool reports a run
+            parent = hashes[first - 1] if first else None
+            self.publisher.submit([BlockStored(new, parent, [], BS)])
         return pb.Usage(prompt_tokens=len(ids), completion_tokens=2, cached_tokens=hit * BS,
                         cached_tokens_gpu=hit * BS)
 

@@ -1,28 +1,33 @@
-"""The Redis index against a real redis-server through a pod's lifetime: its registration and
-lease, epochs across restarts, a second instance under the same id, a clean stop, a dead pod
-reaped, the publisher across a Redis restart. Fixtures: conftest.py (client, make_pod);
-helpers: index_fixtures.py.
+"""The Redis index against a real redis-server and a real Redis Cluster (every test runs on
+both, but the Redis restart's) through a pod's lifetime: its registration and lease, epochs
+across restarts, a second instance under the same id, a clean stop, a dead pod reaped, the
+publisher across a Redis restart (a primary's failover: test_index_cluster.py). Fixtures:
+conftest.py (client, make_pod, index_redis); helpers: index_fixtures.py.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
-import redis
 
 from pagekv.proto.index import (
     IndexClient,
     IndexSchema,
     PodMatch,
+    bucket_of,
     config_mismatch,
+    connect_async,
     list_live_pods,
     lookup_prefix,
 )
+from pagekv.proto.index.schema import text
+from pagekv.proto.index.writes import listed_buckets
 from pagekv.proto.kv_events import BlockRemoved, BlockStored
 from pagekv.proto.medium import Medium
-from tests.integration.index_fixtures import SCHEMA, chain
+from tests.integration.index_fixtures import SCHEMA, all_keys, chain
 
 pytestmark = pytest.mark.integration
 
@@ -36,13 +41,14 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "") 
         time.sleep(0.02)
 
 
-def index_claims(r: redis.Redis, schema: IndexSchema, pod: str, epoch: str) -> dict[bytes, str]:
+def index_claims(r: Any, schema: IndexSchema, pod: str, epoch: str) -> dict[bytes, str]:
     """What Redis says this pod holds: hash -> best tier, only claims of this epoch."""
     out: dict[bytes, str] = {}
-    for member in r.smembers(schema.pod_blocks_key(pod)):
-        value = r.hget(schema.block_prefix + member.decode(), pod)
-        if value is not None and value.decode().endswith(":" + epoch):
-            out[bytes.fromhex(member.decode())] = Medium.from_code(value.decode()[0])
+    for bucket in listed_buckets(r, schema, pod):
+        for member in r.smembers(schema.pod_blocks_key(pod, bucket)):
+            value = r.hget(schema.block_key_hex(text(member), bucket), pod)
+            if value is not None and value.decode().endswith(":" + epoch):
+                out[bytes.fromhex(text(member))] = Medium.from_code(value.decode()[0])
     return out
 
 def test_live_pods_expose_address_load_config_and_costs(make_pod, client):
@@ -64,7 +70,8 @@ def test_expired_lease_no_longer_counts(make_pod, client):
     assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 2
     pod.pub.stop(clear=False)  # a crash: nothing removed, the lease is just not renewed
     wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
-    assert client.hget(SCHEMA.block_key(blocks[0]), "pod-a") is not None  # claims remain
+    root = bucket_of(blocks[0])
+    assert client.hget(SCHEMA.block_key(blocks[0], root), "pod-a") is not None  # claims remain
     assert lookup_prefix(client, SCHEMA, blocks) == {}
     assert list_live_pods(client, SCHEMA) == []
 
@@ -80,9 +87,9 @@ def test_restarted_pod_does_not_inherit_old_claims(make_pod, client):
     assert new.pub.epoch != old_epoch
     # The restarted pod holds nothing: the previous epoch's claims were dropped at start.
     assert lookup_prefix(client, SCHEMA, blocks) == {"pod-a": PodMatch(0, [])}
-    assert client.scard(SCHEMA.pod_blocks_key("pod-a")) == 0
+    assert index_claims(client, SCHEMA, "pod-a", old_epoch) == {}
     # And a claim that still carries the old epoch is not trusted either.
-    client.hset(SCHEMA.block_key(blocks[0]), "pod-a", f"G:{old_epoch}")
+    client.hset(SCHEMA.block_key(blocks[0], bucket_of(blocks[0])), "pod-a", f"G:{old_epoch}")
     assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 0
     new.store(blocks[:3])
     assert new.pub.flush()
@@ -101,9 +108,10 @@ def test_second_instance_supersedes_the_first(make_pod, client):
     assert lookup_prefix(client, SCHEMA, chain(2))["pod-a"].depth == 1
 
 
-def dump(r: redis.Redis) -> dict[bytes, object]:
+def dump(r: Any) -> dict[bytes, object]:
+    """Every key and its content, on every primary."""
     out: dict[bytes, object] = {}
-    for key in r.keys("*"):
+    for key in all_keys(r):
         kind = r.type(key)
         if kind == b"hash":
             fields = r.hgetall(key)
@@ -137,10 +145,8 @@ def _run(method: str, url: str, schema: IndexSchema, *args: object) -> object:
     """Run one IndexClient coroutine on a fresh asyncio client (the router's kind)."""
     import asyncio
 
-    import redis.asyncio as aioredis
-
     async def go() -> object:
-        index = IndexClient(aioredis.Redis.from_url(url), schema)
+        index = IndexClient(connect_async(url, 5.0), schema)
         try:
             return await getattr(index, method)(*args)
         finally:
@@ -149,7 +155,7 @@ def _run(method: str, url: str, schema: IndexSchema, *args: object) -> object:
     return asyncio.run(go())
 
 
-def test_dead_pod_is_reaped_in_batches_leaving_others_exactly(make_pod, client, redis_server):
+def test_dead_pod_is_reaped_in_batches_leaving_others_exactly(make_pod, client, index_redis):
     other = make_pod("pod-b")
     blocks = chain(25)
     other.store(blocks[:10])
@@ -157,18 +163,21 @@ def test_dead_pod_is_reaped_in_batches_leaving_others_exactly(make_pod, client, 
     before = dump(client)
     dead = make_pod("pod-a", lease_ttl_s=0.3)
     dead.store(blocks)
+    dead.store(chain(9, "other-root"), medium="DISK")  # claims in a second bucket
+    assert bucket_of(chain(1, "other-root")[0]) != bucket_of(blocks[0])
     assert dead.pub.flush()
     epoch = dead.pub.epoch
     dead.pub.stop(clear=False)  # a crash
     wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
-    assert _run("dead_pods", redis_server.url, SCHEMA) == {"pod-a": epoch}
-    removed = _run("reap_pod", redis_server.url, SCHEMA, "pod-a", epoch, 7)
-    assert removed == 25
+    url = index_redis.url
+    assert _run("dead_pods", url, SCHEMA) == {"pod-a": epoch}
+    removed = _run("reap_pod", url, SCHEMA, "pod-a", epoch, 7)
+    assert removed == 34
     assert dump(client) == before  # every key of pod-a gone, pod-b's untouched
-    assert _run("dead_pods", redis_server.url, SCHEMA) == {}
+    assert _run("dead_pods", url, SCHEMA) == {}
 
 
-def test_reap_is_refused_once_the_pod_id_is_back(make_pod, client, redis_server):
+def test_reap_is_refused_once_the_pod_id_is_back(make_pod, client, index_redis):
     dead = make_pod("pod-a", lease_ttl_s=0.3)
     dead.store(chain(3))
     assert dead.pub.flush()
@@ -178,10 +187,11 @@ def test_reap_is_refused_once_the_pod_id_is_back(make_pod, client, redis_server)
     back = make_pod("pod-a")  # restarted under the same id before the reaper ran
     back.store(chain(2))
     assert back.pub.flush()
-    assert _run("reap_pod", redis_server.url, SCHEMA, "pod-a", epoch) is None
+    assert _run("reap_pod", index_redis.url, SCHEMA, "pod-a", epoch) is None
     assert lookup_prefix(client, SCHEMA, chain(3))["pod-a"].depth == 2
 
 
+@pytest.mark.parametrize("index_redis", ["single"], indirect=True)
 def test_publisher_survives_redis_restart_and_republishes(make_pod, redis_server, client):
     pod = make_pod("pod-a")
     pub = pod.pub

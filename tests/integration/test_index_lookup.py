@@ -1,26 +1,32 @@
-"""The Redis index against a real redis-server: what a lookup finds (depth, tiers, several
-pods, the first miss, cleared blocks), in one round trip; hash configurations kept apart by
-namespace, and the config handshake's messages. Fixtures: conftest.py (client, make_pod);
-helpers: index_fixtures.py.
+"""The Redis index against a real redis-server and a real Redis Cluster (every test runs on
+both): what a lookup finds (depth, tiers, several pods, the first miss, cleared blocks), in
+one round trip to one node; hash configurations kept apart by namespace, and the config
+handshake's messages. Fixtures: conftest.py (client, make_pod, index_redis); helpers:
+index_fixtures.py.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis
+import redis.cluster
 
 from pagekv.kvnode.pod.publisher import IndexPublisher
 from pagekv.proto.index import (
     IndexSchema,
     PodMatch,
     config_mismatch,
+    count_pod_claims,
     list_live_pods,
     list_namespaces,
     lookup_prefix,
     register_scripts,
 )
+from pagekv.proto.index.connect import connection_options, is_cluster
 from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from tests.integration.index_fixtures import SCHEMA, chain
+from tests.integration.index_fixtures import SCHEMA, chain, primaries
 
 pytestmark = pytest.mark.integration
 
@@ -81,12 +87,15 @@ def test_all_blocks_cleared(make_pod, client):
     pod.store(blocks[2:], medium="CPU")
     pod.emit([AllBlocksCleared(medium="GPU")])
     assert pod.pub.flush()
-    assert lookup_prefix(client, SCHEMA, blocks[2:])["pod-a"].depth == 2
     assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 0
+    assert count_pod_claims(client, SCHEMA, "pod-a") == 2  # the CPU blocks stay
+    pod.store(blocks[:2])  # recomputed: the chain is whole again
+    assert pod.pub.flush()
+    assert lookup_prefix(client, SCHEMA, blocks)["pod-a"] == PodMatch(4, ["GPU"] * 2 + ["CPU"] * 2)
     pod.emit([AllBlocksCleared()])
     assert pod.pub.flush()
-    assert lookup_prefix(client, SCHEMA, blocks[2:])["pod-a"].depth == 0
-    assert client.scard(SCHEMA.pod_blocks_key("pod-a")) == 0
+    assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 0
+    assert count_pod_claims(client, SCHEMA, "pod-a") == 0
 
 
 def test_config_mismatch_messages():
@@ -135,20 +144,48 @@ class CountingRedis(redis.Redis):
         return super().execute_command(*args, **options)
 
 
-def test_lookup_is_one_round_trip(make_pod, redis_server, client):
+class CountingCluster(redis.cluster.RedisCluster):
+    """The same for a cluster client (each command goes to one node, or is fanned out)."""
+
+    sent: list[str]  # set before __init__: the constructor already sends COMMAND
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.sent = []
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def execute_command(self, *args: object, **options: object) -> object:
+        self.sent.append(str(args[0]).upper())
+        return super().execute_command(*args, **options)
+
+
+def counting_client(client: Any) -> CountingRedis | CountingCluster:
+    """A counting client of the same Redis as `client`."""
+    if not is_cluster(client):
+        kwargs = client.connection_pool.connection_kwargs
+        return CountingRedis(host=kwargs["host"], port=kwargs["port"])
+    options = connection_options(5.0)
+    nodes = [redis.cluster.ClusterNode(n.host, n.port) for n in client.get_primaries()]
+    return CountingCluster(startup_nodes=nodes, **options)
+
+
+def test_lookup_is_one_round_trip_to_one_node(make_pod, client):
     pod, other = make_pod("pod-a"), make_pod("pod-b")
     blocks = chain(64)
     pod.store(blocks[:50])
     other.store(blocks[:3])
     assert pod.pub.flush() and other.pub.flush()
-    counting = CountingRedis.from_url(redis_server.url)
+    live = {p.pod_id: p.epoch for p in list_live_pods(client, SCHEMA)}  # the router's cache
+    counting = counting_client(client)
     register_scripts(counting)
-    client.config_resetstat()
+    nodes = list(primaries(client))
+    for node in nodes:
+        node.config_resetstat()
     counting.sent.clear()
-    got = lookup_prefix(counting, SCHEMA, blocks)
+    got = lookup_prefix(counting, SCHEMA, blocks, live)
     assert got["pod-a"].depth == 50 and got["pod-b"].depth == 3
     assert counting.sent == ["EVALSHA"]
-    stats = client.info("commandstats")
-    assert stats["cmdstat_evalsha"]["calls"] == 1
-    assert "cmdstat_eval" not in stats and "cmdstat_script" not in stats
+    stats = [node.info("commandstats") for node in nodes]
+    assert sorted(s.get("cmdstat_evalsha", {}).get("calls", 0) for s in stats) == \
+        [0] * (len(nodes) - 1) + [1]  # one call, on one node (the chain's bucket's shard)
+    assert not any("cmdstat_eval" in s or "cmdstat_script" in s for s in stats)
     counting.close()

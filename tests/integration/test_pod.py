@@ -18,7 +18,7 @@ from pagekv.kvnode.engine.llm import LLM
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.pod.redis_server import RedisProcess
 from pagekv.proto.hashing import HashConfig, hash_prompt
-from pagekv.proto.index import IndexSchema, list_live_pods, lookup_prefix
+from pagekv.proto.index import IndexSchema, count_pod_claims, list_live_pods, lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
@@ -79,9 +79,9 @@ def test_index_holds_exactly_the_prompt_blocks_at_gpu(stub, rclient):
     gen, kv = stub
     assert kv.ResetPrefixCache(pb.ResetPrefixCacheRequest()).success
     deadline = time.time() + 5  # the clear reaches Redis asynchronously, like every event
-    while time.time() < deadline and rclient.scard(SCHEMA.pod_blocks_key("node-a")):
+    while time.time() < deadline and count_pod_claims(rclient, SCHEMA, "node-a"):
         time.sleep(0.05)
-    assert rclient.scard(SCHEMA.pod_blocks_key("node-a")) == 0
+    assert count_pod_claims(rclient, SCHEMA, "node-a") == 0
     prompt = [100 + i for i in range(40)]  # 2 full blocks; 40 + 3 computed tokens stay < 48
     resp = gen.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                            sampling=greedy(4)))
@@ -93,7 +93,7 @@ def test_index_holds_exactly_the_prompt_blocks_at_gpu(stub, rclient):
         time.sleep(0.05)
     match = lookup_prefix(rclient, SCHEMA, hashes)["node-a"]
     assert match.depth == 2 and match.tiers == ["GPU", "GPU"]
-    assert rclient.scard(SCHEMA.pod_blocks_key("node-a")) == 2
+    assert count_pod_claims(rclient, SCHEMA, "node-a") == 2
     again = gen.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                             sampling=greedy(4)))
     assert again.usage.cached_tokens == 32 and again.usage.cached_tokens_gpu == 32

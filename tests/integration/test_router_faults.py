@@ -14,6 +14,7 @@ import grpc
 import pytest
 import redis
 
+from pagekv.proto.index import count_pod_claims
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from tests.integration.router_fixtures import SCHEMA, tokens_req
 
@@ -165,7 +166,7 @@ def test_dead_pod_is_reaped_from_the_index(redis_server, fake_pods, make_router,
     for pod in fake_pods:
         assert pod.publisher.flush(5)
     crashed = fake_pods[0]
-    claims = client.scard(SCHEMA.pod_blocks_key(crashed.pod_id))
+    claims = count_pod_claims(client, SCHEMA, crashed.pod_id)
     assert claims > 0
     with caplog.at_level(logging.WARNING, logger="pagekv.router.pods"):
         crashed.publisher.stop(clear=False)  # a crash: its keys stay, its lease runs out
@@ -174,9 +175,10 @@ def test_dead_pod_is_reaped_from_the_index(redis_server, fake_pods, make_router,
                                                                crashed.pod_id):
             time.sleep(0.1)
     assert not client.exists(SCHEMA.pod_key(crashed.pod_id),
-                             SCHEMA.pod_blocks_key(crashed.pod_id))
+                             SCHEMA.pod_buckets_key(crashed.pod_id))
+    assert not client.keys(f"*:pb:{crashed.pod_id}")
     assert not any(client.hexists(k, crashed.pod_id) for k in client.scan_iter("*:b:*"))
-    assert client.scard(SCHEMA.pod_blocks_key(fake_pods[1].pod_id)) > 0  # the others stay
+    assert count_pod_claims(client, SCHEMA, fake_pods[1].pod_id) > 0  # the others stay
     assert router.metric("pagekv_router_reaped_pods_total") == 1
     assert router.metric("pagekv_router_reaped_claims_total") == claims
     lines = [r.getMessage() for r in caplog.records if "no lease" in r.getMessage()]
