@@ -188,6 +188,7 @@ class BlockPool:
             return
         cached = self.cached_block_hash_to_block
         stored: list[bytes] = []
+        first = num_cached_blocks  # index of stored[0]
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None:
@@ -198,10 +199,14 @@ class BlockPool:
             block.block_hash = h
             block.parent_hash = block_hashes[i - 1] if i > 0 else None
             cached[h] = block
+            if not stored:
+                first = i
             stored.append(h)
         if stored and self.enable_kv_events:
             bs = self.block_size
-            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+            # The parent of the first block stored (the index places a run by its parent:
+            # None would make a block after a skipped one the root of a chain).
+            parent = block_hashes[first - 1] if first > 0 else None
             toks = (
                 list(token_ids[num_cached_blocks * bs : num_full_blocks * bs])
                 if token_ids is not None

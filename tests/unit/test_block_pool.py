@@ -78,6 +78,17 @@ def test_pool_new_blocks_and_lazy_eviction_hook():
     assert pool.take_events() == []
 
 
+def test_stored_event_names_the_parent_of_its_first_block_even_after_a_skip():
+    pool = BlockPool(4, block_size=16, enable_kv_events=True)
+    a = pool.get_new_blocks(1)
+    pool.cache_full_blocks(a, [b"h0"], 0, 1)  # another request cached block 0 meanwhile
+    b = pool.get_new_blocks(2)
+    pool.cache_full_blocks(b, [b"h0", b"h1"], 0, 2)
+    events = pool.take_events()
+    assert [(e.block_hashes, e.parent_block_hash) for e in events] == [
+        ([b"h0"], None), ([b"h1"], b"h0")]
+
+
 def test_pool_unhashed_freed_to_front():
     pool = BlockPool(4)
     a = pool.get_new_blocks(2)
