@@ -12,8 +12,9 @@ suffix) goes:
 - pull, LZ4:  the same from pod C, which serves with `--kv-transfer-compress` (C got the
               prefix from A by a pull of its own, untimed);
 - pull from a busy peer: as `pull`, while A decodes `--busy` other requests (streams started
-              before, cancelled after): a hot prefix's holder is busy by definition, and A
-              reads each 4 MiB message's pool rows on its engine thread, between its steps;
+              before, cancelled after): a hot prefix's holder is busy by definition; A
+              finds and pins the run on its engine thread (one wait for a step), then reads
+              the pool rows off that thread;
 - recompute:  to B with no `kv_source`: the baseline, the whole prompt prefilled.
 
 B's cache is reset (KVNode.ResetPrefixCache) before each of its requests, so each path is
@@ -354,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         messages = -(-(args.prefix // BLOCK) // per_message)
         print(f"busy peer: {args.busy} requests decoding on A, its step (the gap between their "
               f"streamed tokens) {r['source_step_ms']:.0f} ms during the pulls; the pull "
-              f"reads its {messages} messages' pool rows (4 MiB each) with one engine-thread "
-              f"call each, plus one to open: pull p50 / step = "
+              f"waits for A's engine thread once (to find and pin the run), then reads its "
+              f"{messages} messages' pool rows (4 MiB each) off that thread: pull p50 / step = "
               f"{r['pull_p50_ms'] / r['source_step_ms']:.1f}")
     for p in bench.problems:
         print(f"PROBLEM: {p}")
