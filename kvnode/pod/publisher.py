@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pagekv.kvnode.memory.metrics import Histogram
@@ -47,8 +47,8 @@ class IndexPublisher:
     """One pod's writer to the index. Thread-safe `submit`; everything else on one thread.
 
     `full_state_fn()` must be callable from the publisher thread and return every hashed
-    block the pod holds (hash -> "GPU" | "CPU" | "DISK"), reflecting at least every event
-    already submitted. `load_fn()` returns numbers such as waiting, running, free_blocks.
+    block the pod holds (hash -> "GPU" | "CPU" | "DISK", or a tier bitmask), reflecting at
+    least every event already submitted. `load_fn()` returns numbers such as waiting, running, free_blocks.
     `tier_costs_fn()` returns seconds per token to reload a block from each tier.
     """
 
@@ -68,6 +68,7 @@ class IndexPublisher:
         max_pending: int = 100_000,
         socket_timeout_s: float = 1.0,
         redis_tls: TlsFiles | None = None,
+        registration: Mapping[str, str] | None = None,
     ) -> None:
         if not pod_id or any(c in pod_id for c in " \t\r\n"):
             raise ValueError(f"pod_id must be non-empty without whitespace, got {pod_id!r}")
@@ -81,6 +82,8 @@ class IndexPublisher:
         self.schema = schema
         self.pod_id = pod_id
         self.address = address
+        # Fields written once per registration (writes.kind_fields: how the pod is reached).
+        self.registration = dict(registration or {})
         self.hash_config = {**schema.hash_config(), **config}
         self._load_fn = load_fn
         self._full_state_fn = full_state_fn
@@ -306,7 +309,8 @@ class IndexPublisher:
         if self._registered_once and owner is not None and owner != self.epoch:
             raise _Superseded(f"pod id re-registered with epoch {owner}")
         writes.register_pod(self._client, self.schema, self.pod_id, self.epoch, self.address,
-                            self.hash_config, self._pod_fields(), self._lease_ms)
+                            self.hash_config, {**self.registration, **self._pod_fields()},
+                            self._lease_ms)
         self._registered_once = True
         self._next_renew = time.monotonic() + self.renew_interval_s
 

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pagekv.proto.index import scripts
-from pagekv.proto.index.schema import IndexSchema, namespace_config_key, namespaces_key, text
+from pagekv.proto.index.schema import (
+    POD_KIND_PAGEKV,
+    IndexSchema,
+    namespace_config_key,
+    namespaces_key,
+    text,
+)
 from pagekv.proto.medium import MEDIUMS, Medium
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,8 @@ class PodInfo:
     tier_costs: dict[str, float]  # tier -> seconds per token to reload from that tier
     updated_at: float  # unix time of the last lease renewal
     lease_ms: int  # time left on the lease
+    kind: str = POD_KIND_PAGEKV  # how it is reached (schema.POD_KINDS)
+    http_address: str = ""  # host:port of its OpenAI HTTP API, when registered
 
     @property
     def waiting(self) -> int:
@@ -125,6 +133,8 @@ def _parse_pods(reply: Sequence[Any]) -> list[PodInfo]:
                 tier_costs=costs,
                 updated_at=_float(fields.get("updated", "0")),
                 lease_ms=int(pttl),
+                kind=fields.get("kind", POD_KIND_PAGEKV),
+                http_address=fields.get("http_address", ""),
             )
         )
     pods.sort(key=lambda p: p.pod_id)

@@ -28,6 +28,11 @@ HASH_CONFIG_FIELDS: tuple[str, ...] = ("model", "block_size", "hash_algo", "hash
 
 NAMESPACES_SUFFIX = ":namespaces"  # `<prefix>:namespaces`, a SET of every namespace id
 
+# A pod registration's `kind`: how a router reaches it. PageKV pods serve gRPC at `address`;
+# a vLLM pod (its blocks written by `pagekv ingest-vllm`) serves OpenAI HTTP at `http_address`.
+POD_KIND_PAGEKV, POD_KIND_VLLM = "pagekv", "vllm"
+POD_KINDS: tuple[str, ...] = (POD_KIND_PAGEKV, POD_KIND_VLLM)
+
 # Block claims are spread over this many hash tags, by the first bits of the chain's root
 # hash. Enough to spread over any realistic shard count; few enough that a pod's per-bucket
 # claim sets (at most BUCKETS of them) stay cheap to list, clear and reap. Part of the key

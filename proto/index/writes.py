@@ -17,7 +17,7 @@ from typing import Any
 
 from pagekv.proto.index import scripts
 from pagekv.proto.index.mirror import BucketChange
-from pagekv.proto.index.schema import IndexSchema, bucket_name, text
+from pagekv.proto.index.schema import POD_KINDS, IndexSchema, bucket_name, text
 
 PIPELINE_CHUNK = 4096  # commands per pipeline round trip when writing many claims
 SET_CHUNK = 1000  # members per SADD / SREM / SSCAN page
@@ -30,6 +30,17 @@ RENEWED, REGISTRATION_GONE, SUPERSEDED = 1, 0, -1
 def heartbeat_fields(seq: int) -> dict[str, str]:
     """`updated` (unix s) and `seq` (last applied event), written with every renewal."""
     return {"updated": f"{time.time():.3f}", "seq": str(seq)}
+
+
+def kind_fields(kind: str, http_address: str = "") -> dict[str, str]:
+    """Registration fields saying how a router reaches the pod (schema.POD_KINDS), read
+    back as `PodInfo.kind` and `PodInfo.http_address`; without them a pod is PageKV's."""
+    if kind not in POD_KINDS:
+        raise ValueError(f"unknown pod kind {kind!r}; valid: {', '.join(POD_KINDS)}")
+    fields = {"kind": kind}
+    if http_address:
+        fields["http_address"] = http_address
+    return fields
 
 
 def load_fields(load: Mapping[str, float]) -> Iterator[tuple[str, str]]:
