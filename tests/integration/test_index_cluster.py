@@ -1,8 +1,9 @@
 """The index on a real Redis Cluster (3 primaries, 3 replicas, on loopback): block claims
 spread over the shards while every key of one chain shares one slot and the control keys
 share another; a router routes by prefix through it; a primary killed (SIGKILL): its replica
-takes over, the pods republish and routing by prefix recovers, within bounded time. The
-lookup and lifecycle tests also run on the cluster (test_index_lookup.py,
+takes over, the pods republish and routing by prefix recovers, within bounded time; real
+pod and router processes given a redis+cluster:// URL. The lookup and lifecycle tests also
+run on the cluster (test_index_lookup.py,
 test_index_lifecycle.py). Fixtures: conftest.py; helpers: index_fixtures.py,
 router_fixtures.py.
 """
@@ -15,9 +16,12 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from pagekv.deploy.local_cluster import LocalCluster
 from pagekv.kvnode.pod.redis_cluster import LocalRedisCluster
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import connect, count_pod_claims, list_live_pods, lookup_prefix
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from tests.integration.index_fixtures import SCHEMA, chain, primaries
 from tests.integration.router_fixtures import BS, SEED, FakePod, tokens_req
 from tests.integration.router_fixtures import SCHEMA as ROUTER_SCHEMA
@@ -115,3 +119,26 @@ def test_primary_killed_replica_takes_over_and_routing_recovers(redis_binary, tm
         for p in pods:
             p.close()
         cluster.close()
+
+
+@pytest.mark.parametrize("index_redis", ["cluster"], indirect=True)
+def test_pod_and_router_processes_on_a_cluster_url(index_redis, client, tmp_path):
+    """`pagekv up --redis-url redis+cluster://...`: the URL reaches the pod and the router
+    processes, which publish to and look up in the cluster."""
+    args = ["--num-gpu-blocks", "64", "--max-model-len", "512"]
+    with LocalCluster(nodes=1, run_dir=tmp_path, node_args=args,
+                      redis_url=index_redis.url) as cluster:
+        prompt = list(range(5, 5 + 4 * BS + 1))
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                     sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+        with grpc.insecure_channel(cluster.router.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            first = stub.Generate(request, timeout=60)
+            hashes = hash_prompt(HashConfig("sha256", SEED), BS, prompt)
+            pod = first.served_by
+            wait_until(lambda: lookup_prefix(client, ROUTER_SCHEMA, hashes).get(pod), 10,
+                       "the pod's claims in the cluster")
+            again = stub.Generate(request, timeout=60)
+        assert again.served_by == pod
+        assert again.routing.predicted_cached_tokens == again.usage.cached_tokens == 4 * BS
+        assert count_pod_claims(client, ROUTER_SCHEMA, pod) == 4
