@@ -286,7 +286,9 @@ class LocalCluster:
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=2, help="number of pods")
     p.add_argument("--model", default="pagekv-tiny")
-    p.add_argument("--redis-url", default=None, help="external Redis (default: embedded)")
+    p.add_argument("--redis-url", default=None,
+                   help="external Redis (default: embedded), one node or a Redis Cluster: "
+                        "redis+cluster://h1:p1,h2:p2")
     p.add_argument("--run-dir", default=None, help="logs, Redis data, SSD tiers")
     p.add_argument("--router-port", type=int, default=50050)
     p.add_argument("--router-http-port", type=int, default=8000,

@@ -116,8 +116,10 @@ def add_redis_arguments(parser: argparse.ArgumentParser, default_url: str | None
     where = f"default: ${REDIS_URL_ENV}" + (f", else {default_url}" if default_url else "")
     parser.add_argument(
         "--redis-url", default=None,
-        help=f"Redis index, e.g. redis://:PASSWORD@10.0.0.5:6379/0 or rediss://... for TLS "
-             f"({where}); the variable keeps a password out of `ps`")
+        help=f"Redis index, e.g. redis://:PASSWORD@10.0.0.5:6379/0 or rediss://... for TLS; "
+             f"a Redis Cluster from seed nodes: redis+cluster://:PASSWORD@h1:p1,h2:p2 "
+             f"(rediss+cluster:// for TLS) ({where}); the variable keeps a password out of "
+             f"`ps`")
     add_redis_tls_arguments(parser)
 
 
