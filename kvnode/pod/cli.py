@@ -1,5 +1,5 @@
-"""`pagekv` — the command line: `node`, `router`, `up`, `generate`, `bench-cluster`, `ray-up`,
-`build-kernels`.
+"""`pagekv` — the command line: `node`, `router`, `ingest-vllm`, `up`, `generate`,
+`bench-cluster`, `ray-up`, `build-kernels`.
 
 Each subcommand lives in its own module and registers itself here through two functions,
 `add_arguments(parser)` and `main(args) -> int`, so that importing the CLI stays cheap (the
@@ -23,6 +23,8 @@ from pagekv.kvnode.engine.config import BYTE_SIZES, CHOICES, HELP, EngineArgs
 SUBCOMMANDS = {
     "node": ("pagekv.kvnode.pod.node_cli", "run one pod: the engine behind a gRPC Generate service"),
     "router": ("pagekv.router.cli", "run the prefix-aware gRPC router over the Redis index"),
+    "ingest-vllm": ("pagekv.kvnode.pod.vllm_ingest_cli",
+                    "index a vLLM pod's blocks from its KV events (ZeroMQ), for the router"),
     "up": ("pagekv.deploy.local_cluster", "start a local cluster: Redis, N pods and the router"),
     "generate": ("pagekv.kvnode.pod.client", "send one Generate call to a router or a pod"),
     "bench-cluster": ("pagekv.deploy.bench_cluster", "drive a shared-prefix workload through a cluster"),

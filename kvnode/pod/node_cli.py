@@ -10,6 +10,7 @@ import logging
 import signal
 import socket
 
+from pagekv.kvnode.pod.kv_events_zmq import ZmqEventsConfig
 from pagekv.kvnode.pod.kv_transfer import TransferConfig
 from pagekv.kvnode.pod.server import PodServer
 from pagekv.proto.credentials import (
@@ -25,6 +26,7 @@ from pagekv.proto.credentials import (
 )
 from pagekv.proto.heap import freeze_startup_heap
 from pagekv.proto.requests import add_prompt_limit_arguments, prompt_limits_from
+from pagekv.proto.vllm_events import HASH_FORMS, WIRE_FORMS
 
 logger = logging.getLogger("pagekv.kvnode.pod.server")  # the pod's log lines, one logger
 
@@ -56,7 +58,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_token_argument(p, "--api-token", API_TOKEN_ENV,
                        "bearer token that Generate, GenerateStream and Stats require")
     add_transfer_arguments(p)
+    add_kv_events_arguments(p)
     add_engine_arguments(p)
+
+
+def add_kv_events_arguments(p: argparse.ArgumentParser) -> None:
+    d = ZmqEventsConfig("")
+    g = p.add_argument_group("KV events in vLLM's format (README \"Routing an existing vLLM "
+                             "fleet\")")
+    g.add_argument("--kv-events-zmq", default=None, metavar="ENDPOINT",
+                   help="publish the pod's KV events on this ZeroMQ PUB endpoint, as vLLM's "
+                        "--kv-events-config does (e.g. tcp://*:5557; default: off)")
+    g.add_argument("--kv-events-replay-zmq", default=None, metavar="ENDPOINT",
+                   help="the replay socket for missed batches (e.g. tcp://*:5558)")
+    g.add_argument("--kv-events-topic", default=d.topic)
+    g.add_argument("--kv-events-hash-form", default=d.hash_form, choices=HASH_FORMS,
+                   help="int: the low 64 bits, vLLM's default (blocks with a LoRA adapter, "
+                        "a cache salt or images cannot be re-hashed from it); bytes: the "
+                        "full hash")
+    g.add_argument("--kv-events-format", default=d.wire_form, choices=WIRE_FORMS,
+                   help="events as tagged maps (vLLM today) or positional arrays (older vLLM)")
+    g.add_argument("--kv-events-buffer-steps", type=int, default=d.buffer_steps,
+                   help="batches kept for the replay socket")
+
+
+def kv_events_config_from(args: argparse.Namespace) -> ZmqEventsConfig | None:
+    if not args.kv_events_zmq:
+        if args.kv_events_replay_zmq:
+            raise ValueError("--kv-events-replay-zmq needs --kv-events-zmq")
+        return None
+    return ZmqEventsConfig(
+        args.kv_events_zmq, args.kv_events_replay_zmq, args.kv_events_topic,
+        args.kv_events_hash_form, args.kv_events_format, args.kv_events_buffer_steps)
 
 
 def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,6 +136,7 @@ def main(args: argparse.Namespace) -> int:
         api_token=token_from(args.api_token, API_TOKEN_ENV), redis_tls=tls_from(args, "redis"),
         prompt_limits=prompt_limits_from(args), http_port=args.http_port,
         served_model_names=args.served_model_name, transfer=transfer_config_from(args),
+        kv_events=kv_events_config_from(args),
     )
 
     async def run() -> None:

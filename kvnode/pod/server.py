@@ -4,7 +4,8 @@
   aborts its request and frees its blocks.
 - `pagekv.v1.KVNode` (Stats, ResetPrefixCache), grpc.health.v1, server reflection.
 - OpenAI's HTTP API on --http-port (proto/openai: it calls GenerateStream above in process).
-- Prometheus on --metrics-port; KV events published to the Redis index (when --redis-url).
+- Prometheus on --metrics-port; KV events published to the Redis index (when --redis-url),
+  and on ZeroMQ in vLLM's format (when --kv-events-zmq).
 - SIGTERM / SIGINT (the process and its flags: node_cli.py): health goes NOT_SERVING,
   in-flight requests drain (--drain-timeout-s), the pod's index entries are removed, then
   the process exits.
@@ -26,6 +27,7 @@ from pagekv.kvnode.engine.async_engine import AsyncEngine, QueueFull
 from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
 from pagekv.kvnode.engine.peer_pull import KvSource, PullResult
+from pagekv.kvnode.pod.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
 from pagekv.kvnode.pod.kv_pull_client import PeerFetcher
 from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
 from pagekv.kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
@@ -185,6 +187,7 @@ class PodServer:
         http_port: int | None = None,
         served_model_names: list[str] | None = None,
         transfer: TransferConfig | None = None,
+        kv_events: ZmqEventsConfig | None = None,
     ) -> None:
         self.args = engine_args
         self.pod_id = pod_id
@@ -223,6 +226,8 @@ class PodServer:
             api_token, admin_token, ADMIN_METHODS,
             lambda method, code: refused.labels(**self.metric_labels, method=method,
                                                 code=code).inc())
+        self.kv_events_config = kv_events
+        self.kv_events: VllmEventPublisher | None = None
         self.transfer_config = transfer or TransferConfig()
         self.transfer = KvTransferService(self, self.transfer_config)
         self.fetcher: PeerFetcher | None = None
@@ -370,6 +375,10 @@ class PodServer:
                 lease_ttl_s=self.lease_ttl_s, redis_tls=self.redis_tls,
             )
             engine.event_sinks.append(self.publisher.submit)
+        if self.kv_events_config is not None:
+            self.kv_events = VllmEventPublisher(self.kv_events_config)
+            await asyncio.to_thread(self.kv_events.start)  # binds: a taken port fails here
+            engine.event_sinks.append(self.kv_events.submit)
         aengine.start()
         if self.metrics_port is not None:
             pub = self.publisher
@@ -401,6 +410,8 @@ class PodServer:
         await asyncio.gather(*draining)
         if self.aengine is not None:
             self.aengine.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         if self.fetcher is not None:
             self.fetcher.close()
         if self.metrics_server is not None:

@@ -1,0 +1,301 @@
+"""The vLLM ingester: one vLLM pod's KV events, read off its ZeroMQ publisher, written into
+PageKV's Redis index as that pod's claims, so the router sees its blocks next to PageKV
+pods'. `pagekv ingest-vllm` runs one (vllm_ingest_cli.py).
+
+Writes go through the same IndexPublisher a PageKV pod uses, registered with the vLLM pod's
+hash configuration (the router's handshake refuses a pod whose configuration is not its own,
+naming the field) and `kind=vllm` with its OpenAI address. Its full state, for republishing
+after Redis comes back, is the ingester's own book of the pod's blocks (proto/vllm_chain.py).
+
+Sequence numbers (one per batch, from 0 per publisher process):
+* the next one: applied;
+* a jump ahead (batches lost on the way): the missing ones are asked from the replay socket
+  and applied in order; those the publisher no longer buffers are gone, so the pod's claims
+  are cleared and the index follows fresh events from there (said in one log line);
+* one not above the last: a batch seen already (the live copy of one replayed) is skipped;
+  any other means the publisher restarted, its cache empty: cleared, then read as a new
+  stream;
+* the first one seen, if not 0: everything before it is asked from the replay socket.
+At start the ingester asks the replay socket for everything it still has, so it does not
+wait for the pod's next batch to learn what the pod already holds.
+Frames or payloads that cannot be read are counted, logged (throttled) and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from pagekv.kvnode.memory.metrics import Histogram as PlainHistogram
+from pagekv.kvnode.pod.publish_stats import LAG_BUCKETS
+from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.kvnode.pod.vllm_stream import BadFrames, Frame, ReplayFailed, VllmEventStream
+from pagekv.proto.credentials import TlsFiles
+from pagekv.proto.hashing import DEFAULT_HASH_SEED, HashConfig
+from pagekv.proto.index.schema import POD_KIND_VLLM, IndexSchema
+from pagekv.proto.index.writes import kind_fields
+from pagekv.proto.redact import redact_url
+from pagekv.proto.serving import ThrottledWarning
+from pagekv.proto.vllm_chain import VllmBlockBook
+from pagekv.proto.vllm_events import WireError, decode_batch
+
+logger = logging.getLogger(__name__)
+
+_WARN_EVERY_S = 10.0  # at most one line per kind of trouble per this many seconds
+_RECV_TIMEOUT_S = 0.1  # how often the loop looks at its stop flag
+_SEEN_BATCHES = 4096  # recent batches remembered (by payload hash) to know a duplicate
+
+
+@dataclass(frozen=True, slots=True)
+class IngestConfig:
+    zmq_endpoint: str  # the vLLM pod's PUB socket, e.g. tcp://vllm-0:5557
+    pod_id: str
+    openai_address: str  # host:port of its OpenAI server
+    model: str
+    block_size: int
+    redis_url: str
+    replay_endpoint: str | None = None  # its ROUTER socket, e.g. tcp://vllm-0:5558
+    topic: str = ""
+    hash_algo: str = "sha256"
+    hash_seed: str = DEFAULT_HASH_SEED
+    lease_ttl_s: float = 3.0
+    replay_timeout_s: float = 2.0
+    max_blocks: int = 4_000_000
+    recent_blocks: int = 262_144
+    redis_tls: TlsFiles | None = None
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    """Plain numbers owned by the ingest thread; Prometheus reads them at scrape time."""
+
+    batches: int = 0
+    events: Counter[str] = field(default_factory=Counter)  # by vLLM event type
+    garbage: int = 0  # frames or payloads that could not be read
+    gaps: int = 0
+    replays: Counter[str] = field(default_factory=Counter)  # ok | partial | failed
+    resets: int = 0  # the publisher started over (sequence went back)
+    duplicates: int = 0  # live copies of batches already replayed
+    clears: int = 0  # the pod's claims removed: a gap replay could not fill, a reset
+    last_seq: int = -1
+    lag: PlainHistogram = field(default_factory=lambda: PlainHistogram(LAG_BUCKETS))
+
+
+class VllmIngester:
+    def __init__(self, config: IngestConfig) -> None:
+        self.config = config
+        self.schema = IndexSchema(config.model, config.block_size, config.hash_algo,
+                                  config.hash_seed)
+        self.book = VllmBlockBook(HashConfig(config.hash_algo, config.hash_seed),
+                                  config.block_size, max_blocks=config.max_blocks,
+                                  recent_blocks=config.recent_blocks)
+        self.counters = IngestCounters()
+        self._lock = threading.Lock()  # the book, between this thread and the publisher's
+        self.publisher = IndexPublisher(
+            config.redis_url, self.schema, config.pod_id, config.openai_address,
+            self.schema.hash_config(), load_fn=dict, full_state_fn=self._full_state,
+            lease_ttl_s=config.lease_ttl_s, redis_tls=config.redis_tls,
+            registration=kind_fields(POD_KIND_VLLM, config.openai_address))
+        self.stream: VllmEventStream | None = None
+        self._last: int | None = None  # the last batch applied, None before the first
+        self._seen: OrderedDict[int, int] = OrderedDict()  # seq -> hash of its payload
+        self.joined = threading.Event()  # set once the start's replay is done
+        self._applied = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warn: dict[str, ThrottledWarning] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self, timeout: float = 5.0) -> bool:
+        """Join the index, connect to the publisher, ingest on a thread. Returns whether the
+        index's first sync finished in time (if not, it keeps trying in the background)."""
+        c = self.config
+        logger.info("ingesting vLLM pod %s: events from %s (replay %s, topic %r) into the "
+                    "index at %s; OpenAI API at %s; model %s, block size %d, %s",
+                    c.pod_id, c.zmq_endpoint, c.replay_endpoint or "none", c.topic,
+                    redact_url(c.redis_url), c.openai_address, c.model, c.block_size,
+                    self.book.hash_config.fingerprint())
+        synced = self.publisher.start(timeout)
+        self.stream = VllmEventStream(c.zmq_endpoint, c.replay_endpoint, c.topic)
+        self._thread = threading.Thread(target=self._run, name=f"ingest-{c.pod_id}",
+                                        daemon=True)
+        self._thread.start()
+        return synced
+
+    def stop(self, clear: bool = True, timeout: float = 5.0) -> None:
+        """Stop reading; clear=True also removes the pod's claims and registration."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join(timeout)
+        if self.stream is not None:
+            self.stream.close()
+        self.publisher.stop(clear=clear)
+        logger.info("ingester for vLLM pod %s stopped after %d batches", self.config.pod_id,
+                    self.counters.batches)
+
+    def wait_applied(self, seq: int, timeout: float = 5.0) -> bool:
+        """Wait until batch `seq` is applied and what it changed is visible in Redis."""
+        deadline = time.monotonic() + timeout
+        with self._applied:
+            while self._last is None or self._last < seq:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._applied.wait(left)
+        return self.publisher.flush(max(0.0, deadline - time.monotonic()))
+
+    def _full_state(self) -> dict[bytes, int]:
+        with self._lock:
+            return self.book.full_state()
+
+    # -- the ingest thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        assert self.stream is not None
+        try:
+            self._join()
+        except Exception:
+            logger.exception("ingester %s: the start's replay failed", self.config.pod_id)
+        self.joined.set()
+        while not self._stop.is_set():
+            try:
+                frame = self.stream.recv(_RECV_TIMEOUT_S)
+            except BadFrames as exc:
+                self._garbage(f"a message that is not a KV event batch: {exc}")
+                continue
+            if frame is None:
+                continue
+            try:
+                self._on_frame(frame)
+            except Exception:  # a bug must not stop ingesting: say so, carry on
+                logger.exception("ingester %s: batch %d failed", self.config.pod_id, frame.seq)
+
+    def _join(self) -> None:
+        """Apply whatever the publisher still buffers (the pod's state so far, if its buffer
+        reaches back to batch 0)."""
+        pod = self.config.pod_id
+        if not self.config.replay_endpoint:
+            logger.info("vLLM pod %s: no replay endpoint; indexing from its next batch", pod)
+            return
+        try:
+            replayed = self.stream.replay(0, self.config.replay_timeout_s)  # type: ignore[union-attr]
+        except ReplayFailed as exc:
+            logger.info("vLLM pod %s: nothing replayed at start (%s); indexing from its next "
+                        "batch", pod, exc)
+            return
+        if not replayed:
+            logger.info("vLLM pod %s: no batches published yet", pod)
+            return
+        first = replayed[0].seq
+        if first > 0:
+            logger.warning("vLLM pod %s: joined at batch %d; batches before it are gone from "
+                           "its replay buffer: blocks stored before are indexed once stored "
+                           "again", pod, first)
+        self.counters.replays["ok" if first == 0 else "partial"] += 1
+        for f in replayed:
+            if self._last is None or f.seq == self._last + 1:
+                self._apply(f)
+        logger.info("vLLM pod %s: replayed batches %d..%d at start: %d blocks indexed", pod,
+                    first, self._last, len(self.book))
+
+    def _on_frame(self, frame: Frame) -> None:
+        last = self._last
+        if last is not None and frame.seq <= last:
+            if self._seen.get(frame.seq) == hash(frame.payload):
+                self.counters.duplicates += 1
+                return
+            self.counters.resets += 1
+            logger.warning("vLLM pod %s: batch %d after %d: its publisher restarted; clearing "
+                           "its %d indexed blocks and reading the new stream",
+                           self.config.pod_id, frame.seq, last, len(self.book))
+            self._clear()
+            self._seen.clear()  # the new stream's numbers say nothing about the old one's
+            last = self._last = None
+        if last is None and frame.seq > 0:
+            self._catch_up(0, frame, joining=True)
+        elif last is not None and frame.seq > last + 1:
+            self.counters.gaps += 1
+            self._catch_up(last + 1, frame, joining=False)
+        self._apply(frame)
+
+    def _catch_up(self, start: int, frame: Frame, joining: bool) -> None:
+        """Apply batches start..frame.seq-1 from the replay socket; what it cannot supply is
+        lost, and unless this is the stream's start the pod's claims are cleared."""
+        pod, end = self.config.pod_id, frame.seq - 1
+        why = ""
+        try:
+            replayed = self.stream.replay(start, self.config.replay_timeout_s)  # type: ignore[union-attr]
+        except ReplayFailed as exc:
+            replayed, why = [], str(exc)
+        # The run of consecutive batches that ends right before this one.
+        by_seq = {f.seq: f for f in replayed if start <= f.seq <= end}
+        first = end + 1
+        while first - 1 in by_seq:
+            first -= 1
+        tail = [by_seq[s] for s in range(first, end + 1)]
+        if first == start:
+            self.counters.replays["ok"] += 1
+            logger.info("vLLM pod %s: %s batches %d..%d replayed", pod,
+                        "joined the stream late:" if joining else "gap:", start, end)
+        else:
+            self.counters.replays["partial" if tail else "failed"] += 1
+            gone = f"batches {start}..{first - 1} are gone from its replay buffer" + (
+                f" ({why})" if why else "")
+            if joining or not len(self.book):
+                logger.warning("vLLM pod %s: joined at batch %d; %s: blocks stored before are "
+                               "indexed once stored again", pod, frame.seq, gone)
+            else:
+                logger.warning("vLLM pod %s: %s: cleared its %d indexed blocks; indexing "
+                               "fresh state from batch %d on", pod, gone, len(self.book),
+                               first)
+                self._clear()
+        for f in tail:
+            self._apply(f)
+
+    def _clear(self) -> None:
+        with self._lock:
+            events = self.book.clear()
+            self.publisher.submit(events)
+        self.counters.clears += 1
+
+    def _apply(self, frame: Frame) -> None:
+        try:
+            batch = decode_batch(frame.payload)
+        except WireError as exc:
+            self._garbage(f"batch {frame.seq}: {exc}")
+        else:
+            book = self.book
+            for reason in batch.skipped:
+                book.refuse(reason, f"an event of batch {frame.seq} could not be read")
+            with self._lock:
+                events = book.apply(batch.events)
+                if events:
+                    self.publisher.submit(events)
+            c = self.counters
+            c.batches += 1
+            for ev in batch.events:
+                c.events[type(ev).__name__.removeprefix("Wire")] += 1
+            c.lag.observe(max(0.0, time.time() - batch.ts))
+            for refusal in book.take_refusals():
+                self._warning(refusal.reason, "vLLM pod %s: event refused (%s): %s",
+                              self.config.pod_id, refusal.reason, refusal.detail)
+        self.counters.last_seq = frame.seq
+        self._seen[frame.seq] = hash(frame.payload)
+        if len(self._seen) > _SEEN_BATCHES:
+            self._seen.popitem(last=False)
+        with self._applied:
+            self._last = frame.seq
+            self._applied.notify_all()
+
+    def _garbage(self, detail: str) -> None:
+        self.counters.garbage += 1
+        self._warning("garbage", "vLLM pod %s: skipped %s", self.config.pod_id, detail)
+
+    def _warning(self, kind: str, msg: str, *args: object) -> None:
+        warn = self._warn.get(kind)
+        if warn is None:
+            warn = self._warn[kind] = ThrottledWarning(logger, _WARN_EVERY_S)
+        warn.warn(msg, *args)

@@ -1,0 +1,113 @@
+"""The subscriber's sockets to one KV-event publisher in vLLM's format (a vLLM pod, or a
+PageKV pod with --kv-events-zmq): the live stream on SUB, missed batches from the replay
+ROUTER on a DEALER. Frames only; what the batches mean is vllm_ingest.py's business.
+
+Both connect (the publisher binds), so either side may start first and a restarted
+publisher is reconnected by ZeroMQ itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from pagekv.proto.vllm_events import END_SEQ, seq_from_bytes, seq_to_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class BadFrames(ValueError):
+    """A message that is not (topic, 8-byte sequence number, payload)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    seq: int
+    payload: bytes
+
+
+class ReplayFailed(Exception):
+    """The replay socket did not finish answering in time (or there is none)."""
+
+
+class VllmEventStream:
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 rcvhwm: int = 100_000) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self._ctx = zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)  # a prefix match, as ZeroMQ does
+        self._sub.connect(endpoint)
+        self._replay: zmq.Socket | None = None
+
+    def recv(self, timeout_s: float) -> Frame | None:
+        """The next live batch, or None after `timeout_s`. BadFrames for a malformed one."""
+        if not self._sub.poll(int(timeout_s * 1000)):
+            return None
+        frames = self._sub.recv_multipart()
+        if len(frames) != 3:
+            raise BadFrames(f"{len(frames)} frames, not 3 (topic, seq, payload)")
+        try:
+            return Frame(seq_from_bytes(frames[1]), frames[2])
+        except ValueError as exc:
+            raise BadFrames(str(exc)) from None
+
+    def replay(self, start_seq: int, timeout_s: float) -> list[Frame]:
+        """Every batch the publisher still buffers from `start_seq` on, in its order.
+
+        The answer ends with the publisher's end marker; if it does not within `timeout_s`
+        the socket is replaced (a late answer must not be read as the next one's) and
+        ReplayFailed raised."""
+        if not self.replay_endpoint:
+            raise ReplayFailed("no replay endpoint configured")
+        sock = self._replay_socket()
+        sock.send_multipart((b"", seq_to_bytes(start_seq)))
+        deadline = time.monotonic() + timeout_s
+        got: list[Frame] = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                self._drop_replay_socket()
+                raise ReplayFailed(f"no end of replay within {timeout_s:.1f}s "
+                                   f"({len(got)} batches so far)")
+            frames = sock.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]  # the envelope's delimiter
+            # (topic, seq, payload) from newer vLLM, (seq, payload) from older.
+            if len(frames) == 3:
+                frames = frames[1:]
+            if len(frames) != 2:
+                self._drop_replay_socket()
+                raise ReplayFailed(f"a replay answer of {len(frames)} frames")
+            try:
+                seq = seq_from_bytes(frames[0])
+            except ValueError as exc:
+                self._drop_replay_socket()
+                raise ReplayFailed(f"a replay answer's sequence number: {exc}") from None
+            if seq == END_SEQ:
+                return got
+            got.append(Frame(seq, frames[1]))
+
+    def _replay_socket(self) -> zmq.Socket:
+        if self._replay is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.replay_endpoint)
+            self._replay = sock
+        return self._replay
+
+    def _drop_replay_socket(self) -> None:
+        if self._replay is not None:
+            self._replay.close(0)
+            self._replay = None
+
+    def close(self) -> None:
+        self._drop_replay_socket()
+        self._sub.close(0)
