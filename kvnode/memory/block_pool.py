@@ -207,8 +207,10 @@ class BlockPool:
             # The parent of the first block stored (the index places a run by its parent:
             # None would make a block after a skipped one the root of a chain).
             parent = block_hashes[first - 1] if first > 0 else None
+            # From the block after that parent, as vLLM's events: the tokens and the parent
+            # recompute the run's hashes (the vLLM ingester checks them that way).
             toks = (
-                list(token_ids[num_cached_blocks * bs : num_full_blocks * bs])
+                list(token_ids[first * bs : num_full_blocks * bs])
                 if token_ids is not None
                 else []
             )

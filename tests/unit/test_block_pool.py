@@ -89,6 +89,17 @@ def test_stored_event_names_the_parent_of_its_first_block_even_after_a_skip():
         ([b"h0"], None), ([b"h1"], b"h0")]
 
 
+def test_stored_event_tokens_start_after_its_parent():
+    pool = BlockPool(4, block_size=2, enable_kv_events=True)
+    pool.cache_full_blocks(pool.get_new_blocks(1), [b"h0"], 0, 1, token_ids=[1, 2])
+    pool.take_events()
+    blocks = pool.get_new_blocks(3)  # block 0 cached meanwhile: the run starts at block 1
+    pool.cache_full_blocks(blocks, [b"h0", b"h1", b"h2"], 0, 3, token_ids=[1, 2, 3, 4, 5, 6])
+    (event,) = pool.take_events()
+    assert (event.block_hashes, event.parent_block_hash, event.token_ids) == (
+        [b"h1", b"h2"], b"h0", [3, 4, 5, 6])
+
+
 def test_pool_unhashed_freed_to_front():
     pool = BlockPool(4)
     a = pool.get_new_blocks(2)
