@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 import redis
+import zmq
 
 from pagekv.kvnode.pod.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
 from pagekv.kvnode.pod.vllm_ingest import IngestConfig, VllmIngester
@@ -23,6 +24,8 @@ from pagekv.proto.medium import Medium
 from pagekv.proto.vllm_events import (
     WireBlockRemoved,
     WireBlockStored,
+    decode_batch,
+    seq_from_bytes,
     seq_to_bytes,
     short_hash,
 )
@@ -245,3 +248,35 @@ def test_a_pod_of_another_configuration_is_refused_by_the_router(
     assert f"{field} differs" in line and "never routed to" in line
     (entry,) = router.server.router.registry.eligible()
     assert entry.pod_id == "vllm-ok" and entry.info.kind == "vllm"
+
+
+def test_the_pods_publisher_keeps_a_dropped_batchs_number_and_replays() -> None:
+    pub = VllmEventPublisher(ZmqEventsConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", TOPIC,
+                                             max_queue_size=2))
+    stored = [BlockStored(A[:1], None, TOKENS_A[:BS], BS, None, Medium.GPU)]
+    for _ in range(3):  # the sender is not running yet: the third does not fit
+        pub.submit(stored)
+    pub.start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    try:
+        pub.submit([BlockRemoved(A[:1], Medium.GPU)])
+        wait_for(lambda: pub.stats()["published"] == 3, what="three batches sent")
+        assert pub.stats()["dropped"] == 1
+        dealer.send_multipart([b"", seq_to_bytes(1)])
+        answers = []
+        while True:
+            assert dealer.poll(5000)
+            answers.append(dealer.recv_multipart())
+            if answers[-1][2] == b"\xff" * 8:
+                break
+        *batches, end = answers
+        assert end == [b"", TOPIC.encode(), b"\xff" * 8, b""]
+        assert [(a[1], seq_from_bytes(a[2])) for a in batches] == [(TOPIC.encode(), 1),
+                                                                   (TOPIC.encode(), 3)]
+        (event,) = decode_batch(batches[1][3]).events
+        assert event == WireBlockRemoved([short_hash(A[0])], "GPU")
+    finally:
+        dealer.close(0)
+        pub.stop()
