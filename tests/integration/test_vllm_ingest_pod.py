@@ -7,7 +7,9 @@ same block hashes, in the same tiers (a small pool and a DRAM tier make it demot
 
 from __future__ import annotations
 
+import shutil
 import signal
+import subprocess
 import urllib.request
 
 import grpc
@@ -85,6 +87,12 @@ def test_pod_events_through_the_ingester_equal_the_pods_own_claims(redis_server,
         refused = {k[1]: v for k, v in m.items() if k[0] == "pagekv_ingest_refused_events_total"}
         assert refused and not any(refused.values()), refused
         assert m[("pagekv_ingest_indexed_blocks", "")] == len(own)
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool not found: apt-get install -y prometheus"
+        page = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read()
+        r = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True,
+                           timeout=30)
+        assert r.returncode == 0, r.stdout + r.stderr
         # A clean stop removes what it wrote, and only that.
         ingester.proc.send_signal(signal.SIGTERM)
         assert ingester.proc.wait(15) == 0
