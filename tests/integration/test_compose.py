@@ -131,7 +131,8 @@ def test_compose_config_validates_with_docker_compose() -> None:
         assert done.returncode == 0, done.stderr
         merged = yaml.safe_load(done.stdout)
         assert set(merged["services"]) == {"redis", "kvnode-a", "kvnode-b", "router",
-                                           "prometheus", "grafana"}
+                                           "prometheus", "grafana", "ingest-vllm"}
+        assert merged["services"]["ingest-vllm"]["profiles"] == ["vllm"]  # off by default
         assert "pagekv-small" in merged["services"]["kvnode-a"]["command"]  # the default
     for pod in ("kvnode-a", "kvnode-b"):  # the last run merged the GPU override
         devices = merged["services"][pod]["deploy"]["resources"]["reservations"]["devices"]
@@ -178,6 +179,18 @@ def test_compose_wiring_is_consistent() -> None:
             assert (flag_or(pod["command"], key, pod_default)
                     == flag_or(rcmd, key, router_default)), key
     assert flag(rcmd, "--redis-url") == f"redis://redis:{redis_port}/0"
+    # The vLLM ingester (profile vllm): the image the pods build, the router's Redis and
+    # hashing, the vLLM pod's documented ports.
+    ingest = services["ingest-vllm"]
+    icmd = ingest["command"]
+    assert icmd[0] == "ingest-vllm" and ingest["image"] == services["router"]["image"]
+    assert flag(icmd, "--redis-url") == flag(rcmd, "--redis-url")
+    for key, default in (("--model", routing.model), ("--block-size", routing.block_size),
+                         ("--hash-algo", routing.hash_algo),
+                         ("--hash-seed", routing.hash_seed)):
+        assert flag_or(icmd, key, default) == flag_or(rcmd, key, default), key
+    assert flag(icmd, "--zmq-endpoint").endswith(":5557")
+    assert flag(icmd, "--replay-endpoint").endswith(":5558")
     # Prometheus scrapes every pod and the router on their metrics ports.
     prom = yaml.safe_load(PROMETHEUS.read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"]
