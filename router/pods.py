@@ -277,7 +277,9 @@ class PodRegistry:
                 if not reason:
                     logger.info("pod %s at %s (epoch %s) joined", info.pod_id, info.address,
                                 info.epoch)
-            entry.lease_until = read_at + info.lease_ms / 1000
+            # (A lease without a TTL, PTTL -1, never runs out: no pod of ours writes one.)
+            entry.lease_until = read_at + info.lease_ms / 1000 if info.lease_ms >= 0 \
+                else float("inf")
         for pod_id, entry in self.pods.items():
             if pod_id not in fresh:
                 logger.info("pod %s at %s: lease expired; no longer routed to", pod_id,
