@@ -83,6 +83,7 @@ def test_public_api_and_light_parts_without_torch(light_venv: Path) -> None:
     code = ("import sys, pagekv\n"
             "from pagekv import Client, __version__\n"
             "import pagekv.router.server, pagekv.kvnode.pod.client, pagekv.proto.index\n"
+            "import pagekv.kvnode.pod.vllm_ingest_cli\n"
             "assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
             "for generic in ('kvnode', 'router', 'proto', 'deploy', 'tiers'):\n"
             "    try:\n"
@@ -94,7 +95,8 @@ def test_public_api_and_light_parts_without_torch(light_venv: Path) -> None:
     r = in_venv(light_venv, py, "-c", code)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "LLM" in r.stdout and "SamplingParams" in r.stdout and "Client" in r.stdout
-    for argv in (["--version"], ["router", "--help"], ["generate", "--help"]):
+    for argv in (["--version"], ["router", "--help"], ["generate", "--help"],
+                 ["ingest-vllm", "--help"]):
         r = in_venv(light_venv, str(light_venv / "bin" / "pagekv"), *argv)
         assert r.returncode == 0, (argv, r.stderr[-2000:])
 
