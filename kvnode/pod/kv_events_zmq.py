@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.vllm_events import (
@@ -128,6 +130,10 @@ class VllmEventPublisher:
             self._ready.notify()
         thread.join(timeout)
 
+    def collector(self, labels: dict[str, str]) -> Collector:
+        """Its counters for Prometheus (`pagekv_kv_events_zmq_*`), read at scrape time."""
+        return _ZmqEventsCollector(self, labels)
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             queued, seq = len(self._queue), self._next_seq
@@ -216,3 +222,27 @@ class VllmEventPublisher:
         sock.send_multipart((*envelope, self._topic, seq_to_bytes(END_SEQ), b""))
         self.replays_served += 1
         logger.debug("kv events zmq: replayed %d batches from %d", sent, start)
+
+
+class _ZmqEventsCollector(Collector):
+    _COUNTERS = {"published": "batches sent", "dropped": "batches dropped, the sender behind",
+                 "replays_served": "replay requests answered",
+                 "errors": "batches that could not be encoded or sent"}
+
+    def __init__(self, publisher: VllmEventPublisher, labels: dict[str, str]) -> None:
+        self.publisher = publisher
+        self.names, self.values = list(labels), list(labels.values())
+
+    def collect(self):
+        stats = self.publisher.stats()
+        for key, doc in self._COUNTERS.items():
+            fam = CounterMetricFamily(f"pagekv_kv_events_zmq_{key}",
+                                      f"KV events in vLLM's format: {doc}", labels=self.names)
+            fam.add_metric(self.values, stats[key])
+            yield fam
+        for key, doc in (("seq", "the next batch's sequence number"),
+                         ("queued", "batches waiting for the sender")):
+            fam = GaugeMetricFamily(f"pagekv_kv_events_zmq_{key}",
+                                    f"KV events in vLLM's format: {doc}", labels=self.names)
+            fam.add_metric(self.values, stats[key])
+            yield fam

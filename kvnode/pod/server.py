@@ -386,6 +386,8 @@ class PodServer:
                 engine, self.metric_labels, pub.stats if pub else None,
                 (lambda: pub.lag_histogram) if pub else None,
             ))
+            if self.kv_events is not None:
+                self.registry.register(self.kv_events.collector(self.metric_labels))
             self.metrics_server = serve_metrics(self.registry, self.host, self.metrics_port)
             self.metrics_port = self.metrics_server.server_port
             logger.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)

@@ -48,10 +48,12 @@ def generate(stub: pb_grpc.GenerationStub, first: int, n: int) -> None:
 
 def test_pod_events_through_the_ingester_equal_the_pods_own_claims(redis_server, tmp_path
                                                                    ) -> None:
-    grpc_port, zmq_port, replay_port, http_port, mport = (free_port() for _ in range(5))
+    grpc_port, zmq_port, replay_port, http_port, mport, pod_mport = (
+        free_port() for _ in range(6))
     pod = spawn("pod", pagekv_cmd(
         "node", "--model", SCHEMA.model, "--host", "127.0.0.1", "--port", str(grpc_port),
-        "--http-port", str(http_port), "--pod-id", "pod-self", "--redis-url", redis_server.url,
+        "--http-port", str(http_port), "--metrics-port", str(pod_mport), "--pod-id", "pod-self",
+        "--redis-url", redis_server.url,
         "--kv-events-zmq", f"tcp://127.0.0.1:{zmq_port}",
         "--kv-events-replay-zmq", f"tcp://127.0.0.1:{replay_port}", *POD_ARGS), tmp_path)
     ingester = None
@@ -87,12 +89,17 @@ def test_pod_events_through_the_ingester_equal_the_pods_own_claims(redis_server,
         refused = {k[1]: v for k, v in m.items() if k[0] == "pagekv_ingest_refused_events_total"}
         assert refused and not any(refused.values()), refused
         assert m[("pagekv_ingest_indexed_blocks", "")] == len(own)
+        pod_m = metrics(pod_mport)
+        assert pod_m[("pagekv_kv_events_zmq_published_total", "")] >= 11
+        assert pod_m[("pagekv_kv_events_zmq_dropped_total", "")] == 0
+        assert pod_m[("pagekv_kv_events_zmq_replays_served_total", "")] >= 1  # the join
         promtool = shutil.which("promtool")
         assert promtool, "promtool not found: apt-get install -y prometheus"
-        page = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read()
-        r = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True,
-                           timeout=30)
-        assert r.returncode == 0, r.stdout + r.stderr
+        for port in (mport, pod_mport):
+            page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+            r = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True,
+                               timeout=30)
+            assert r.returncode == 0, r.stdout + r.stderr
         # A clean stop removes what it wrote, and only that.
         ingester.proc.send_signal(signal.SIGTERM)
         assert ingester.proc.wait(15) == 0
