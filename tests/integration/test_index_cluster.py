@@ -126,8 +126,8 @@ def test_pod_and_router_processes_on_a_cluster_url(index_redis, client, tmp_path
     """`pagekv up --redis-url redis+cluster://...`: the URL reaches the pod and the router
     processes, which publish to and look up in the cluster."""
     args = ["--num-gpu-blocks", "64", "--max-model-len", "512"]
-    with LocalCluster(nodes=1, run_dir=tmp_path, node_args=args,
-                      redis_url=index_redis.url) as cluster:
+    with LocalCluster(nodes=1, run_dir=tmp_path, node_args=args, redis_url=index_redis.url,
+                      router_args=["--burst-ttl-s", "0"]) as cluster:  # the index decides
         prompt = list(range(5, 5 + 4 * BS + 1))
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                      sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
@@ -136,8 +136,8 @@ def test_pod_and_router_processes_on_a_cluster_url(index_redis, client, tmp_path
             first = stub.Generate(request, timeout=60)
             hashes = hash_prompt(HashConfig("sha256", SEED), BS, prompt)
             pod = first.served_by
-            wait_until(lambda: lookup_prefix(client, ROUTER_SCHEMA, hashes).get(pod), 10,
-                       "the pod's claims in the cluster")
+            wait_until(lambda: lookup_prefix(client, ROUTER_SCHEMA, hashes)[pod].depth == 4,
+                       10, "the pod's claims in the cluster")
             again = stub.Generate(request, timeout=60)
         assert again.served_by == pod
         assert again.routing.predicted_cached_tokens == again.usage.cached_tokens == 4 * BS
