@@ -48,6 +48,7 @@ from bench.stats import pct  # noqa: E402
 from pagekv.deploy.local_cluster import Child, pagekv_cmd, spawn, stop_child, wait_healthy  # noqa: E402
 from pagekv.kvnode.pod.redis_server import RedisProcess, free_port  # noqa: E402
 from pagekv.proto.index import IndexSchema, list_live_pods  # noqa: E402
+from pagekv.proto.index.queries import count_pod_claims  # noqa: E402
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb  # noqa: E402
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -139,7 +140,7 @@ def reset_pods(pods: list[Child], redis_url: str, model: str) -> None:
                 raise RuntimeError(f"{pod.name}: prefix cache reset refused")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if all(client.scard(schema.pod_blocks_key(p.name)) == 0 for p in pods):
+        if all(count_pod_claims(client, schema, p.name) == 0 for p in pods):
             return
         time.sleep(0.05)
     raise RuntimeError("index still holds blocks after the reset")
