@@ -7,13 +7,17 @@ where the cached tokens came from, and the metrics on both sides must show the t
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagekv.deploy.local_cluster import LocalCluster, wait_healthy
+from pagekv.proto.hashing import HashConfig, hash_prompt
+from pagekv.proto.index import IndexSchema, lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
@@ -37,6 +41,21 @@ def metrics(pod) -> dict[tuple[str, tuple], float]:
                                   timeout=5).read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def wait_indexed(redis_url: str, pod_id: str, blocks: int) -> None:
+    """Until the index shows `pod_id` holding PROMPT's first `blocks` blocks (its publisher
+    flushes every 50 ms; a loaded box may take longer)."""
+    client = redis.Redis.from_url(redis_url)
+    hashes = hash_prompt(HashConfig("sha256", "vllm-none-hash"), 16, PROMPT)[:blocks]
+    schema = IndexSchema("pagekv-tiny", 16, "sha256", "vllm-none-hash")
+    deadline = time.monotonic() + 10
+    try:
+        while getattr(lookup_prefix(client, schema, hashes).get(pod_id), "depth", 0) < blocks:
+            assert time.monotonic() < deadline, f"{pod_id}'s blocks never reached the index"
+            time.sleep(0.05)
+    finally:
+        client.close()
 
 
 def value(samples, name: str, **labels) -> float:
@@ -104,6 +123,7 @@ def test_router_sends_a_busy_holders_prefix_to_an_idle_pod_by_pull(tmp_path):
         router = cluster.router.address
         first = generate(router, PROMPT)
         holder = first.routing.chosen_pod
+        wait_indexed(cluster.redis_url, holder, 18)  # the pull option needs indexed blocks
         with grpc.insecure_channel(router) as ch:
             busy = pb_grpc.GenerationStub(ch).GenerateStream(pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=[*PROMPT, 1, 2]), sampling=pb.SamplingParams(
