@@ -124,6 +124,8 @@ class IndexPublisher:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._superseded = False
+        self._pause = False  # asked for (pause/resume)
+        self._left = False  # done: out of the index while paused
 
         self._counters = PublishCounters()
 
@@ -152,6 +154,18 @@ class IndexPublisher:
             logger.warning("index publisher %s: first sync not done after %.1fs; retrying in "
                            "the background", self.pod_id, timeout)
         return ok
+
+    def pause(self) -> None:
+        """Leave the index until resume(): the thread removes this pod's claims and
+        registration and drops what is submitted meanwhile, keeping what it learned of the
+        chains; resume() re-registers and republishes the full state. For a pod that does
+        not serve for a while (the vLLM ingester's, when its /health fails)."""
+        self._pause = True
+        self._wake.set()
+
+    def resume(self) -> None:
+        self._pause = False
+        self._wake.set()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every event submitted so far is visible in Redis."""
@@ -207,6 +221,7 @@ class IndexPublisher:
             "epoch": self.epoch,
             "connected": self._connected,
             "superseded": self._superseded,
+            "paused": self._left,
             "events_submitted": q.submitted,
             "events_dropped": q.dropped,
             "pending": q.pending,
@@ -224,6 +239,8 @@ class IndexPublisher:
                 self._stop.wait(self.renew_interval_s)
                 continue
             try:
+                if (self._pause or self._left) and self._paused_step():
+                    continue
                 if self._needs_resync:
                     self._resync()
                 now = time.monotonic()
@@ -257,6 +274,22 @@ class IndexPublisher:
                 self._publish_pending()
             except REDIS_ERRORS as exc:
                 logger.debug("index publisher %s: final flush failed: %s", self.pod_id, exc)
+
+    def _paused_step(self) -> bool:
+        """While paused: leave once, then drop what is submitted. False once resumed: the
+        way back is a full republish."""
+        if not self._pause:
+            self._left = False
+            self._needs_resync = True
+            return False
+        if not self._left:
+            if self._client is not None:
+                self._clear_registration()
+            self._left = True
+        self._drop_pending()
+        self._wake.wait(self.flush_interval_s)
+        self._wake.clear()
+        return True
 
     def _back_off(self) -> None:
         """Wait before the next try, twice as long as the last time (capped). The lease is

@@ -19,6 +19,10 @@ Sequence numbers (one per batch, from 0 per publisher process):
 At start the ingester asks the replay socket for everything it still has, so it does not
 wait for the pod's next batch to learn what the pod already holds.
 Frames or payloads that cannot be read are counted, logged (throttled) and skipped.
+
+While the pod's OpenAI server does not answer /health (vllm_health.py) the pod is out of the
+index: its claims and lease removed, its events still followed, and republished in full when
+it answers again.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from pagekv.kvnode.memory.metrics import Histogram as PlainHistogram
 from pagekv.kvnode.pod.publish_stats import LAG_BUCKETS
 from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.kvnode.pod.vllm_health import HealthProbe, health_url
 from pagekv.kvnode.pod.vllm_stream import BadFrames, Frame, ReplayFailed, VllmEventStream
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HashConfig
@@ -66,6 +71,8 @@ class IngestConfig:
     max_blocks: int = 4_000_000
     recent_blocks: int = 262_144
     redis_tls: TlsFiles | None = None
+    health_interval_s: float = 2.0  # 0: no health probe, the pod is always taken as up
+    health_failures: int = 3
 
 
 @dataclass(slots=True)
@@ -99,6 +106,11 @@ class VllmIngester:
             self.schema.hash_config(), load_fn=dict, full_state_fn=self._full_state,
             lease_ttl_s=config.lease_ttl_s, redis_tls=config.redis_tls,
             registration=kind_fields(POD_KIND_VLLM, config.openai_address))
+        self.health: HealthProbe | None = None
+        if config.health_interval_s > 0:
+            self.health = HealthProbe(health_url(config.openai_address), self._pod_down,
+                                      self._pod_up, config.health_interval_s,
+                                      config.health_failures)
         self.stream: VllmEventStream | None = None
         self._last: int | None = None  # the last batch applied, None before the first
         self._seen: OrderedDict[int, int] = OrderedDict()  # seq -> hash of its payload
@@ -119,6 +131,8 @@ class VllmIngester:
                     redact_url(c.redis_url), c.openai_address, c.model, c.block_size,
                     self.book.hash_config.fingerprint())
         synced = self.publisher.start(timeout)
+        if self.health is not None:
+            self.health.start()
         self.stream = VllmEventStream(c.zmq_endpoint, c.replay_endpoint, c.topic)
         self._thread = threading.Thread(target=self._run, name=f"ingest-{c.pod_id}",
                                         daemon=True)
@@ -127,6 +141,8 @@ class VllmIngester:
 
     def stop(self, clear: bool = True, timeout: float = 5.0) -> None:
         """Stop reading; clear=True also removes the pod's claims and registration."""
+        if self.health is not None:
+            self.health.stop()
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stop.set()
@@ -146,11 +162,30 @@ class VllmIngester:
                 if left <= 0:
                     return False
                 self._applied.wait(left)
+        if self.health is not None and not self.health.up:
+            return True  # out of the index: nothing of it is to become visible
         return self.publisher.flush(max(0.0, deadline - time.monotonic()))
 
     def _full_state(self) -> dict[bytes, int]:
         with self._lock:
             return self.book.full_state()
+
+    def _submit(self, events: list) -> None:
+        """Under self._lock, after the book took them in."""
+        if events:
+            self.publisher.submit(events)
+
+    # -- the pod's health (the probe's thread) ------------------------------------------
+    def _pod_down(self, why: str) -> None:
+        logger.warning("vLLM pod %s is not serving (%s): removing it from the index; its "
+                       "events are still followed, and it rejoins once /health answers",
+                       self.config.pod_id, why)
+        self.publisher.pause()
+
+    def _pod_up(self) -> None:
+        logger.info("vLLM pod %s serves again: back in the index with its %d blocks",
+                    self.config.pod_id, len(self.book))
+        self.publisher.resume()  # a full republish of the book
 
     # -- the ingest thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -257,8 +292,7 @@ class VllmIngester:
 
     def _clear(self) -> None:
         with self._lock:
-            events = self.book.clear()
-            self.publisher.submit(events)
+            self._submit(self.book.clear())
         self.counters.clears += 1
 
     def _apply(self, frame: Frame) -> None:
@@ -271,9 +305,7 @@ class VllmIngester:
             for reason in batch.skipped:
                 book.refuse(reason, f"an event of batch {frame.seq} could not be read")
             with self._lock:
-                events = book.apply(batch.events)
-                if events:
-                    self.publisher.submit(events)
+                self._submit(book.apply(batch.events))
             c = self.counters
             c.batches += 1
             for ev in batch.events:

@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--openai-address", required=True, metavar="HOST:PORT",
                    help="its OpenAI server, as the router should reach it")
     g.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
+    g.add_argument("--health-interval-s", type=float, default=d.health_interval_s,
+                   help="how often to ask the OpenAI server's /health; while it fails the pod "
+                        "is kept out of the index (0: never ask)")
+    g.add_argument("--health-failures", type=int, default=d.health_failures,
+                   help="failed /health answers in a row that take the pod out")
     g.add_argument("--max-blocks", type=int, default=d.max_blocks,
                    help="blocks indexed for the pod at most (GPU and offloaded tiers)")
     g.add_argument("--recent-blocks", type=int, default=d.recent_blocks,
@@ -74,7 +79,8 @@ def config_from(args: argparse.Namespace) -> IngestConfig:
         block_size=args.block_size, redis_url=redis_url, hash_algo=args.hash_algo,
         hash_seed=args.hash_seed, lease_ttl_s=args.lease_ttl_s,
         replay_timeout_s=args.replay_timeout_s, max_blocks=args.max_blocks,
-        recent_blocks=args.recent_blocks, redis_tls=tls_from(args, "redis"))
+        recent_blocks=args.recent_blocks, redis_tls=tls_from(args, "redis"),
+        health_interval_s=args.health_interval_s, health_failures=args.health_failures)
 
 
 class IngestCollector(Collector):
@@ -133,6 +139,9 @@ class IngestCollector(Collector):
         yield _histogram_family("pagekv_ingest_lag_seconds",
                                 "The batch's timestamp at the vLLM pod to its events queued "
                                 "for the index", c.lag, names, values)
+        yield self._one(GaugeMetricFamily, "pagekv_ingest_pod_up",
+                        "1 while the pod answers /health (and is in the index)",
+                        ing.health is None or ing.health.up)
         pub = ing.publisher
         yield _histogram_family("pagekv_index_publish_lag_seconds",
                                 "Index publisher: submit to visible in Redis, per batch",

@@ -7,8 +7,10 @@ The ingester runs in-process on its own thread, so its counters and log lines ca
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import msgspec
 import pytest
@@ -68,7 +70,7 @@ def make_ingester(redis_server) -> Iterator[Callable[..., VllmIngester]]:
                       pod_id="vllm-a", openai_address="127.0.0.1:8000", model=SCHEMA.model,
                       block_size=SCHEMA.block_size, redis_url=redis_server.url,
                       hash_algo=SCHEMA.hash_algo, hash_seed=SCHEMA.hash_seed,
-                      lease_ttl_s=1.5, replay_timeout_s=1.0)
+                      lease_ttl_s=1.5, replay_timeout_s=1.0, health_interval_s=0.0)
         ing = VllmIngester(IngestConfig(**{**fields, **overrides}))
         assert ing.start()
         made.append(ing)
@@ -280,3 +282,47 @@ def test_the_pods_publisher_keeps_a_dropped_batchs_number_and_replays() -> None:
     finally:
         dealer.close(0)
         pub.stop()
+
+
+class _Health(BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(type(self).status if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_pod_that_stops_serving_leaves_the_index_and_comes_back(make_ingester, rclient,
+                                                                  scripted, caplog) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ing = make_ingester(scripted.endpoint, scripted.replay_endpoint,
+                            openai_address=f"127.0.0.1:{server.server_port}",
+                            health_interval_s=0.05, health_failures=2)
+        scripted.wait_subscriber()
+        scripted.send(0, [wire_stored(A, TOKENS_A, 0, 2)])
+        assert ing.wait_applied(0)
+        assert pod_claims(rclient, SCHEMA, "vllm-a") == dict.fromkeys(A[:2], "G")
+        with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.pod.vllm_ingest"):
+            _Health.status = 503
+            wait_for(lambda: not rclient.exists(SCHEMA.lease_key("vllm-a")), what="it left")
+        assert pod_claims(rclient, SCHEMA, "vllm-a") == {}
+        assert not rclient.sismember(SCHEMA.pods_key, "vllm-a")
+        (line,) = [r.getMessage() for r in caplog.records if "not serving" in r.getMessage()]
+        assert "HTTP 503, 2 times in a row" in line
+        # Its events are still followed while it is out, and all of it comes back.
+        scripted.send(1, [wire_stored(A, TOKENS_A, 2, 4)])
+        assert ing.wait_applied(1)
+        _Health.status = 200
+        wait_for(lambda: pod_claims(rclient, SCHEMA, "vllm-a") == dict.fromkeys(A, "G"),
+                 what="it came back")
+        (info,) = list_live_pods(rclient, SCHEMA)
+        assert info.kind == "vllm"
+    finally:
+        _Health.status = 200
+        server.shutdown()
+        server.server_close()
