@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     child = spawn("ingest", pagekv_cmd(
         "ingest-vllm", "--zmq-endpoint", endpoint, "--topic", TOPIC.decode(), "--pod-id", POD,
         "--openai-address", "127.0.0.1:8000", "--model", SCHEMA.model, "--block-size", str(BS),
-        "--redis-url", rds.url, "--metrics-port", str(mport), "--log-level", "WARNING"),
+        "--redis-url", rds.url, "--metrics-port", str(mport), "--log-level", "WARNING",
+        "--health-interval-s", "0"),  # no OpenAI server here: the pod is taken as up
         run_dir)
     try:
         assert pub.poll(60_000), "the ingester did not subscribe"
