@@ -278,14 +278,14 @@ def test_sigterm_while_still_starting_drains_accepted_requests(tmp_path):
                            redis_url=f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
     try:
         # A long answer: leaving the unreachable index takes a second before gRPC stops.
-        pod = cluster.start_pod("node-a", [*POD_ARGS, "--max-model-len", "2048",
-                                           "--num-gpu-blocks", "160"])
+        pod = cluster.start_pod("node-a", [*POD_ARGS, "--max-model-len", "1024",
+                                           "--num-gpu-blocks", "80", "--drain-timeout-s", "120"])
         deadline = time.time() + 60
         with grpc.insecure_channel(pod.address) as ch:
             stub = pb_grpc.GenerationStub(ch)
             while True:
                 stream = stub.GenerateStream(pb.GenerateRequest(
-                    token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=greedy(2000)),
+                    token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=greedy(800)),
                     wait_for_ready=True, timeout=60)
                 try:
                     chunks = [next(stream)]
@@ -298,7 +298,7 @@ def test_sigterm_while_still_starting_drains_accepted_requests(tmp_path):
             for conn in conns:
                 conn.close()
             chunks.extend(stream)
-        assert sum(len(c.token_ids) for c in chunks) == 2000
+        assert sum(len(c.token_ids) for c in chunks) == 800
         assert pod.proc.wait(30) == 0
         assert "finishing start, then draining" in pod.log_tail(50)
     finally:
