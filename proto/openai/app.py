@@ -182,7 +182,7 @@ class OpenAIFrontend:
             n=parsed.n, num_prompts=len(prompts),
             token_texts=TokenTexts.as_id if parsed.tokens_as_ids else self.token_texts,
             logprobs=parsed.logprobs, streaming=parsed.stream,
-            include_usage=parsed.include_usage)
+            include_usage=parsed.include_usage, token_ids=parsed.token_ids)
         calls = Calls(self.backend, requests)
         headers = {"x-request-id": header_value(rid)}
         if parsed.ignored:

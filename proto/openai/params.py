@@ -73,7 +73,7 @@ _COMMON = {
     "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "cache_salt", "request_id", "user",
     "best_of", "metadata", "store", "service_tier", "parallel_tool_calls", "length_penalty",
-    "spaces_between_special_tokens", "return_tokens_as_token_ids",
+    "spaces_between_special_tokens", "return_tokens_as_token_ids", "return_token_ids",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
@@ -93,6 +93,7 @@ class Parsed:
     request_id: str | None
     logprobs: bool
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
+    token_ids: bool = False  # vLLM's return_token_ids: each choice's generated ids too
     ignored: list[str] = field(default_factory=list)
 
 
@@ -187,9 +188,10 @@ def parse_common(body: dict, *, chat: bool) -> Parsed:
         if max_tokens is None:
             max_tokens = read_int(body, "max_tokens", 1, UINT32_MAX)
     else:
-        # OpenAI's legacy completions default: 16 tokens (chat: up to the context length).
+        # OpenAI's legacy completions default: 16 tokens (chat: up to the context length);
+        # an explicit null is up to the context length, as vLLM reads it.
         max_tokens = read_int(body, "max_tokens", 1, UINT32_MAX)
-        max_tokens = 16 if max_tokens is None else max_tokens
+        max_tokens = 16 if "max_tokens" not in body else max_tokens
     if max_tokens is not None:
         sp.max_tokens = max_tokens
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
@@ -229,7 +231,8 @@ def parse_common(body: dict, *, chat: bool) -> Parsed:
     return Parsed(model=read_str(body, "model"), sampling=sp, n=n, stream=stream,
                   include_usage=include_usage, cache_salt=read_str(body, "cache_salt") or "",
                   request_id=read_str(body, "request_id"), logprobs=False,
-                  tokens_as_ids=read_bool(body, "return_tokens_as_token_ids"), ignored=ignored)
+                  tokens_as_ids=read_bool(body, "return_tokens_as_token_ids"),
+                  token_ids=read_bool(body, "return_token_ids"), ignored=ignored)
 
 
 def parse_completion(body: dict) -> tuple[Parsed, list[str | list[int]]]:

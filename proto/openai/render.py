@@ -5,6 +5,9 @@ the stream event for it (streaming) and accumulates the whole response (non-stre
 both shapes come from one reading of the chunks. Choice `k * n + i` is completion i of prompt
 k, as OpenAI and vLLM number them.
 
+With vLLM's `return_token_ids`, each choice carries `token_ids` too (a stream: the new ones
+of each event; `prompt_token_ids` is not returned).
+
 Usage sits where OpenAI puts it (`usage.prompt_tokens_details.cached_tokens`); the `pagekv`
 object is PageKV's extension: the cached prompt tokens by the tier they came from and, for
 a request that went through a router, the pod that served it and why (README "OpenAI API").
@@ -59,6 +62,7 @@ def stop_reason(msg: pb.GenerateChunk | pb.Completion) -> str | int | None:
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     text_offset: int = 0
     finish_reason: str | None = None
@@ -78,7 +82,7 @@ class Renderer:
 
     def __init__(self, *, chat: bool, response_id: str, model: str, n: int, num_prompts: int,
                  token_texts: Callable[[int], str], logprobs: bool, streaming: bool = False,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, token_ids: bool = False) -> None:
         self.chat = chat
         self.streaming = streaming
         self.id = response_id
@@ -88,6 +92,7 @@ class Renderer:
         self.texts = token_texts
         self.want_logprobs = logprobs
         self.include_usage = include_usage
+        self.want_token_ids = token_ids
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         self.prompts = [_PromptResult() for _ in range(num_prompts)]
 
@@ -106,6 +111,8 @@ class Renderer:
         index = prompt * self.n + chunk.index
         c = self.choices[index]
         c.text.append(chunk.text)
+        if self.want_token_ids:
+            c.token_ids.extend(chunk.token_ids)
         if chunk.finish_reason:
             c.finish_reason = FINISH_NAMES.get(chunk.finish_reason, "stop")
             c.stop_reason = stop_reason(chunk)
@@ -113,13 +120,15 @@ class Renderer:
             if self.want_logprobs:
                 c.logprobs.extend(chunk.logprobs)
             return None
-        if not (chunk.text or chunk.finish_reason or self.want_logprobs):
+        if not (chunk.text or chunk.finish_reason or self.want_logprobs
+                or (self.want_token_ids and chunk.token_ids)):
             return None  # tokens whose text is held back (a partial character): no event
         logprobs = self._logprobs(list(chunk.logprobs), c) if self.want_logprobs else None
-        return self._event(index, c, chunk.text, logprobs)
+        return self._event(index, c, chunk.text, logprobs, list(chunk.token_ids))
 
     # -- streaming --------------------------------------------------------------------------
-    def _event(self, index: int, c: _Choice, text: str, logprobs: Any) -> dict[str, Any]:
+    def _event(self, index: int, c: _Choice, text: str, logprobs: Any,
+               token_ids: list[int]) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"content": text}
             if not c.started:
@@ -132,6 +141,8 @@ class Renderer:
                       "finish_reason": c.finish_reason}
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason
+        if self.want_token_ids:
+            choice["token_ids"] = token_ids
         event = self._envelope([choice])
         if self.include_usage:
             event["usage"] = None  # OpenAI's rule: null on every chunk but the last
@@ -162,6 +173,8 @@ class Renderer:
                 choice = {"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason}
             choice["stop_reason"] = c.stop_reason
+            if self.want_token_ids:
+                choice["token_ids"] = c.token_ids
             choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,

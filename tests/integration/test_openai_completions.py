@@ -13,7 +13,7 @@ import pytest
 from pagekv.kvnode.engine.llm import LLM
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
-from tests.integration.contract_fixtures import byte_text, sampling
+from tests.integration.contract_fixtures import MAX_MODEL_LEN, byte_text, sampling
 from tests.integration.openai_fixtures import (
     MODEL,
     HttpTarget,
@@ -217,3 +217,27 @@ def test_request_id_and_ignored_fields_in_headers(http_target: HttpTarget) -> No
     assert headers["x-request-id"] == "abc-1"
     assert json.loads(raw)["id"] == "cmpl-abc-1"
     assert headers["x-pagekv-ignored-fields"] == "some_future_field"
+
+
+def test_return_token_ids_and_a_null_max_tokens_read_as_vllm_reads_them(
+        http_target: HttpTarget) -> None:
+    """What a router forwarding to a vLLM pod sends (router/openai_forward.py)."""
+    client = http_target.client()
+    ids = list(http_target.grpc.gen.Generate(pb.GenerateRequest(
+        text=PROMPT, sampling=sampling(12, ignore_eos=True)), timeout=60).completions[0].token_ids)
+    whole = complete(client, model=MODEL, prompt=PROMPT, max_tokens=12, return_token_ids=True,
+                     **GREEDY)
+    assert whole.choices[0].model_extra["token_ids"] == ids
+    chunks = list(complete(client, model=MODEL, prompt=PROMPT, max_tokens=12, stream=True,
+                           return_token_ids=True, **GREEDY))
+    # Every new id in order, those whose text is still held back included.
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
+    plain = complete(client, model=MODEL, prompt=PROMPT, max_tokens=2, **GREEDY)
+    assert "token_ids" not in plain.choices[0].model_extra
+    # max_tokens null: up to the context length (left out: OpenAI's 16).
+    prompt = [7] * (MAX_MODEL_LEN - 20)
+    for body, n in (({"max_tokens": None}, 20), ({}, 16)):
+        status, _, raw = raw_post(http_target, "/completions", json.dumps(
+            {"model": MODEL, "prompt": prompt, **GREEDY, **body}).encode())
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["completion_tokens"] == n
