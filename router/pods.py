@@ -17,6 +17,9 @@ back.
 
 Pod channels use the router's own pod credentials (`RouterConfig.pod_tls`,
 `pod_api_token`), never a client's: a client's token authenticates it to the router only.
+A vLLM pod (registered `kind=vllm` by `pagekv ingest-vllm`) is reached over its OpenAI HTTP
+server instead (router/openai_forward.py, with the pod token as its API key): its stub has
+the same two methods.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ import grpc
 from pagekv.proto.credentials import TlsFiles, bearer
 from pagekv.proto.grpc_security import channel_credentials, open_channel
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, config_mismatch
+from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc
 from pagekv.router.metrics import RouterMetrics
+from pagekv.router.openai_forward import VllmStub
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +73,7 @@ class BearerStub:
 @dataclass(slots=True)
 class PodEntry:
     info: PodInfo
-    stub: pagekv_pb2_grpc.GenerationStub | BearerStub
+    stub: pagekv_pb2_grpc.GenerationStub | BearerStub | VllmStub
     excluded_reason: str = ""  # non-empty: never routed to (hash configuration mismatch)
     inflight: int = 0
     unavailable_until: float = 0.0  # monotonic time; tried last until then
@@ -118,8 +123,8 @@ class ForeignPod:
 
 @dataclass(slots=True)
 class _Channel:
-    channel: grpc.aio.Channel
-    stub: pagekv_pb2_grpc.GenerationStub | BearerStub
+    channel: grpc.aio.Channel | VllmStub  # what close() closes
+    stub: pagekv_pb2_grpc.GenerationStub | BearerStub | VllmStub
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -268,7 +273,7 @@ class PodRegistry:
         for info in infos:
             old = self.pods.get(info.pod_id)
             reason = self._mismatch(info, mine)
-            ch = self._channel(info.address, now)
+            ch = self._channel(info, now)
             if old is not None and old.info.address == info.address:
                 old.info, old.stub, old.excluded_reason = info, ch.stub, reason
                 entry = fresh[info.pod_id] = old
@@ -362,15 +367,21 @@ class PodRegistry:
                            epoch or "unregistered", dead_s, removed)
 
     # -- channels --------------------------------------------------------------------------
-    def _channel(self, address: str, now: float) -> _Channel:
-        ch = self._channels.get(address)
-        if ch is None:
+    def _channel(self, info: PodInfo, now: float) -> _Channel:
+        vllm = info.kind == POD_KIND_VLLM
+        address = (info.http_address or info.address) if vllm else info.address
+        key = f"openai:{address}" if vllm else address
+        ch = self._channels.get(key)
+        if ch is None and vllm:
+            http = VllmStub(address, self._pod_token)
+            ch = self._channels[key] = _Channel(http, http, now)
+        elif ch is None:
             channel = open_channel(address, options=_CHANNEL_OPTIONS, aio=True,
                                    credentials=self._pod_credentials)
             stub = pagekv_pb2_grpc.GenerationStub(channel)
             ch = _Channel(channel, BearerStub(stub, self._pod_token) if self._pod_token
                           else stub, now)
-            self._channels[address] = ch
+            self._channels[key] = ch
         ch.last_seen = now
         return ch
 

@@ -15,6 +15,7 @@ from typing import Any
 from pagekv.proto.hashing import HashConfig, RequestBlockHasher, lora_key
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch, bucket_of
 from pagekv.proto.index.connect import is_cluster
+from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2
 from pagekv.proto.requests import parse_prompt
 from pagekv.router.burst import BurstTracker
@@ -213,10 +214,13 @@ class Router:
         limit = prepared.lookup_blocks
         bursts = self.burst.depths(prepared.block_hashes[:limit]) if limit else {}
         pods = reg.eligible()
+        # A vLLM pod never publishes costs: the configured ones are its, not the peers'
+        # median, which only stands in for a PageKV pod that has not measured yet.
         speeds = settle_prefill_costs(
             {p.pod_id: p.info.tier_costs["prefill"] for p in pods
              if "prefill" in p.info.tier_costs}, self.config.costs.speed_band,
-            [p.pod_id for p in pods if "prefill" not in p.info.tier_costs])
+            [p.pod_id for p in pods
+             if "prefill" not in p.info.tier_costs and p.info.kind != POD_KIND_VLLM])
         now = time.monotonic()
         cands: list[Candidate] = []
         for p in pods:
@@ -227,6 +231,8 @@ class Router:
             cand.tiers, cand.burst_blocks = tiers, from_burst
             cand.held_blocks = min(len(held), limit)
             cand.lendable = p.unavailable_until <= now  # just UNAVAILABLE: a pull would fail
+            if p.info.kind == POD_KIND_VLLM:  # no KVNode.PullBlocks either way
+                cand.lendable = cand.can_pull = False
             cand.published_costs = p.info.tier_costs
             if p.pod_id in speeds:
                 cand.published_costs = {**p.info.tier_costs, "prefill": speeds[p.pod_id]}

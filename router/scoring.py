@@ -110,7 +110,8 @@ class Candidate:
     published_costs: Mapping[str, float] = field(default_factory=dict)
     burst_blocks: int = 0       # how many of `tiers` come only from the burst prediction
     held_blocks: int = 0        # the prefix the index confirms (what a peer could pull)
-    lendable: bool = True       # may be a pull source (not while cooling down)
+    lendable: bool = True       # may be a pull source (not while cooling down, not vLLM)
+    can_pull: bool = True       # may take the pull option (a vLLM pod cannot pull)
     eligible: bool = True
     excluded_reason: str = ""
 
@@ -247,7 +248,7 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
                 + s.cached_cpu * _pod_cost(pub, Medium.CPU, costs.cpu_per_token)
                 + s.cached_disk * _pod_cost(pub, Medium.DISK, costs.disk_per_token)
                 + s.queue_s)
-    if source is not None and source.pod_id != c.pod_id:
+    if source is not None and c.can_pull and source.pod_id != c.pod_id:
         _take_pull(s, source, min(len(c.tiers), limit), min(source.blocks, limit),
                    block_size, prefill, _pod_cost(pub, "peer", costs.peer_per_token))
     return s
