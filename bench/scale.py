@@ -240,7 +240,10 @@ class Sim:
         cfg = RouterConfig(redis_url=self.index.url, model=self.model,
                            block_size=self.pcfg.block_size, hash_algo=self.pcfg.hash_algo,
                            hash_seed=self.pcfg.hash_seed, policy=self.policy,
-                           kv_pull=self.kv_pull, random_seed=7)
+                           kv_pull=self.kv_pull, random_seed=7,
+                           # One router: its own predictions are all there are, and they run
+                           # on simulated time; the index's TTLs would run on the wall clock.
+                           shared_bursts=False)
         client = connect_async(cfg.redis_url, cfg.redis_timeout_s)
         self.router = Router(cfg, client, ByteEncoder(), RouterMetrics())
         self.router.burst = BurstTracker(cfg.burst_ttl_s, clock=self.clock.monotonic)

@@ -81,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "count as equal (noise); 1 trusts every pod's own figure")
     group.add_argument("--burst-ttl-s", type=float, default=d.burst_ttl_s,
                        help="how long a routed request counts as a predicted hit")
+    group.add_argument("--shared-bursts", action=argparse.BooleanOptionalAction,
+                       default=d.shared_bursts,
+                       help="share those predictions with the other routers through the index "
+                            "(short-lived keys beside the claims), so siblings arriving at "
+                            "different routers meet on one pod")
     group.add_argument("--refresh-interval-s", type=float, default=d.refresh_interval_s,
                        help="how often the live pod list is re-read")
     group.add_argument("--reap-dead-after-s", type=float, default=d.reap_dead_after_s,
@@ -120,6 +125,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         hash_algo=args.hash_algo, hash_seed=args.hash_seed, index_prefix=args.index_prefix,
         policy=args.policy, costs=costs, kv_pull=args.kv_pull,
         cold_placement=args.cold_placement, burst_ttl_s=args.burst_ttl_s,
+        shared_bursts=args.shared_bursts,
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
         reap_dead_after_s=args.reap_dead_after_s,
         redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,

@@ -57,6 +57,7 @@ class RouterConfig:
     policy: str = "prefix"
     costs: CostModel = field(default_factory=lambda: DEFAULT_COSTS)
     burst_ttl_s: float = 2.0
+    shared_bursts: bool = True        # burst predictions through the index, for other routers
     kv_pull: bool = True              # score the pull option and send pods kv_source hints
     cold_placement: str = "hash"      # no pod holds the prefix: router/placement.py
     refresh_interval_s: float = 0.5

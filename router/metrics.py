@@ -68,6 +68,11 @@ class RouterMetrics:
         self.reaped_claims = Counter(
             "pagekv_router_reaped_claims_total",
             "Block claims removed from the index with dead pods", registry=r)
+        self.shared_predictions = Counter(
+            "pagekv_router_shared_predictions_total",
+            "Burst predictions written to the index for the other routers (--shared-bursts), "
+            "by result: written, error (Redis failed), dropped (too many writes waiting)",
+            ["result"], registry=r)
         self.fallbacks = Counter(
             "pagekv_router_fallback_routes_total",
             "Requests routed without prefix knowledge, by cause", ["cause"], registry=r)

@@ -39,6 +39,7 @@ from pagekv.router.scoring import (
     score_all,
     settle_prefill_costs,
 )
+from pagekv.router.shared_bursts import SharedBursts
 from pagekv.router.tokenize import PromptTokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Decision:
     prompt_blocks: int
     lookup_ms: float
     predicted: dict[str, int] = field(default_factory=dict)  # pod -> predicted cached tokens
+    held: dict[str, int] = field(default_factory=dict)  # pod -> blocks the index confirms
 
     def routing_info(self, chosen: Score, reason: str | None = None,
                      pulled: bool = True) -> pagekv_pb2.RoutingInfo:
@@ -102,6 +104,8 @@ class Router:
                                     config.reap_dead_after_s, pod_tls=config.pod_tls,
                                     pod_token=config.pod_api_token)
         self.burst = BurstTracker(config.burst_ttl_s)
+        self.shared = SharedBursts(self.index, config.burst_ttl_s, metrics) \
+            if config.shared_bursts and config.burst_ttl_s > 0 else None
         self._sharded = is_cluster(redis_client)
         self._bucket_down_until: dict[int, float] = {}  # bucket -> monotonic time
         self._counter = 0
@@ -164,7 +168,8 @@ class Router:
             return None, 0.0  # its shard failed a moment ago: by load, without waiting on it
         start = time.perf_counter()
         try:
-            matches = await self.index.lookup_prefix(hashes, self.registry.live_epochs())
+            matches = await self.index.lookup_prefix(hashes, self.registry.live_epochs(),
+                                                     self.shared is not None)
         except REDIS_ERRORS as exc:
             self._lookup_failed(bucket, exc)
             return None, (time.perf_counter() - start) * 1e3
@@ -226,7 +231,9 @@ class Router:
         for p in pods:
             match = matches.get(p.pod_id)
             held = match.tiers if match else ()
-            tiers, from_burst = merge_prediction(held, bursts.get(p.pod_id, 0), limit)
+            # Local and shared predictions alike: the longer one (both count as pool hits).
+            predicted = max(bursts.get(p.pod_id, 0), match.predicted if match else 0)
+            tiers, from_burst = merge_prediction(held, predicted, limit)
             cand = self._candidate(p)
             cand.tiers, cand.burst_blocks = tiers, from_burst
             cand.held_blocks = min(len(held), limit)
@@ -243,10 +250,11 @@ class Router:
         if self.config.cold_placement == "hash" and prepared.block_hashes:
             order, reason = place_cold(order, reason, self.config.costs,
                                        prepared.block_hashes[0])
-        return self._finish(order, reason, scores, prepared, lookup_ms)
+        return self._finish(order, reason, scores, prepared, lookup_ms,
+                            {c.pod_id: c.held_blocks for c in cands if c.held_blocks})
 
     def _finish(self, order: list[Score], reason: str, scores: list[Score], prepared: Prepared,
-                lookup_ms: float) -> Decision:
+                lookup_ms: float, held: dict[str, int] | None = None) -> Decision:
         now = time.monotonic()
         # A pod that just failed with UNAVAILABLE is tried last until its cooldown ends.
         pods = self.registry.pods
@@ -262,12 +270,24 @@ class Router:
                 reason = REASON_COOLDOWN
         return Decision(order, reason, [*scores, *self._excluded_scores()],
                         prepared.lookup_blocks, lookup_ms,
-                        {s.pod_id: s.cached_tokens for s in scores})
+                        {s.pod_id: s.cached_tokens for s in scores}, held or {})
 
-    def dispatched(self, pod_id: str, prepared: Prepared) -> None:
-        """The request goes to `pod_id`: predict its blocks there for the burst TTL."""
+    async def close(self) -> None:
+        """Cancel the shared-burst writes still waiting (before the index client closes)."""
+        if self.shared is not None:
+            await self.shared.close()
+
+    def dispatched(self, pod_id: str, prepared: Prepared, held_blocks: int = 0) -> None:
+        """The request goes to `pod_id`: predict its blocks there for the burst TTL, here
+        and, with shared bursts, for the other routers (the blocks past `held_blocks`, the
+        prefix the index already confirms there)."""
         entry = self.registry.pods.get(pod_id)
         if entry is not None:
             entry.note_dispatch()
-        if self.config.policy == "prefix":
-            self.burst.record(pod_id, prepared.block_hashes)
+        if self.config.policy != "prefix":
+            return
+        self.burst.record(pod_id, prepared.block_hashes)
+        hashes = prepared.block_hashes[:prepared.lookup_blocks]
+        if self.shared is not None and hashes and self.registry.index_up and \
+                self._bucket_down_until.get(bucket_of(hashes[0]), 0.0) <= time.monotonic():
+            self.shared.record(pod_id, hashes, held_blocks)

@@ -142,7 +142,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         reason = decision.reason if attempt == 0 else REASON_RETRY
         if entry is not None:
             self.metrics.requests.labels(pod=score.pod_id, reason=reason).inc()
-            self.router.dispatched(score.pod_id, prepared)
+            self.router.dispatched(score.pod_id, prepared, decision.held.get(score.pod_id, 0))
         return entry, reason
 
     def _aim(self, prepared: Prepared, score: Score, failed: set[str]) -> bool:
@@ -409,7 +409,8 @@ class RouterServer:
             self._server = None
         if self.router is not None:
             # Bounded: a Redis connection stuck mid-command must not hang the shutdown.
-            for what, closing in (("pod registry", self.router.registry.close()),
+            for what, closing in (("burst writes", self.router.close()),
+                                  ("pod registry", self.router.registry.close()),
                                   ("index client", self.router.index.aclose())):
                 try:
                     await asyncio.wait_for(closing, STOP_STEP_TIMEOUT_S)

@@ -27,13 +27,22 @@ class IndexClient:
         for script in scripts.PRELOADED:
             await self.redis.script_load(script.source)
 
-    async def lookup_prefix(self, block_hashes: Sequence[bytes],
-                            live: Mapping[str, str]) -> dict[str, PodMatch]:
-        """For every pod of `live` (pod id -> its live epoch, from the registry), its
-        consecutive prefix of `block_hashes`: one EVALSHA on one shard."""
+    async def lookup_prefix(self, block_hashes: Sequence[bytes], live: Mapping[str, str],
+                            predictions: bool = False) -> dict[str, PodMatch]:
+        """The pods of `live` (pod id -> its live epoch, from the registry) that hold a
+        consecutive prefix of `block_hashes` (or, with `predictions`, are predicted to by a
+        router's recent dispatch), with that prefix; absent: none. One EVALSHA, one shard."""
         if not block_hashes or not live:
-            return {pod: PodMatch(0, []) for pod in live}
-        return await queries.lookup(self.schema, block_hashes, live).run_async(self.redis)
+            return {}
+        return await queries.lookup(self.schema, block_hashes, live,
+                                    predictions).run_async(self.redis)
+
+    async def predict(self, pod_id: str, block_hashes: Sequence[bytes], start: int,
+                      ttl_ms: int, max_pods: int) -> int:
+        """Predict `pod_id` holding blocks `start`... of the chain for `ttl_ms`, for the
+        other routers' lookups: one EVALSHA on the chain's shard."""
+        return await queries.predict(self.schema, pod_id, block_hashes, start, ttl_ms,
+                                     max_pods).run_async(self.redis)
 
     async def list_live_pods(self, schema: IndexSchema | None = None) -> list[PodInfo]:
         """The live pods of this namespace (or of `schema`'s, to name foreign pods)."""

@@ -17,6 +17,7 @@ from pagekv.proto.index import scripts
 from pagekv.proto.index.schema import (
     POD_KIND_PAGEKV,
     IndexSchema,
+    bucket_of,
     namespace_config_key,
     namespaces_key,
     text,
@@ -30,10 +31,13 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class PodMatch:
-    """A live pod's consecutive prefix from block 0; tiers[i] is where block i lives."""
+    """A live pod's consecutive prefix from block 0; tiers[i] is where block i lives.
+    `predicted`: its prefix held or predicted by a router's recent dispatch there (shared
+    burst predictions), when that is longer than `depth`; else 0."""
 
     depth: int
     tiers: list[str]
+    predicted: int = 0
 
     def tier_counts(self) -> dict[str, int]:
         counts = dict.fromkeys(MEDIUMS, 0)
@@ -89,10 +93,15 @@ class Call(Generic[T]):
 # -- replies ---------------------------------------------------------------------------------
 def _parse_lookup(reply: Sequence[Any]) -> dict[str, PodMatch]:
     out: dict[str, PodMatch] = {}
-    for i in range(0, len(reply), 2):
+    for i in range(0, len(reply), 3):
         codes = text(reply[i + 1])
-        out[text(reply[i])] = PodMatch(len(codes), [Medium.from_code(c) for c in codes])
+        out[text(reply[i])] = PodMatch(len(codes), [Medium.from_code(c) for c in codes],
+                                       int(reply[i + 2]))
     return out
+
+
+def _parse_int(reply: Any) -> int:
+    return int(reply)
 
 
 def _float(value: Any, default: float = 0.0) -> float:
@@ -163,13 +172,24 @@ def _parse_refused(reply: Any) -> bool:
 
 
 # -- the calls -------------------------------------------------------------------------------
-def lookup(schema: IndexSchema, block_hashes: Sequence[bytes],
-           live: Mapping[str, str]) -> Call[dict[str, PodMatch]]:
-    """For every pod of `live` (pod id -> the epoch its claims must carry), how many leading
-    blocks of `block_hashes` it holds, and where; depth 0 for those that hold no prefix.
-    Every key is in block 0's bucket: one script, one slot."""
-    args = [part for pod, epoch in live.items() if epoch for part in (pod, epoch)]
+def lookup(schema: IndexSchema, block_hashes: Sequence[bytes], live: Mapping[str, str],
+           predictions: bool = False) -> Call[dict[str, PodMatch]]:
+    """For the pods of `live` (pod id -> the epoch its claims must carry) that hold a prefix
+    of `block_hashes`, how many leading blocks, and where; with `predictions`, also the
+    routers' burst predictions (PodMatch.predicted), and the pods only predicted. Pods absent
+    from the reply hold nothing. Every key is in block 0's bucket: one script, one slot."""
+    base = schema.bucket_base(bucket_of(block_hashes[0])) if predictions else ""
+    args = [base, *(part for pod, epoch in live.items() if epoch for part in (pod, epoch))]
     return Call(scripts.LOOKUP, schema.chain_block_keys(block_hashes), args, _parse_lookup)
+
+
+def predict(schema: IndexSchema, pod_id: str, block_hashes: Sequence[bytes], start: int,
+            ttl_ms: int, max_pods: int) -> Call[int]:
+    """Predict `pod_id` holding blocks `start`... of the chain for `ttl_ms` (a router's
+    dispatch, for the others' lookups); each key keeps at most `max_pods` pods. One script,
+    one slot; the reply is the number of keys written."""
+    return Call(scripts.PREDICT, schema.chain_prediction_keys(block_hashes, start),
+                (pod_id, ttl_ms, max_pods), _parse_int)
 
 
 def live_pods(schema: IndexSchema) -> Call[list[PodInfo]]:
@@ -216,15 +236,16 @@ def parse_namespaces(ids: Sequence[str], configs: Sequence[Any]) -> dict[str, di
 # -- on a synchronous client (pods, tests, tools) -------------------------------------------
 def lookup_prefix(
     redis_client: Any, schema: IndexSchema, block_hashes: Sequence[bytes],
-    live: Mapping[str, str] | None = None,
+    live: Mapping[str, str] | None = None, predictions: bool = False,
 ) -> dict[str, PodMatch]:
     """`lookup` in one EVALSHA round trip, for the pods of `live`; without it, for the
-    pods live right now (read first: a second round trip, fine outside the request path)."""
+    pods live right now (read first: a second round trip, fine outside the request path).
+    Every pod asked about is in the result, depth 0 where it holds nothing."""
     if live is None:
         live = {p.pod_id: p.epoch for p in list_live_pods(redis_client, schema)}
-    if not block_hashes or not live:
-        return {pod: PodMatch(0, []) for pod in live}
-    return lookup(schema, block_hashes, live).run(redis_client)
+    found = lookup(schema, block_hashes, live, predictions).run(redis_client) \
+        if block_hashes and live else {}
+    return {pod: found.get(pod) or PodMatch(0, []) for pod in live}
 
 
 def list_live_pods(redis_client: Any, schema: IndexSchema) -> list[PodInfo]:

@@ -6,10 +6,11 @@ so they cannot produce false hits. Two kinds of keys, two kinds of Redis Cluster
 
 - control keys (config, the pods SET, each pod's HASH, lease and bucket list) under `{ns}`:
   few, read by the router's registry refresh, never per request;
-- block claims and each pod's per-bucket claim sets under `{ns.<bucket>}`, where the bucket
-  is taken from the hash of the chain's block 0. Every block of a chain descends from block
-  0, so all the keys one lookup reads share one slot (one shard, one round trip), while
-  different chains spread over BUCKETS tags, hence over the cluster's shards.
+- block claims, each pod's per-bucket claim sets and the routers' short-lived burst
+  predictions under `{ns.<bucket>}`, where the bucket is taken from the hash of the chain's
+  block 0. Every block of a chain descends from block 0, so all the keys one lookup reads
+  share one slot (one shard, one round trip), while different chains spread over BUCKETS
+  tags, hence over the cluster's shards.
 """
 
 from __future__ import annotations
@@ -184,6 +185,14 @@ class IndexSchema:
 
     def pod_blocks_key(self, pod_id: str, bucket: int) -> str:
         return self.bucket_base(bucket) + "pb:" + pod_id  # SET of hex hashes it claims here
+
+    def chain_prediction_keys(self, block_hashes: Sequence[bytes], start: int = 0) -> list[str]:
+        """The burst-prediction keys of blocks `start`... of a chain, beside its claims (same
+        tag): HASH pod_id -> expiry (ms, Redis's clock), written by routers for each other."""
+        if start >= len(block_hashes):
+            return []
+        base = self.bucket_base(bucket_of(block_hashes[0])) + "r:"
+        return [base + h.hex() for h in block_hashes[start:]]
 
 
 def claim_value(mask: int, epoch: str) -> str:

@@ -15,16 +15,23 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-# KEYS: the request's block keys in chain order, all in one bucket (one slot). ARGV: pod,
-# epoch, pod, epoch, ... for each pod the caller believes live (the router's registry: the
-# leases live in the control slot, which this script cannot read on a cluster).
-# Reply: flat [pod, tier codes, pod, tier codes, ...] for every pod passed; the code string's
-# length is the pod's depth. A claim counts only under the epoch passed for its pod. Only
-# pods still matching are asked about the next block, and the walk ends as soon as none is
-# left.
+# KEYS: the request's block keys in chain order, all in one bucket (one slot). ARGV[1]: that
+# bucket's base, to read the routers' burst predictions beside the claims ("": none).
+# ARGV[2..]: pod, epoch, pod, epoch, ... for each pod the caller believes live (the router's
+# registry: the leases live in the control slot, which this script cannot read on a cluster).
+# Reply: flat [pod, tier codes, predicted depth, ...] for the pods passed that hold or are
+# predicted to hold a prefix (absent: neither); the code string's length is the pod's depth.
+# A claim counts only under the epoch passed for its pod. Only pods still matching are asked
+# about the next block, and the walk ends as soon as none is left.
+# Predictions extend a pod's claimed prefix: blocks 1..c held (c claims), then a run of
+# predictions from block c + 1 that have not expired (Redis's clock) gives depth c + run,
+# reported only where it adds to c. Each prediction key holds few pods (the writer caps it):
+# a block's are read whole, and only for blocks where some pod's claims end or its
+# predictions continue.
 LOOKUP_LUA = """
+local base = ARGV[1]
 local live, suffix, codes = {}, {}, {}
-for i = 1, #ARGV - 1, 2 do
+for i = 2, #ARGV - 1, 2 do
   local pod = ARGV[i]
   live[#live + 1] = pod
   suffix[pod] = ':' .. ARGV[i + 1]
@@ -49,12 +56,81 @@ for i = 1, #KEYS do
   end
   active = still
 end
+local pred = {}
+if base ~= '' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local ends, maxc = {}, 0
+  for _, pod in ipairs(live) do
+    local d = #codes[pod]
+    if d > 0 then
+      ends[d] = true
+      if d > maxc then maxc = d end
+    end
+  end
+  local skip = #base + 3
+  local cur, ncur = {}, 0
+  for i = 1, #KEYS do
+    if ncur == 0 and i > maxc + 1 then break end
+    if ncur > 0 or i == 1 or ends[i - 1] then
+      local flat = redis.call('HGETALL', base .. 'r:' .. string.sub(KEYS[i], skip))
+      local nxt, n = {}, 0
+      for j = 1, #flat, 2 do
+        local pod = flat[j]
+        local c = codes[pod]
+        if c and tonumber(flat[j + 1]) > now and (cur[pod] or #c == i - 1) then
+          nxt[pod] = true
+          n = n + 1
+          pred[pod] = i
+        end
+      end
+      cur, ncur = nxt, n
+    end
+  end
+end
 local out = {}
 for _, pod in ipairs(live) do
-  out[#out + 1] = pod
-  out[#out + 1] = table.concat(codes[pod])
+  local c = codes[pod]
+  if #c > 0 or pred[pod] then
+    out[#out + 1] = pod
+    out[#out + 1] = table.concat(c)
+    out[#out + 1] = pred[pod] or 0
+  end
 end
 return out
+"""
+
+# KEYS: the burst-prediction keys of consecutive blocks of one chain (one bucket). ARGV: pod,
+# TTL ms, the most pods one key keeps. Each key maps the pod to now + TTL (Redis's clock,
+# shared by every router) and expires TTL after its last write. A key over the cap drops its
+# expired entries, then its oldest: the cost of a write stays bounded however many pods one
+# hot block is sent to. Reply: the number of keys written.
+PREDICT_LUA = """
+local pod, ttl, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expiry = string.format('%d', now + ttl)
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  if redis.call('HSET', key, pod, expiry) == 1 and redis.call('HLEN', key) > cap then
+    local flat = redis.call('HGETALL', key)
+    local keep = {}
+    for j = 1, #flat, 2 do
+      local e = tonumber(flat[j + 1])
+      if e <= now then
+        redis.call('HDEL', key, flat[j])
+      else
+        keep[#keep + 1] = {flat[j], e}
+      end
+    end
+    if #keep > cap then
+      table.sort(keep, function(a, b) return a[2] < b[2] end)
+      for j = 1, #keep - cap do redis.call('HDEL', key, keep[j][1]) end
+    end
+  end
+  redis.call('PEXPIRE', key, ttl)
+end
+return #KEYS
 """
 
 # The control scripts below take the namespace's pods SET as KEYS[1] (so a cluster client
@@ -181,6 +257,7 @@ class Script:
 
 
 LOOKUP = Script(LOOKUP_LUA)
+PREDICT = Script(PREDICT_LUA)
 LIVE_PODS = Script(LIVE_PODS_LUA)
 DEAD_PODS = Script(DEAD_PODS_LUA)
 REAP_START = Script(REAP_START_LUA)
@@ -189,7 +266,7 @@ REAP_FINISH = Script(REAP_FINISH_LUA)
 RENEW_LEASE = Script(RENEW_LEASE_LUA)
 
 # Loaded up front by a router, so that even its first lookup is one round trip.
-PRELOADED: tuple[Script, ...] = (LOOKUP, LIVE_PODS)
+PRELOADED: tuple[Script, ...] = (LOOKUP, LIVE_PODS, PREDICT)
 
 
 def register_scripts(redis_client: Any) -> None:

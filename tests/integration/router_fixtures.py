@@ -74,11 +74,15 @@ def tokens_req(ids: list[int], salt: str = "", max_tokens: int = 2) -> pb.Genera
 # -- fake pods: a real gRPC server and a real IndexPublisher, no model ------------------------
 
 class FakePod(pb_grpc.GenerationServicer):
-    """Caches every full block it is sent (in a dict) and publishes it like a pod does."""
+    """Caches every full block it is sent (in a dict) and publishes it like a pod does,
+    `publish_delay_s` later (a slow publisher: the index lags what the pod holds)."""
 
-    def __init__(self, pod_id: str, redis_url: str, schema: IndexSchema = SCHEMA) -> None:
+    def __init__(self, pod_id: str, redis_url: str, schema: IndexSchema = SCHEMA,
+                 publish_delay_s: float = 0.0) -> None:
         self.pod_id = pod_id
         self.schema = schema
+        self.publish_delay_s = publish_delay_s
+        self._timers: list[threading.Timer] = []
         self.mode = "ok"  # ok | unavailable | invalid | exhausted | slow
         self.calls = 0
         self.kv_sources: list[pb.KvSource | None] = []  # each call's hint, failed calls too
@@ -126,7 +130,14 @@ class FakePod(pb_grpc.GenerationServicer):
             self.state.update(dict.fromkeys(new, "GPU"))
         if new:  # with its parent link, as a pod's pool reports a run
             parent = hashes[first - 1] if first else None
-            self.publisher.submit([BlockStored(new, parent, [], BS)])
+            events = [BlockStored(new, parent, [], BS)]
+            if self.publish_delay_s > 0:
+                timer = threading.Timer(self.publish_delay_s, self.publisher.submit, [events])
+                timer.daemon = True
+                self._timers.append(timer)
+                timer.start()
+            else:
+                self.publisher.submit(events)
         return pb.Usage(prompt_tokens=len(ids), completion_tokens=2, cached_tokens=hit * BS,
                         cached_tokens_gpu=hit * BS)
 
@@ -156,6 +167,8 @@ class FakePod(pb_grpc.GenerationServicer):
                                finish_reason=pb.FINISH_REASON_LENGTH)
 
     def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
         self.publisher.stop(clear=True)
         self.server.stop(0)
 

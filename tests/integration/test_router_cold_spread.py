@@ -49,7 +49,8 @@ def test_cold_prompts_go_to_their_first_blocks_rendezvous_pod(redis_server, fake
 
 def test_two_routers_send_a_new_prefix_and_its_sibling_to_one_pod(redis_server, fake_pods,
                                                                   make_router) -> None:
-    one, two = make_router(redis_server.url), make_router(redis_server.url)
+    # Without shared burst predictions (test_router_shared_bursts.py): the hash alone.
+    one, two = (make_router(redis_server.url, shared_bursts=False) for _ in range(2))
     one.wait_pods(3)
     two.wait_pods(3)
     for seed in range(100, 106):
