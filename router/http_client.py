@@ -89,7 +89,7 @@ class Response:
     async def chunks(self, deadline: float | None) -> AsyncIterator[bytes]:
         conn = self._conn
         assert conn is not None, "the response was released"
-        while True:
+        while not self._complete:
             try:
                 event = await conn.next_event(deadline)
             except TimeoutError:  # an OSError too, but the caller's deadline: not broken
@@ -101,8 +101,8 @@ class Response:
             elif isinstance(event, h11.EndOfMessage):
                 self._complete = True
                 return
-            elif isinstance(event, h11.ConnectionClosed):
-                raise BrokenResponse("the connection closed mid-response")
+            else:  # ConnectionClosed (nothing else comes within a body)
+                raise BrokenResponse(f"the connection closed mid-response ({event!r})")
 
     async def read(self, deadline: float | None, limit: int = 1 << 20) -> bytes:
         """The whole body, at most `limit` bytes of it (an error page, not a stream)."""
@@ -185,9 +185,9 @@ class HttpOrigin:
                 event = await conn.next_event(deadline)
                 if isinstance(event, h11.Response):
                     break
-                if isinstance(event, h11.ConnectionClosed):
+                if not isinstance(event, h11.InformationalResponse):  # ConnectionClosed
                     raise ConnectFailed("the connection closed before a response")
-                # an InformationalResponse (100 Continue): the real one follows
+                # 100 Continue and the like: the real one follows
         except TimeoutError:
             raise
         except (OSError, h11.RemoteProtocolError, h11.LocalProtocolError) as exc:

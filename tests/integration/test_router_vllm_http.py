@@ -62,14 +62,14 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def sse(*events: dict[str, Any], done: bool = True) -> Reply:
+def sse(*events: dict[str, Any], done: bool = True, marker: bool = True) -> Reply:
     async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\n\r\n")
         for event in events:
             writer.write(_chunk(b"data: " + json.dumps(event).encode() + b"\n\n"))
         if done:
-            writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            writer.write((_chunk(b"data: [DONE]\n\n") if marker else b"") + b"0\r\n\r\n")
         await writer.drain()
         return done  # not done: the body is cut off here
     return reply
@@ -261,11 +261,15 @@ def test_a_stale_kept_alive_connection_is_replaced_and_a_cancel_closes_the_strea
                 await done(reader, writer)
                 return False  # the server's idle timeout: it closes the kept connection
 
-            server.replies = [then_close, done]
+            unmarked = sse(event(choice(0, "a", "length")), event(usage=USAGE), marker=False)
+            server.replies = [then_close, unmarked, done]
             assert len(await stream(stub, request())) == 1
             await asyncio.sleep(0.05)
-            assert len(await stream(stub, request())) == 1  # on a new connection
-            assert server.connections == 2
+            # On a new connection; a body that ends without [DONE] ends the stream too.
+            (last,) = await stream(stub, request())
+            assert last.usage.cached_tokens == 32
+            assert len(await stream(stub, request())) == 1
+            assert server.connections == 2  # the last two on one kept-alive connection
             server.replies = [hang(server, event(choice(0, "first")))]
             call = stub.GenerateStream(request(), timeout=10)
             first = await call.__aiter__().__anext__()
