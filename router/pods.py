@@ -35,6 +35,7 @@ import grpc
 from pagekv.proto.credentials import TlsFiles, bearer
 from pagekv.proto.grpc_security import channel_credentials, open_channel
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, config_mismatch
+from pagekv.proto.index.queries import LivePods
 from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc
 from pagekv.router.metrics import RouterMetrics
@@ -140,6 +141,9 @@ class PodRegistry:
         self.namespace_check_interval_s = namespace_check_interval_s
         self.pods: dict[str, PodEntry] = {}
         self.foreign: list[ForeignPod] = []
+        self._live: LivePods | None = None  # live_pods(), for this `pods` dict and size
+        self._live_of: dict[str, PodEntry] | None = None
+        self._live_len = 0
         self.index_up = False
         self.ready = asyncio.Event()  # set after the first successful read of the index
         self._channels: dict[str, _Channel] = {}
@@ -265,6 +269,16 @@ class PodRegistry:
     def live_epochs(self) -> dict[str, str]:
         """Pod id -> live epoch of every eligible pod: what a lookup matches claims with."""
         return {p.pod_id: p.info.epoch for p in self.pods.values() if p.eligible}
+
+    def live_pods(self) -> LivePods:
+        """live_epochs() packed for the lookup script: built once until the pods change (a
+        refresh or a lease that ran out), not per request."""
+        # Every refresh builds a new pods dict; a lease that runs out removes an entry.
+        if self._live is None or self._live_of is not self.pods or \
+                self._live_len != len(self.pods):
+            self._live = LivePods(self.live_epochs())
+            self._live_of, self._live_len = self.pods, len(self.pods)
+        return self._live
 
     def _apply(self, infos: list[PodInfo], read_at: float) -> None:
         now = time.monotonic()

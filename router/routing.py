@@ -168,7 +168,7 @@ class Router:
             return None, 0.0  # its shard failed a moment ago: by load, without waiting on it
         start = time.perf_counter()
         try:
-            matches = await self.index.lookup_prefix(hashes, self.registry.live_epochs(),
+            matches = await self.index.lookup_prefix(hashes, self.registry.live_pods(),
                                                      self.shared is not None)
         except REDIS_ERRORS as exc:
             self._lookup_failed(bucket, exc)

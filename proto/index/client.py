@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagekv.proto.index import queries, scripts
-from pagekv.proto.index.queries import PodInfo, PodMatch
+from pagekv.proto.index.queries import LivePods, PodInfo, PodMatch
 from pagekv.proto.index.schema import IndexSchema, text
 
 
@@ -27,11 +27,13 @@ class IndexClient:
         for script in scripts.PRELOADED:
             await self.redis.script_load(script.source)
 
-    async def lookup_prefix(self, block_hashes: Sequence[bytes], live: Mapping[str, str],
+    async def lookup_prefix(self, block_hashes: Sequence[bytes],
+                            live: Mapping[str, str] | LivePods,
                             predictions: bool = False) -> dict[str, PodMatch]:
-        """The pods of `live` (pod id -> its live epoch, from the registry) that hold a
-        consecutive prefix of `block_hashes` (or, with `predictions`, are predicted to by a
-        router's recent dispatch), with that prefix; absent: none. One EVALSHA, one shard."""
+        """The pods of `live` (pod id -> its live epoch, from the registry, best packed once:
+        `LivePods`) that hold a consecutive prefix of `block_hashes` (or, with
+        `predictions`, are predicted to by a router's recent dispatch), with that prefix;
+        absent: none. One EVALSHA, one shard."""
         if not block_hashes or not live:
             return {}
         return await queries.lookup(self.schema, block_hashes, live,

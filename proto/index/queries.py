@@ -8,8 +8,9 @@ being written twice.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -90,13 +91,42 @@ class Call(Generic[T]):
         return self.parse(await self.script.run_async(client, self.keys, self.args))
 
 
+class LivePods(Mapping[str, str]):
+    """The pods a lookup counts claims of (pod id -> the epoch they must carry), packed once
+    into the script's one argument: the router's registry keeps one per refresh, so a lookup
+    neither rebuilds nor encodes a pair per pod. Pod ids holding the packing's separators
+    (NUL, \\x01: no command line can pass the first) are left out."""
+
+    __slots__ = ("_epochs", "arg")
+
+    def __init__(self, epochs: Mapping[str, str]) -> None:
+        self._epochs = {pod: epoch for pod, epoch in epochs.items()
+                        if epoch and "\0" not in pod and "\1" not in pod}
+        packed = "".join(f"\0{pod}\1{epoch}" for pod, epoch in self._epochs.items())
+        self.arg = (packed + "\0").encode()
+
+    def __getitem__(self, pod: str) -> str:
+        return self._epochs[pod]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._epochs)
+
+    def __len__(self) -> int:
+        return len(self._epochs)
+
+
 # -- replies ---------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def _tiers(codes: str) -> tuple[str, ...]:
+    """A claim code string's tiers: a prefix's codes repeat across lookups and pods."""
+    return tuple(Medium.from_code(c) for c in codes)
+
+
 def _parse_lookup(reply: Sequence[Any]) -> dict[str, PodMatch]:
     out: dict[str, PodMatch] = {}
     for i in range(0, len(reply), 3):
         codes = text(reply[i + 1])
-        out[text(reply[i])] = PodMatch(len(codes), [Medium.from_code(c) for c in codes],
-                                       int(reply[i + 2]))
+        out[text(reply[i])] = PodMatch(len(codes), list(_tiers(codes)), int(reply[i + 2]))
     return out
 
 
@@ -172,15 +202,21 @@ def _parse_refused(reply: Any) -> bool:
 
 
 # -- the calls -------------------------------------------------------------------------------
-def lookup(schema: IndexSchema, block_hashes: Sequence[bytes], live: Mapping[str, str],
+def lookup(schema: IndexSchema, block_hashes: Sequence[bytes],
+           live: Mapping[str, str] | LivePods,
            predictions: bool = False) -> Call[dict[str, PodMatch]]:
     """For the pods of `live` (pod id -> the epoch its claims must carry) that hold a prefix
     of `block_hashes`, how many leading blocks, and where; with `predictions`, also the
     routers' burst predictions (PodMatch.predicted), and the pods only predicted. Pods absent
-    from the reply hold nothing. Every key is in block 0's bucket: one script, one slot."""
-    base = schema.bucket_base(bucket_of(block_hashes[0])) if predictions else ""
-    args = [base, *(part for pod, epoch in live.items() if epoch for part in (pod, epoch))]
-    return Call(scripts.LOOKUP, schema.chain_block_keys(block_hashes), args, _parse_lookup)
+    from the reply hold nothing. Every key is in block 0's bucket: one script, one slot.
+    Four arguments and one key however long the chain and however many pods are passed."""
+    if not isinstance(live, LivePods):
+        live = LivePods(live)
+    bucket = bucket_of(block_hashes[0])
+    args = (schema.bucket_base(bucket), b"".join(block_hashes).hex(), live.arg,
+            "1" if predictions else "")
+    return Call(scripts.LOOKUP, (schema.block_key(block_hashes[0], bucket),), args,
+                _parse_lookup)
 
 
 def predict(schema: IndexSchema, pod_id: str, block_hashes: Sequence[bytes], start: int,

@@ -15,32 +15,46 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-# KEYS: the request's block keys in chain order, all in one bucket (one slot). ARGV[1]: that
-# bucket's base, to read the routers' burst predictions beside the claims ("": none).
-# ARGV[2..]: pod, epoch, pod, epoch, ... for each pod the caller believes live (the router's
-# registry: the leases live in the control slot, which this script cannot read on a cluster).
-# Reply: flat [pod, tier codes, predicted depth, ...] for the pods passed that hold or are
+# KEYS[1]: block 0's claim key (it routes the call to the chain's shard). ARGV[1]: the
+# bucket's key base; ARGV[2]: the chain's hashes in hex, concatenated (every key this script
+# reads is ARGV[1] .. 'b:' or 'r:' .. one of them: the same slot); ARGV[3]: the pods the
+# caller believes live, packed as "\0pod\1epoch\0pod\1epoch\0" (the router's registry: the
+# leases live in the control slot, which this script cannot read on a cluster); ARGV[4]:
+# "1" to read the routers' burst predictions too.
+# Reply: flat [pod, tier codes, predicted depth, ...] for the live pods that hold or are
 # predicted to hold a prefix (absent: neither); the code string's length is the pod's depth.
-# A claim counts only under the epoch passed for its pod. Only pods still matching are asked
-# about the next block, and the walk ends as soon as none is left.
+# Block 0 is read whole: its claimants are the only candidates, so the work grows with the
+# pods that hold the chain, not with the pods passed. A claim counts only under the epoch
+# passed for its pod. Only pods still matching are asked about the next block, and the walk
+# ends as soon as none is left.
 # Predictions extend a pod's claimed prefix: blocks 1..c held (c claims), then a run of
 # predictions from block c + 1 that have not expired (Redis's clock) gives depth c + run,
 # reported only where it adds to c. Each prediction key holds few pods (the writer caps it):
 # a block's are read whole, and only for blocks where some pod's claims end or its
 # predictions continue.
 LOOKUP_LUA = """
-local base = ARGV[1]
-local live, suffix, codes = {}, {}, {}
-for i = 2, #ARGV - 1, 2 do
-  local pod = ARGV[i]
-  live[#live + 1] = pod
-  suffix[pod] = ':' .. ARGV[i + 1]
-  codes[pod] = {}
+local base, hexes, live, want = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local w = #KEYS[1] - #base - 2
+local n = #hexes / w
+local codes, suffix, holders = {}, {}, {}
+local flat = redis.call('HGETALL', KEYS[1])
+for j = 1, #flat, 2 do
+  local pod, v = flat[j], flat[j + 1]
+  local k = string.find(v, ':', 1, true)
+  if k and k > 1 then
+    local epoch = string.sub(v, k + 1)
+    if string.find(live, '\\0' .. pod .. '\\1' .. epoch .. '\\0', 1, true) then
+      codes[pod] = {string.sub(v, 1, 1)}
+      suffix[pod] = ':' .. epoch
+      holders[#holders + 1] = pod
+    end
+  end
 end
-local active = live
-for i = 1, #KEYS do
+local active = holders
+for i = 2, n do
   if #active == 0 then break end
-  local vals = redis.call('HMGET', KEYS[i], unpack(active))
+  local key = base .. 'b:' .. string.sub(hexes, (i - 1) * w + 1, i * w)
+  local vals = redis.call('HMGET', key, unpack(active))
   local still = {}
   for j = 1, #active do
     local v = vals[j]
@@ -57,45 +71,50 @@ for i = 1, #KEYS do
   active = still
 end
 local pred = {}
-if base ~= '' then
+if want == '1' then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local ends, maxc = {}, 0
-  for _, pod in ipairs(live) do
+  for _, pod in ipairs(holders) do
     local d = #codes[pod]
-    if d > 0 then
-      ends[d] = true
-      if d > maxc then maxc = d end
-    end
+    ends[d] = true
+    if d > maxc then maxc = d end
   end
-  local skip = #base + 3
   local cur, ncur = {}, 0
-  for i = 1, #KEYS do
+  for i = 1, n do
     if ncur == 0 and i > maxc + 1 then break end
     if ncur > 0 or i == 1 or ends[i - 1] then
-      local flat = redis.call('HGETALL', base .. 'r:' .. string.sub(KEYS[i], skip))
-      local nxt, n = {}, 0
-      for j = 1, #flat, 2 do
-        local pod = flat[j]
-        local c = codes[pod]
-        if c and tonumber(flat[j + 1]) > now and (cur[pod] or #c == i - 1) then
-          nxt[pod] = true
-          n = n + 1
-          pred[pod] = i
+      local key = base .. 'r:' .. string.sub(hexes, (i - 1) * w + 1, i * w)
+      local entries = redis.call('HGETALL', key)
+      local nxt, m = {}, 0
+      for j = 1, #entries, 2 do
+        local pod = entries[j]
+        if tonumber(entries[j + 1]) > now then
+          local c = codes[pod]
+          local d = c and #c or 0
+          if cur[pod] or (d == i - 1 and
+              (c or string.find(live, '\\0' .. pod .. '\\1', 1, true))) then
+            nxt[pod] = true
+            m = m + 1
+            pred[pod] = i
+          end
         end
       end
-      cur, ncur = nxt, n
+      cur, ncur = nxt, m
     end
   end
 end
 local out = {}
-for _, pod in ipairs(live) do
-  local c = codes[pod]
-  if #c > 0 or pred[pod] then
-    out[#out + 1] = pod
-    out[#out + 1] = table.concat(c)
-    out[#out + 1] = pred[pod] or 0
-  end
+for _, pod in ipairs(holders) do
+  out[#out + 1] = pod
+  out[#out + 1] = table.concat(codes[pod])
+  out[#out + 1] = pred[pod] or 0
+  pred[pod] = nil
+end
+for pod, d in pairs(pred) do
+  out[#out + 1] = pod
+  out[#out + 1] = ''
+  out[#out + 1] = d
 end
 return out
 """

@@ -22,6 +22,7 @@ from pagekv.proto.index import (
     list_live_pods,
     list_namespaces,
     lookup_prefix,
+    queries,
     register_scripts,
 )
 from pagekv.proto.index.connect import connection_options, is_cluster
@@ -189,3 +190,17 @@ def test_lookup_is_one_round_trip_to_one_node(make_pod, client):
         [0] * (len(nodes) - 1) + [1]  # one call, on one node (the chain's bucket's shard)
     assert not any("cmdstat_eval" in s or "cmdstat_script" in s for s in stats)
     counting.close()
+
+
+def test_the_reply_names_only_the_holders_however_many_pods_are_passed(make_pod, client):
+    a, b = make_pod("pod-a"), make_pod("pod-b")
+    blocks = chain(40, "many")
+    a.store(blocks[:5])
+    b.store(blocks[:9])
+    assert a.pub.flush() and b.pub.flush()
+    live = {f"pod-{i:03d}": f"e{i}" for i in range(256)}
+    live["pod-a"] = next(p.epoch for p in list_live_pods(client, SCHEMA) if p.pod_id == "pod-a")
+    live["pod-b"] = "an-old-epoch"  # its claims carry another: they do not count
+    call = queries.lookup(SCHEMA, blocks, live)
+    assert len(call.keys) == 1 and len(call.args) == 4  # however long, however many pods
+    assert call.run(client) == {"pod-a": PodMatch(5, ["GPU"] * 5)}

@@ -85,6 +85,8 @@ def test_public_api_and_light_parts_without_torch(light_venv: Path) -> None:
             "import pagekv.router.server, pagekv.kvnode.pod.client, pagekv.proto.index\n"
             "import pagekv.kvnode.pod.vllm_ingest_cli\n"
             "assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
+            "from redis.utils import HIREDIS_AVAILABLE\n"  # replies parsed in C (hiredis)
+            "assert HIREDIS_AVAILABLE, 'redis-py without hiredis'\n"
             "for generic in ('kvnode', 'router', 'proto', 'deploy', 'tiers'):\n"
             "    try:\n"
             "        __import__(generic)\n"

@@ -81,3 +81,23 @@ def test_an_outage_that_ends_with_no_pod_listed_keeps_the_last_known():
         await reg.close()
 
     asyncio.run(go())
+
+
+def test_the_lookups_packed_pods_are_built_once_until_the_pods_change():
+    async def go() -> None:
+        index = ScriptedIndex()
+        reg = PodRegistry(index, RouterMetrics(), refresh_interval_s=0.5)  # type: ignore[arg-type]
+        index.replies = [[info("a", 3000), info("b", 150, "e7"), info("bad\0id", 3000)],
+                         [info("a", 3000, "e2")]]
+        assert await reg.refresh()
+        live = reg.live_pods()
+        assert reg.live_pods() is live  # per request: the same object, nothing rebuilt
+        assert dict(live) == {"a": "e1", "b": "e7"}  # a separator in an id: left out
+        assert live.arg == b"\0a\1e1\0b\1e7\0"
+        reg.drop_expired(time.monotonic() + 0.2)  # b's lease ran out
+        assert dict(reg.live_pods()) == {"a": "e1"}
+        assert await reg.refresh()  # a restarted: a new epoch
+        assert reg.live_pods().arg == b"\0a\1e2\0"
+        await reg.close()
+
+    asyncio.run(go())
