@@ -23,8 +23,14 @@ from redis.crc import key_slot  # noqa: E402
 
 from pagekv.kvnode.pod.redis_cluster import LocalRedisCluster, slot_ranges  # noqa: E402
 from pagekv.kvnode.pod.redis_server import RedisProcess  # noqa: E402
-from pagekv.proto.index import BUCKETS, IndexSchema, bucket_of, connect  # noqa: E402
-from pagekv.proto.index import queries, writes  # noqa: E402
+from pagekv.proto.index import (  # noqa: E402
+    BUCKETS,
+    IndexSchema,
+    bucket_of,
+    connect,
+    queries,
+    writes,
+)
 from pagekv.proto.index.schema import claim_values, new_epoch  # noqa: E402
 
 SCHEMA = IndexSchema("meta-llama/Llama-3.1-8B-Instruct", 16, "sha256", "vllm-none-hash")
