@@ -80,15 +80,14 @@ class KvTransferService:
 
     def mismatch(self, request: pb.PullBlocksRequest) -> str:
         """Why this pod's blocks would not be the puller's ("" : they would)."""
-        eng = self.pod.engine
-        mine = eng.kv_manager.hash_config
-        theirs = request.hash_config
-        if (theirs.algo, theirs.seed_fingerprint, theirs.block_size) != (
-                self.pod.args.hash_algo, mine.fingerprint(), self.pod.args.block_size):
-            return (f"hash configuration {theirs.algo}/{theirs.seed_fingerprint}/"
-                    f"{theirs.block_size} (puller) vs {self.pod.args.hash_algo}/"
-                    f"{mine.fingerprint()}/{self.pod.args.block_size} (this pod)")
-        layout = eng.kv_layout.json
+        def shown(c: pb.HashConfig) -> str:
+            return f"{c.algo}/{c.seed_fingerprint}/{c.block_size}"
+
+        mine, theirs = self.pod.wire_hash_config(), request.hash_config
+        key = ("algo", "seed_fingerprint", "block_size")  # not the namespace: the puller's own
+        if [getattr(theirs, k) for k in key] != [getattr(mine, k) for k in key]:
+            return f"hash configuration {shown(theirs)} (puller) vs {shown(mine)} (this pod)"
+        layout = self.pod.engine.kv_layout.json
         if request.kv_layout != layout:
             return f"KV layout {request.kv_layout} (puller) vs {layout} (this pod)"
         return ""

@@ -268,6 +268,13 @@ class PodServer:
             costs["peer"] = peer  # measured pulls, landing included: the router's pull cost
         return costs
 
+    def wire_hash_config(self, namespace: str = "") -> pb.HashConfig:
+        """This pod's hash configuration as the contract carries it (Stats, a pull's ask)."""
+        a = self.args
+        return pb.HashConfig(algo=a.hash_algo, block_size=a.block_size,
+                             seed_fingerprint=self.engine.kv_manager.hash_config.fingerprint(),
+                             namespace=namespace)
+
     def stats_response(self) -> pb.StatsResponse:
         eng = self.engine
         st = eng.stats()
@@ -279,11 +286,8 @@ class PodServer:
             pod_id=self.pod_id, model=a.model, block_size=a.block_size,
             num_blocks=st["num_blocks"], num_free_blocks=st["num_free_blocks"], usage=st["usage"],
             tiers=tiers, num_waiting=st["waiting"], num_running=st["running"],
-            hash_config=pb.HashConfig(
-                algo=a.hash_algo, seed_fingerprint=eng.kv_manager.hash_config.fingerprint(),
-                block_size=a.block_size,
-                namespace=self.schema.namespace if self.schema else "",
-            ),
+            hash_config=self.wire_hash_config(
+                namespace=self.schema.namespace if self.schema else ""),
             epoch=(self.publisher.epoch or "") if self.publisher else "",
         )
 
@@ -340,10 +344,7 @@ class PodServer:
         if not cfg.pull or not self.args.enable_prefix_caching:
             logger.info("cross-pod KV pull: off")
             return
-        a = self.args
-        hash_config = pb.HashConfig(algo=a.hash_algo, block_size=a.block_size,
-                                    seed_fingerprint=engine.kv_manager.hash_config.fingerprint())
-        self.fetcher = PeerFetcher(hash_config, engine.kv_layout, self.tls,
+        self.fetcher = PeerFetcher(self.wire_hash_config(), engine.kv_layout, self.tls,
                                    cfg.peer_token or self.api_token)
         puller = engine.enable_peer_pull(self.fetcher, cfg.pull_max_concurrent,
                                          cfg.pull_deadline_s)

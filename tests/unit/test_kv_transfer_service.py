@@ -16,6 +16,7 @@ from pagekv.kvnode.engine.async_engine import AsyncEngine
 from pagekv.kvnode.engine.engine import Engine
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
+from pagekv.kvnode.pod.server import PodServer
 from pagekv.proto.hashing import hash_prompt
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.tiers.peer_entries import unpack_chain
@@ -51,6 +52,8 @@ class FakePod:
     @property
     def args(self):
         return self.engine.args
+
+    wire_hash_config = PodServer.wire_hash_config
 
 
 @pytest.fixture(scope="module")
