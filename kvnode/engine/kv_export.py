@@ -32,9 +32,9 @@ class ExportRun:
 
     def pool_ids(self, lo: int, hi: int) -> list[int]:
         """Block ids of the pool blocks among hashes[lo:hi] (they are pinned in order)."""
-        ids = {b.block_hash: b.block_id for b in self.pinned}
-        return [ids[h] for h, m in zip(self.hashes[lo:hi], self.media[lo:hi], strict=True)
-                if m == Medium.GPU]
+        first = self.media[:lo].count(Medium.GPU)
+        return [b.block_id for b in
+                self.pinned[first : first + self.media[lo:hi].count(Medium.GPU)]]
 
 
 class KvExporter:
