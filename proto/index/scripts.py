@@ -152,6 +152,36 @@ end
 return #KEYS
 """
 
+# A pod's claim writes in one bucket or several (several only on a single node: on a
+# cluster each call holds one bucket). KEYS: the pod's claim SET of each bucket, in order.
+# ARGV[1] pod, ARGV[2] hex hash width, ARGV[3] the number of tier masks, ARGV[4..] the claim
+# value of each mask from 1 (schema.claim_values), then per bucket its key base and its
+# records: one char, the new mask in base 36 ('0': no claim), and the hash in hex, each.
+# A claim is HSET into its block key and its hash added to the SET (SADD is idempotent: a
+# tier change re-adds it); '0' is HDEL and SREM. Reply: the number of records.
+CLAIM_WRITES_LUA = """
+local pod, w, nv = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local vals = {}
+for m = 1, nv do vals[m] = ARGV[3 + m] end
+local n = 0
+for g = 1, #KEYS do
+  local set, base, recs = KEYS[g], ARGV[2 + nv + 2 * g], ARGV[3 + nv + 2 * g]
+  for i = 1, #recs, w + 1 do
+    local m = tonumber(string.sub(recs, i, i), 36)
+    local hex = string.sub(recs, i + 1, i + w)
+    if m == 0 then
+      redis.call('HDEL', base .. 'b:' .. hex, pod)
+      redis.call('SREM', set, hex)
+    else
+      redis.call('HSET', base .. 'b:' .. hex, pod, vals[m])
+      redis.call('SADD', set, hex)
+    end
+    n = n + 1
+  end
+end
+return n
+"""
+
 # The control scripts below take the namespace's pods SET as KEYS[1] (so a cluster client
 # sends them to the control slot's shard) and name the other control keys, all under the
 # same `{ns}` tag, from ARGV[1], the namespace base.
@@ -283,6 +313,7 @@ REAP_START = Script(REAP_START_LUA)
 REAP_BUCKET = Script(REAP_BUCKET_LUA)
 REAP_FINISH = Script(REAP_FINISH_LUA)
 RENEW_LEASE = Script(RENEW_LEASE_LUA)
+CLAIM_WRITES = Script(CLAIM_WRITES_LUA)
 
 # Loaded up front by a router, so that even its first lookup is one round trip.
 PRELOADED: tuple[Script, ...] = (LOOKUP, LIVE_PODS, PREDICT)

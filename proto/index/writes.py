@@ -15,11 +15,17 @@ import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError
+
 from pagekv.proto.index import scripts
+from pagekv.proto.index.connect import REDIS_ERRORS
 from pagekv.proto.index.mirror import BucketChange
 from pagekv.proto.index.schema import POD_KINDS, IndexSchema, bucket_name, text
 
 PIPELINE_CHUNK = 4096  # commands per pipeline round trip when writing many claims
+# Claim writes per CLAIM_WRITES call: Redis runs a script alone, so each stays ~1 ms long.
+CLAIM_RECORDS = 512
 SET_CHUNK = 1000  # members per SADD / SREM / SSCAN page
 
 # renew_lease results
@@ -131,9 +137,8 @@ class _Pipe:
         return self.replies
 
 
-def _chunks(items: Sequence[str], size: int = SET_CHUNK) -> Iterator[Sequence[str]]:
-    for i in range(0, len(items), size):
-        yield items[i:i + size]
+def is_cluster_client(client: Any) -> bool:
+    return isinstance(client, RedisCluster)
 
 
 def listed_buckets(client: Any, schema: IndexSchema, pod_id: str) -> set[int]:
@@ -177,22 +182,20 @@ def write_all_claims(client: Any, schema: IndexSchema, pod_id: str,
     """
     listed = listed_buckets(client, schema, pod_id)
     list_buckets(client, schema, pod_id, set(wanted) - listed)
-    set_keys = {b: schema.pod_blocks_key(pod_id, b) for b in listed | set(wanted)}
+    set_keys = {b: schema.pod_blocks_key(pod_id, b) for b in listed}
     existing = scan_sets(client, [set_keys[b] for b in listed])
-    pipe = _Pipe(client)
-    for bucket, claims in wanted.items():
-        for hex_hash, mask in claims.items():
-            pipe.add("hset", schema.block_key_hex(hex_hash, bucket), pod_id, values[mask])
-        for members in _chunks(list(claims)):
-            pipe.add("sadd", set_keys[bucket], *members)
+    claims = ClaimRecords(len(values))
+    for bucket, hashes in wanted.items():
+        for hex_hash, mask in hashes.items():
+            claims.add(bucket, mask, hex_hash)
+    claims.send(client, schema, pod_id, values)
+    stale = ClaimRecords(len(values))
     for bucket in listed:
-        claims = wanted.get(bucket, {})
-        stale = [h for h in existing[set_keys[bucket]] if h not in claims]
-        for hex_hash in stale:
-            pipe.add("hdel", schema.block_key_hex(hex_hash, bucket), pod_id)
-        for members in _chunks(stale):
-            pipe.add("srem", set_keys[bucket], *members)
-    pipe.send()
+        hashes = wanted.get(bucket, {})
+        for hex_hash in existing[set_keys[bucket]]:
+            if hex_hash not in hashes:
+                stale.add(bucket, 0, hex_hash)
+    stale.send(client, schema, pod_id, values)
     emptied = listed - set(wanted)
     if emptied:  # their sets are empty now
         client.srem(schema.pod_buckets_key(pod_id), *(bucket_name(b) for b in emptied))
@@ -204,26 +207,117 @@ def write_claim_changes(client: Any, schema: IndexSchema, pod_id: str,
                         listed: set[int]) -> None:
     """Write the net effect of one batch of events. `listed` is the pod's bucket list as
     written so far; buckets new to it are added (to Redis, then to `listed`) first."""
-    changes = list(changes)
-    new_buckets = {bucket for _, bucket, _, new in changes if new} - listed
-    if new_buckets:
+    claims = ClaimRecords(len(values))
+    add = claims.add
+    for h, bucket, _old, new in changes:
+        add(bucket, new, h.hex())
+    new_buckets = claims.buckets_set() - listed
+    if new_buckets and is_cluster_client(client):  # (another shard: a round trip first)
         list_buckets(client, schema, pod_id, new_buckets)
-        listed |= new_buckets
-    set_keys: dict[int, str] = {}
-    pipe = _Pipe(client)
-    for h, bucket, old, new in changes:
-        hex_hash = h.hex()
-        key = schema.block_key_hex(hex_hash, bucket)
-        set_key = set_keys.get(bucket) or set_keys.setdefault(
-            bucket, schema.pod_blocks_key(pod_id, bucket))
-        if new:
-            pipe.add("hset", key, pod_id, values[new])
-            if not old:
-                pipe.add("sadd", set_key, hex_hash)
-        else:
-            pipe.add("hdel", key, pod_id)
-            pipe.add("srem", set_key, hex_hash)
-    pipe.send()
+        new_buckets = set()
+    claims.send(client, schema, pod_id, values, new_buckets)
+    listed |= new_buckets
+
+
+_MASK_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"  # a record's first char (base 36)
+
+
+class ClaimRecords:
+    """Claim writes grouped by bucket, sent as CLAIM_WRITES calls: one record (the new mask
+    in one char, the hash in hex) per claim instead of two commands, so that packing and
+    parsing in the client cost a string join per call, not a command per block."""
+
+    __slots__ = ("by_bucket", "chars")
+
+    def __init__(self, n_values: int) -> None:
+        if n_values > len(_MASK_CHARS):
+            raise ValueError(f"{n_values} tier masks do not fit one record char")
+        self.chars = _MASK_CHARS[:n_values]
+        self.by_bucket: dict[int, list[str]] = {}
+
+    def add(self, bucket: int, mask: int, hex_hash: str) -> None:
+        """Set `hex_hash`'s claim to `mask` (0: remove it)."""
+        records = self.by_bucket.get(bucket)
+        if records is None:
+            records = self.by_bucket[bucket] = []
+        records.append(self.chars[mask] + hex_hash)
+
+    def buckets_set(self) -> set[int]:
+        """The buckets that get a claim (not only removals): they must be listed first."""
+        return {b for b, recs in self.by_bucket.items()
+                if any(r[0] != "0" for r in recs)}
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.by_bucket.values())
+
+    def calls(self, schema: IndexSchema, pod_id: str, one_bucket_each: bool
+              ) -> Iterator[tuple[list[str], list[str]]]:
+        """(keys, per-bucket args) of each call, at most CLAIM_RECORDS records in one."""
+        keys: list[str] = []
+        args: list[str] = []
+        n = 0
+        for bucket, records in self.by_bucket.items():
+            base = schema.bucket_base(bucket)
+            set_key = schema.pod_blocks_key(pod_id, bucket)
+            for i in range(0, len(records), CLAIM_RECORDS):
+                part = records[i:i + CLAIM_RECORDS]
+                if keys and (one_bucket_each or n + len(part) > CLAIM_RECORDS):
+                    yield keys, args
+                    keys, args, n = [], [], 0
+                keys.append(set_key)
+                args += (base, "".join(part))
+                n += len(part)
+        if keys:
+            yield keys, args
+
+    def send(self, client: Any, schema: IndexSchema, pod_id: str, values: Sequence[str],
+             list_first: Collection[int] = ()) -> None:
+        """All the calls in one pipeline; on a cluster, one pipeline per shard.
+        `list_first`: buckets to add to the pod's bucket list at the head of the pipeline
+        (one node only: a cluster's bucket list is on another shard than the claims)."""
+        if not self.by_bucket:
+            return
+        width = len(next(iter(self.by_bucket.values()))[0]) - 1
+        head = [pod_id, str(width), str(len(values) - 1), *values[1:]]
+        if not is_cluster_client(client):
+            listing = (schema.pod_buckets_key(pod_id), [bucket_name(b) for b in list_first])
+            _pipelined(client, list(self.calls(schema, pod_id, False)), head, listing)
+            return
+        if list_first:
+            raise ValueError("a cluster's bucket list is written before, not in the pipeline")
+        by_node: dict[str, tuple[Any, list[tuple[list[str], list[str]]]]] = {}
+        for keys, args in self.calls(schema, pod_id, True):
+            node = client.get_node_from_key(keys[0])
+            by_node.setdefault(node.name, (node, []))[1].append((keys, args))
+        for node, calls in by_node.values():
+            try:
+                _pipelined(node.redis_connection, calls, head)
+            except REDIS_ERRORS:
+                # A slot moved or a primary failed over since the client's slot map was
+                # read: one call at a time through the cluster client, which follows the
+                # redirections and refreshes its map (and raises if the shard is down).
+                for keys, args in calls:
+                    scripts.CLAIM_WRITES.run(client, keys, [*head, *args])
+
+
+def _pipelined(client: Any, calls: Sequence[tuple[list[str], list[str]]],
+               head: Sequence[str], listing: tuple[str, list[str]] | None = None) -> None:
+    """CLAIM_WRITES calls in one pipeline of a single node's client, after the SADD of
+    `listing` (key, buckets) if it names any: a node runs a pipeline in order."""
+    sha = scripts.CLAIM_WRITES.sha
+    for attempt in (0, 1):
+        pipe = client.pipeline(transaction=False)
+        if listing and listing[1]:
+            pipe.sadd(listing[0], *listing[1])
+        for keys, args in calls:
+            pipe.evalsha(sha, len(keys), *keys, *head, *args)
+        try:
+            pipe.execute()
+            return
+        except NoScriptError:  # a restarted or flushed Redis: load it, send again
+            if attempt:
+                raise
+            client.script_load(scripts.CLAIM_WRITES.source)
 
 
 def clear_pod_claims(client: Any, schema: IndexSchema, pod_id: str, batch: int = 1000) -> int:
