@@ -2,10 +2,18 @@
 
 The engine's step loop calls `submit(events)`, which only appends to an in-memory queue. A
 background thread applies the events in order to a local mirror (block hash -> tier bitmask)
-and writes the net change of each batch in pipelined round trips, at least every
-`flush_interval_s` while there is something to send; each claim goes to the bucket of its
-chain's block 0, learned from the events' parent links (proto.index.placement). The same
-thread renews the lease every second with the pod's current load.
+and writes the net change of what was queued in one pipelined round trip, `flush_interval_s`
+after the previous write at the earliest (submits in between are coalesced); each claim goes
+to the bucket of its chain's block 0, learned from the events' parent links
+(proto.index.placement). The same thread renews the lease every second with the pod's
+current load. Between those it sleeps: the first submit after a write wakes it, the others
+do not, so an idle pod's publisher costs one wake-up per renewal.
+
+An owner that places its blocks itself (`placed=True`: the vLLM ingester) submits lists of
+claim changes instead of events, and its full state is already what to publish
+(proto.index.mirror.PlacedClaims). An owner with a loop of its own may also drive the
+publisher from it (`start(thread=False)`, then `step()` when due) instead of giving it a
+thread: one wake-up serves both (a wake-up costs more CPU than a small batch's writes).
 
 Failure policy: the index is a hint, the pod keeps serving. When Redis is unreachable the
 queued deltas are dropped (nothing grows without bound) and the state is marked dirty; the
@@ -29,7 +37,7 @@ from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.index import writes
 from pagekv.proto.index.connect import REDIS_ERRORS, check_tls_url, connect, drop_connections
 from pagekv.proto.index.handshake import config_mismatch
-from pagekv.proto.index.mirror import PodClaims
+from pagekv.proto.index.mirror import PlacedClaims, PodClaims
 from pagekv.proto.index.schema import IndexSchema, claim_values, new_epoch
 from pagekv.proto.kv_events import KVEvent
 
@@ -69,6 +77,7 @@ class IndexPublisher:
         socket_timeout_s: float = 1.0,
         redis_tls: TlsFiles | None = None,
         registration: Mapping[str, str] | None = None,
+        placed: bool = False,
     ) -> None:
         if not pod_id or any(c in pod_id for c in " \t\r\n"):
             raise ValueError(f"pod_id must be non-empty without whitespace, got {pod_id!r}")
@@ -106,7 +115,7 @@ class IndexPublisher:
         self._events = EventQueue(max_pending)  # shared with submit()
 
         # Owned by the publisher thread.
-        self._claims = PodClaims()  # as written to Redis
+        self._claims: PodClaims | PlacedClaims = PlacedClaims() if placed else PodClaims()
         self._listed: set[int] = set()  # the pod's bucket list as written
         self._values: list[str] = []
         self._applied_seq = 0
@@ -116,6 +125,14 @@ class IndexPublisher:
         self._down_since = 0.0
         self._backoff = _BACKOFF_START_S
         self._next_renew = 0.0
+        self._last_write = 0.0
+        # Set by the first submit after the thread took the queue (so only that one wakes
+        # it), and by flush() (write now, whatever the interval).
+        self._woken = False
+        self._flush_asked = False
+        self._driven = False  # start(thread=False): the owner calls step()
+        # Called (from any thread) when a driven publisher wants its owner to step soon.
+        self.on_wake: Callable[[], None] | None = None
 
         self._visible = threading.Condition()
         self._visible_seq = 0
@@ -135,21 +152,40 @@ class IndexPublisher:
         if self._events.submit(events):
             logger.warning("index publisher %s: more than %d events pending; dropping them "
                            "and republishing the full state", self.pod_id, self.max_pending)
-            self._wake.set()
+            self._poke()
+        elif not self._woken:  # read after the append: see _publish_pending
+            self._woken = True
+            if not self._driven:  # (a driven one's owner steps after submitting)
+                self._wake.set()
+
+    def _poke(self) -> None:
+        self._wake.set()
+        if self.on_wake is not None:
+            self.on_wake()
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self, timeout: float = 5.0) -> bool:
+    def start(self, timeout: float = 5.0, *, thread: bool = True) -> bool:
         """New epoch, register, republish the full state (dropping the previous epoch's
         claims of this pod id). Returns whether that first sync finished within `timeout`;
-        if Redis is down it keeps trying in the background and never raises for it."""
-        if self._thread is not None:
+        if Redis is down it keeps trying (in the background, or at each step()) and never
+        raises for it. thread=False: no thread; the caller's loop calls step() when it is
+        due (it tries the first sync here, for `timeout` at most)."""
+        if self._thread is not None or self.epoch:
             raise RuntimeError("IndexPublisher already started")
         self.epoch = new_epoch()
         self._values = claim_values(self.epoch)
-        self._thread = threading.Thread(
-            target=self._run, name=f"index-publisher-{self.pod_id}", daemon=True)
-        self._thread.start()
-        ok = self._synced.wait(timeout)
+        if thread:
+            self._thread = threading.Thread(
+                target=self._run, name=f"index-publisher-{self.pod_id}", daemon=True)
+            self._thread.start()
+            ok = self._synced.wait(timeout)
+        else:
+            self._driven = True
+            deadline = time.monotonic() + timeout
+            while (not self._synced.is_set() and not self._stop.is_set()
+                   and time.monotonic() < deadline):
+                self.step()
+            ok = self._synced.is_set()
         if not ok:
             logger.warning("index publisher %s: first sync not done after %.1fs; retrying in "
                            "the background", self.pod_id, timeout)
@@ -161,16 +197,18 @@ class IndexPublisher:
         chains; resume() re-registers and republishes the full state. For a pod that does
         not serve for a while (the vLLM ingester's, when its /health fails)."""
         self._pause = True
-        self._wake.set()
+        self._poke()
 
     def resume(self) -> None:
         self._pause = False
-        self._wake.set()
+        self._poke()
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until every event submitted so far is visible in Redis."""
+        """Wait until every event submitted so far is visible in Redis. (Driven: from
+        another thread than the owner's loop, which must step meanwhile.)"""
         target = self._events.seq
-        self._wake.set()
+        self._flush_asked = True
+        self._poke()
         deadline = time.monotonic() + timeout
         with self._visible:
             while self._visible_seq < target:
@@ -178,21 +216,29 @@ class IndexPublisher:
                 if left <= 0:
                     return False
                 self._visible.wait(min(left, 0.05))
-                self._wake.set()
+                self._flush_asked = True
+                self._poke()
         return True
+
+    def request_stop(self) -> None:
+        """Make a back-off in progress return (a driven publisher's owner, stopping)."""
+        self._stop.set()
+        self._wake.set()
 
     def stop(self, clear: bool = True, timeout: float = 5.0) -> None:
         """Stop the thread. clear=True also removes this pod's claims and registration
         (only if this instance still owns the pod id); clear=False flushes what is queued
         and leaves everything to expire with the lease."""
         thread, self._thread = self._thread, None
+        self._stop.set()
         if thread is not None:
-            self._stop.set()
             self._wake.set()
             thread.join(timeout)
             if thread.is_alive():
                 logger.warning("index publisher %s: thread did not stop in %.1fs",
                                self.pod_id, timeout)
+        elif self._driven and self.epoch:
+            self._final_flush()
         if clear and self.epoch and self._client is not None:
             try:
                 self._clear_registration()
@@ -235,40 +281,60 @@ class IndexPublisher:
     # -- publisher thread ----------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._superseded:
-                self._stop.wait(self.renew_interval_s)
-                continue
-            try:
-                if (self._pause or self._left) and self._paused_step():
-                    continue
-                if self._needs_resync:
-                    self._resync()
-                now = time.monotonic()
-                if now >= self._next_renew:
-                    self._renew()
-                    self._next_renew = now + self.renew_interval_s
-                self._publish_pending()
-            except _Superseded as exc:
-                self._superseded = True
-                self._drop_pending()  # and keep dropping: this instance is done
-                logger.error("index publisher %s epoch %s: %s; no longer publishing",
-                             self.pod_id, self.epoch, exc)
-                continue
-            except REDIS_ERRORS as exc:
-                self._on_error(exc)
-                self._back_off()
-                continue
-            except Exception:  # a bug or a bad event must not kill the thread: rebuild
-                logger.exception("index publisher %s: unexpected error; republishing",
-                                 self.pod_id)
-                self._counters.errors += 1
-                self._drop_pending()
-                self._back_off()
-                continue
-            wait = min(self.flush_interval_s, max(0.0, self._next_renew - time.monotonic()))
-            self._wake.wait(wait)
+            # Cleared before the work, never after it: a submit that sets it meanwhile is
+            # seen by the wait below.
             self._wake.clear()
-        # Last flush on a clean stop, so that clear=False leaves the index current.
+            wait = self.step()
+            if wait > 0:
+                self._wake.wait(wait)
+        self._final_flush()
+
+    def step(self, write: bool = False) -> float:
+        """One round of the publisher's work: rejoin or republish if needed, renew the lease
+        when due, write what is queued once the flush interval is up (`write`: now).
+        Returns the seconds until the next round is due (0: at once). The thread's loop, or
+        a driven publisher's owner, calls it; never two threads at once. While Redis fails
+        it backs off here (up to 2 s), renewing the lease when due."""
+        if write:
+            self._flush_asked = True
+        if self._superseded:
+            return self.renew_interval_s
+        try:
+            if (self._pause or self._left) and self._paused_step():
+                return self.renew_interval_s  # resume() pokes
+            if self._needs_resync:
+                self._resync()
+            now = time.monotonic()
+            if now >= self._next_renew:
+                self._renew()
+                self._next_renew = now + self.renew_interval_s
+            if self._flush_asked or now >= self._last_write + self.flush_interval_s:
+                self._publish_pending()
+        except _Superseded as exc:
+            self._superseded = True
+            self._drop_pending()  # and keep dropping: this instance is done
+            logger.error("index publisher %s epoch %s: %s; no longer publishing",
+                         self.pod_id, self.epoch, exc)
+            return 0.0
+        except REDIS_ERRORS as exc:
+            self._on_error(exc)
+            self._back_off()
+            return 0.0
+        except Exception:  # a bug or a bad event must not kill the thread: rebuild
+            logger.exception("index publisher %s: unexpected error; republishing",
+                             self.pod_id)
+            self._counters.errors += 1
+            self._drop_pending()
+            self._back_off()
+            return 0.0
+        now = time.monotonic()
+        until = self._next_renew
+        if self._woken:  # something queued: write it once the interval is up
+            until = min(until, self._last_write + self.flush_interval_s)
+        return max(0.0, until - now)
+
+    def _final_flush(self) -> None:
+        """Last write on a clean stop, so that clear=False leaves the index current."""
         if not self._needs_resync and not self._superseded:
             try:
                 self._publish_pending()
@@ -287,8 +353,6 @@ class IndexPublisher:
                 self._clear_registration()
             self._left = True
         self._drop_pending()
-        self._wake.wait(self.flush_interval_s)
-        self._wake.clear()
         return True
 
     def _back_off(self) -> None:
@@ -400,9 +464,13 @@ class IndexPublisher:
         self._counters.lease_renewals += 1
 
     def _publish_pending(self) -> None:
+        # Reset before the take: a submit after it finds False and wakes the thread again.
+        self._woken = False
+        self._flush_asked = False
         batch = self._events.take()
         if not batch:
             return
+        self._last_write = time.monotonic()
         if batch[0][0] != self._applied_seq + 1:
             # A gap means deltas were lost: the index cannot be patched, only rebuilt.
             logger.warning("index publisher %s: sequence gap (%d after %d); republishing",

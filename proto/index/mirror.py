@@ -153,3 +153,45 @@ class PodClaims:
     def clear(self) -> None:
         self.mirror = ClaimMirror()
         self.unplaced = set()
+
+
+class PlacedClaims:
+    """The claims of a pod whose owner places every block itself and keeps its own full
+    state (the vLLM ingester's book, proto.vllm_chain): what is submitted is lists of
+    BucketChange, the full state is already bucket -> hex hash -> tier mask. Only the set of
+    hashes claimed is kept here (for the publisher's count). Same interface as PodClaims."""
+
+    __slots__ = ("held",)
+    unplaced: frozenset[bytes] = frozenset()  # nothing waits for a parent here
+
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def learn(self, events: Iterable[object]) -> None:
+        """Nothing to learn: the owner placed every block."""
+
+    def apply(self, items: Sequence[Sequence[BucketChange]]) -> list[BucketChange]:
+        """The net change of the submitted lists: each hash once, with its last mask."""
+        net: dict[bytes, BucketChange] = {}
+        for changes in items:
+            for change in changes:
+                net[change[0]] = change
+        held = self.held
+        for h, _bucket, _old, new in net.values():
+            if new:
+                held.add(h)
+            else:
+                held.discard(h)
+        return list(net.values())
+
+    def reset(self, state: Mapping[int, Mapping[str, int]]) -> dict[int, dict[str, int]]:
+        """Start over from the owner's full state; it is what to publish, as it is."""
+        wanted = {bucket: dict(claims) for bucket, claims in state.items() if claims}
+        self.held = {bytes.fromhex(h) for claims in wanted.values() for h in claims}
+        return wanted
+
+    def clear(self) -> None:
+        self.held = set()

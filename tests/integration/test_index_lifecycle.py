@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from pagekv.kvnode.pod.publisher import IndexPublisher
 from pagekv.proto.index import (
     IndexClient,
     IndexSchema,
@@ -27,7 +28,7 @@ from pagekv.proto.index.schema import text
 from pagekv.proto.index.writes import listed_buckets
 from pagekv.proto.kv_events import BlockRemoved, BlockStored
 from pagekv.proto.medium import Medium
-from tests.integration.index_fixtures import SCHEMA, all_keys, chain
+from tests.integration.index_fixtures import SCHEMA, PodState, all_keys, chain, primaries
 
 pytestmark = pytest.mark.integration
 
@@ -217,3 +218,53 @@ def test_publisher_survives_redis_restart_and_republishes(make_pod, redis_server
     assert got.depth == 38
     assert got.tier_counts() == {"GPU": 28, "CPU": 5, "DISK": 5}
     assert [p.pod_id for p in list_live_pods(client, SCHEMA)] == ["pod-a"]
+
+
+def test_claim_writes_survive_a_flushed_script_cache(make_pod, client):
+    """Claims go through one Lua script per bucket: a Redis that forgot it (SCRIPT FLUSH,
+    a restart the publisher did not notice) gets it loaded again, and nothing is lost."""
+    pod = make_pod("pod-a")
+    first, second = chain(3, "s1"), chain(2, "s2")
+    pod.store(first)
+    assert pod.pub.flush()
+    for node in primaries(client):
+        node.script_flush()
+    pod.store(second, medium="CPU")
+    pod.emit([BlockRemoved(first[2:], Medium.GPU)])
+    assert pod.pub.flush()
+    epoch = pod.pub.epoch
+    assert index_claims(client, SCHEMA, "pod-a", epoch) == {
+        **dict.fromkeys(first[:2], Medium.GPU), **dict.fromkeys(second, Medium.CPU)}
+
+
+def test_a_driven_publisher_does_its_work_only_in_step(index_redis, client):
+    """start(thread=False): the owner's loop calls step(); nothing is written between."""
+    state = PodState()
+    pub = IndexPublisher(index_redis.url, SCHEMA, "pod-d", "127.0.0.1:5999",
+                         hash_config=SCHEMA.hash_config(), load_fn=dict,
+                         full_state_fn=state.full_state, flush_interval_s=0.01)
+    state.pub = pub
+    woken: list[int] = []
+    pub.on_wake = lambda: woken.append(1)
+    try:
+        assert pub.start(timeout=10, thread=False)
+        blocks = chain(2, "d")
+        state.store(blocks)
+        time.sleep(0.1)
+        assert index_claims(client, SCHEMA, "pod-d", pub.epoch) == {}  # no thread wrote
+        assert not woken  # a submit needs no wake: the owner steps after it
+        wait = pub.step(write=True)
+        assert 0 < wait <= pub.renew_interval_s
+        assert index_claims(client, SCHEMA, "pod-d", pub.epoch) == dict.fromkeys(
+            blocks, Medium.GPU)
+        pub.pause()
+        assert woken  # another thread's request wakes the owner's loop
+        pub.step()
+        assert not client.exists(SCHEMA.lease_key("pod-d"))
+        pub.resume()
+        pub.step()
+        assert index_claims(client, SCHEMA, "pod-d", pub.epoch) == dict.fromkeys(
+            blocks, Medium.GPU)
+    finally:
+        pub.stop(clear=True)
+    assert not client.exists(SCHEMA.pod_key("pod-d"))
