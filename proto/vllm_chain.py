@@ -16,10 +16,14 @@ over as many blocks as the tokens have beyond the hashes. An event without token
 offloading tiers send them) can only name blocks already known here.
 
 The book keeps, per external hash (the int, or the digest when the pod sends digests), the
-full hash, its parent's full hash (the index files a claim under its chain's block 0, found
-through parents) and its tier mask: exactly for every block the pod holds, and for a bounded
-number of blocks it held recently, so a block that comes back, or whose child is stored after
-it left, is still known. Pure and single-threaded: the ingester owns it.
+full hash, its parent's full hash, its bucket (the index files a claim under its chain's
+block 0: a block's bucket is its parent's, block 0's its own) and its tier mask: exactly for
+every block the pod holds, and for a bounded number of blocks it held recently, so a block
+that comes back, or whose child is stored after it left, is still known. Since every block
+stored has a known parent (or none), every block is placed at once, and the book hands the
+index publisher its claim writes directly (`BucketChange`s, see proto.index.mirror's
+PlacedClaims) rather than events for another mirror to replay. Pure and single-threaded:
+the ingester owns it.
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagekv.proto.hashing import HashConfig
-from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagekv.proto.index.mirror import BucketChange
+from pagekv.proto.index.schema import bucket_of
 from pagekv.proto.medium import ALL_BITS, MEDIUMS, Medium
 from pagekv.proto.vllm_events import (
     ExternalHash,
     WireBlockRemoved,
     WireBlockStored,
     WireEvent,
-    short_hash,
 )
 
 _MEDIUM = {m.value: m for m in MEDIUMS}
@@ -48,12 +52,17 @@ REFUSAL_REASONS = ("block_size", "hash_length", "hash_mismatch", "unknown_parent
 
 
 class _Block:
-    __slots__ = ("full", "mask", "parent")
+    __slots__ = ("bucket", "full", "mask", "parent")
 
-    def __init__(self, full: bytes, parent: bytes | None) -> None:
+    def __init__(self, full: bytes, parent: bytes | None, bucket: int) -> None:
         self.full = full
         self.parent = parent
+        self.bucket = bucket
         self.mask = 0
+
+
+# A stored block as the walk found it: (external hash, full hash, parent's full hash, bucket).
+_Found = tuple[ExternalHash, bytes, "bytes | None", int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +107,18 @@ class VllmBlockBook:
         return len(self._held)
 
     # -- what the index publisher republishes --------------------------------------------
-    def full_state(self) -> dict[bytes, int]:
+    def full_state(self) -> dict[int, dict[str, int]]:
+        """Every block held, as the index publisher republishes it: bucket -> full hash in
+        hex -> tier mask."""
+        out: dict[int, dict[str, int]] = {}
+        for b in self._held.values():
+            claims = out.get(b.bucket)
+            if claims is None:
+                claims = out[b.bucket] = {}
+            claims[b.full.hex()] = b.mask
+        return out
+
+    def masks(self) -> dict[bytes, int]:
         """Every block held: full hash -> tier mask."""
         return {b.full: b.mask for b in self._held.values()}
 
@@ -111,10 +131,11 @@ class VllmBlockBook:
         self.refusals.append(Refusal(reason, detail))
 
     # -- events ----------------------------------------------------------------------------
-    def apply(self, events: list[WireEvent]) -> list[KVEvent]:
-        """Apply one batch in order; return the same changes as PageKV events (full
-        hashes), for the index publisher. Refused events change nothing."""
-        out: list[KVEvent] = []
+    def apply(self, events: list[WireEvent]) -> list[BucketChange]:
+        """Apply one batch in order; return the claim changes, (full hash, bucket, mask
+        before, mask after) in order, for the index publisher. Refused events change
+        nothing."""
+        out: list[BucketChange] = []
         for ev in events:
             try:
                 if isinstance(ev, WireBlockStored):
@@ -127,10 +148,10 @@ class VllmBlockBook:
                 self.refuse(exc.reason, exc.detail)
         return out
 
-    def clear(self) -> list[KVEvent]:
-        """Forget what the pod holds (a gap that cannot be replayed, a restart): the event
-        that removes its claims. Known hashes stay known: they are a function of content."""
-        out: list[KVEvent] = []
+    def clear(self) -> list[BucketChange]:
+        """Forget what the pod holds (a gap that cannot be replayed, a restart): the changes
+        that remove its claims. Known hashes stay known: they are a function of content."""
+        out: list[BucketChange] = []
         self._cleared(None, out)
         return out
 
@@ -146,7 +167,7 @@ class VllmBlockBook:
         block = self._held.get(key)
         return block if block is not None else self._recent.get(key)
 
-    def _stored(self, ev: WireBlockStored, out: list[KVEvent]) -> None:
+    def _stored(self, ev: WireBlockStored, out: list[BucketChange]) -> None:
         medium = self._medium(ev.medium)
         if ev.group_idx:
             raise _Refused("kv_group", f"KV cache group {ev.group_idx}: the index holds one "
@@ -163,24 +184,37 @@ class VllmBlockBook:
             runs = self._given(ev)
         else:
             runs = self._recomputed(ev)
-        self._hold(runs, medium, ev.lora_id, out)
+        self._hold(runs, medium, out)
 
-    def _given(self, ev: WireBlockStored) -> list[tuple[ExternalHash, bytes, bytes | None]]:
+    def _parent(self, key: ExternalHash | None) -> tuple[bytes | None, int | None]:
+        """The full hash and bucket of a stored run's parent (None, None: block 0 next)."""
+        if key is None:
+            return None, None
+        known = self._lookup(key)
+        if known is None:
+            raise _Refused("unknown_parent", "the parent block was never seen here "
+                                             "(stored before this ingester joined?)")
+        return known.full, known.bucket
+
+    def _given(self, ev: WireBlockStored) -> list[_Found]:
         """Digests on the wire: they are the full hashes (checked for their length)."""
-        parent = ev.parent_block_hash
-        if parent is not None and type(parent) is not bytes:
+        key = ev.parent_block_hash
+        if key is not None and type(key) is not bytes:
             raise _Refused("bad_event", "digest block hashes with an int parent hash")
-        blocks = []
         for h in ev.block_hashes:
             if type(h) is not bytes or len(h) != self.digest_size:
                 raise _Refused("hash_length", f"a {self.hash_config.algo} block hash is "
                                               f"{self.digest_size} bytes, the event's is not")
-            blocks.append((h, h, parent))
+        parent, bucket = self._parent(key)
+        blocks: list[_Found] = []
+        for h in ev.block_hashes:
+            if bucket is None:
+                bucket = bucket_of(h)
+            blocks.append((h, h, parent, bucket))
             parent = h
         return blocks
 
-    def _recomputed(self, ev: WireBlockStored
-                    ) -> list[tuple[ExternalHash, bytes, bytes | None]]:
+    def _recomputed(self, ev: WireBlockStored) -> list[_Found]:
         """Short hashes on the wire: walk the tokens' blocks from the parent, recomputing
         each full hash; every hash of the event must come out, in order."""
         hashes = ev.block_hashes
@@ -199,29 +233,25 @@ class VllmBlockBook:
         if extra is None and (ev.lora_id or ev.lora_name):
             raise _Refused("lora", "a LoRA block without extra_keys: its hash cannot be "
                                    "recomputed here")
-        parent_key = ev.parent_block_hash
-        if parent_key is None:
-            parent: bytes | None = None
-        else:
-            known = self._lookup(parent_key)
-            if known is None:
-                raise _Refused("unknown_parent", "the parent block was never seen here "
-                                                 "(stored before this ingester joined?)")
-            parent = known.full
+        parent, bucket = self._parent(ev.parent_block_hash)
         hash_block = self.hash_config.hash_block
-        blocks: list[tuple[ExternalHash, bytes, bytes | None]] = []
+        lookup = self._lookup
+        blocks: list[_Found] = []
         j = 0
         for i in range(n_blocks):
             if j == len(hashes):
                 break
-            known = self._lookup(hashes[j]) if not skips else None
+            key = hashes[j]
+            known = lookup(key) if not skips else None
             if known is not None:
                 full = known.full  # verified when first seen
             else:
                 keys = _tupled(extra[j]) if extra is not None else None
                 full = hash_block(parent, tokens[i * bs:(i + 1) * bs], keys)
-            if short_hash(full) == hashes[j]:
-                blocks.append((hashes[j], full, parent))
+            if int.from_bytes(full[-8:], "big") == key:  # short_hash(full), inlined
+                if bucket is None:
+                    bucket = bucket_of(full)
+                blocks.append((key, full, parent, bucket))
                 j += 1
             elif skips:
                 skips -= 1  # a block cached before: its hash is not in the event
@@ -236,47 +266,40 @@ class VllmBlockBook:
                                             "tokens and parent")
         return blocks
 
-    def _stored_known(self, ev: WireBlockStored, medium: Medium, out: list[KVEvent]) -> None:
+    def _stored_known(self, ev: WireBlockStored, medium: Medium,
+                      out: list[BucketChange]) -> None:
         """A store without tokens (an offloading tier's): only blocks known here, each with
         the parent it was first stored with."""
-        runs: list[tuple[ExternalHash, bytes, bytes | None]] = []
+        runs: list[_Found] = []
         unknown = 0
         for h in ev.block_hashes:
             known = self._lookup(h)
             if known is None:
                 unknown += 1
             else:
-                runs.append((h, known.full, known.parent))
+                runs.append((h, known.full, known.parent, known.bucket))
         if unknown:
             self.refuse("unknown_hash", f"{unknown} of {len(ev.block_hashes)} blocks stored "
                         f"in {medium} without tokens were never seen here", unknown)
-        self._hold(runs, medium, ev.lora_id, out)
+        self._hold(runs, medium, out)
 
-    def _hold(self, blocks: list[tuple[ExternalHash, bytes, bytes | None]], medium: Medium,
-              lora_id: int | None, out: list[KVEvent]) -> None:
-        """Add `medium` to each block's mask; emit consecutive blocks as one run."""
+    def _hold(self, blocks: list[_Found], medium: Medium, out: list[BucketChange]) -> None:
+        """Add `medium` to each block's mask."""
         bit = medium.bit
         held, recent = self._held, self._recent
-        run: list[bytes] = []
-        run_parent: bytes | None = None
         full_refused = 0
-        for key, full, parent in blocks:
+        for key, full, parent, bucket in blocks:
             block = held.get(key)
             if block is None:
                 if len(held) >= self.max_blocks:
                     full_refused += 1
                     continue
-                block = recent.pop(key, None) or _Block(full, parent)
+                block = recent.pop(key, None) or _Block(full, parent, bucket)
                 held[key] = block
-            block.mask |= bit
-            if run and block.parent != run[-1]:
-                out.append(BlockStored(run, run_parent, [], self.block_size, lora_id, medium))
-                run = []
-            if not run:
-                run_parent = block.parent
-            run.append(block.full)
-        if run:
-            out.append(BlockStored(run, run_parent, [], self.block_size, lora_id, medium))
+            old = block.mask
+            if not old & bit:
+                block.mask = old | bit
+                out.append((block.full, block.bucket, old, old | bit))
         self.blocks_stored += len(blocks) - full_refused
         if full_refused:
             self.refuse("book_full", f"{full_refused} blocks not indexed: the pod holds "
@@ -289,30 +312,33 @@ class VllmBlockBook:
             if len(self._recent) > self.recent_blocks:
                 self._recent.popitem(last=False)
 
-    def _removed(self, ev: WireBlockRemoved, out: list[KVEvent]) -> None:
+    def _removed(self, ev: WireBlockRemoved, out: list[BucketChange]) -> None:
         medium = self._medium(ev.medium)
         if ev.group_idx:
             raise _Refused("kv_group", f"KV cache group {ev.group_idx}: the index holds one "
                                        "group (full attention)")
         bit = medium.bit
-        removed: list[bytes] = []
+        held = self._held
+        removed = 0
         for key in ev.block_hashes:
-            block = self._held.get(key)
+            block = held.get(key)
             if block is None or not block.mask & bit:
                 self.ignored_removals += 1
                 continue
-            block.mask &= ~bit
-            removed.append(block.full)
-            if not block.mask:
+            old = block.mask
+            block.mask = new = old & ~bit
+            out.append((block.full, block.bucket, old, new))
+            removed += 1
+            if not new:
                 self._release(key, block)
-        if removed:
-            self.blocks_removed += len(removed)
-            out.append(BlockRemoved(removed, medium))
+        self.blocks_removed += removed
 
-    def _cleared(self, medium: Medium | None, out: list[KVEvent]) -> None:
+    def _cleared(self, medium: Medium | None, out: list[BucketChange]) -> None:
         keep = 0 if medium is None else ALL_BITS & ~medium.bit
         for key, block in list(self._held.items()):
-            block.mask &= keep
+            old = block.mask
+            if old & ~keep:
+                block.mask = old & keep
+                out.append((block.full, block.bucket, old, block.mask))
             if not block.mask:
                 self._release(key, block)
-        out.append(AllBlocksCleared(medium))

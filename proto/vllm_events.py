@@ -20,8 +20,9 @@ Written from vLLM's documented schema (vllm/distributed/kv_events.py), not from 
   the low 64 bits of the hash read as a big-endian number (`short_hash`); with
   VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 it sends the full digest.
 
-`decode_batch` reads every form above without typed decoding: a batch that mixes in event
-types this module does not know (vLLM keeps adding some) still yields the ones it knows.
+`decode_batch` reads vLLM's current form by msgspec's typed decoding (in C, ~5x faster),
+and every other form, or a batch that mixes in event types this module does not know (vLLM
+keeps adding some), field by field: such a batch still yields the ones it knows.
 No torch; the router's side may import it.
 """
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -42,6 +43,9 @@ WIRE_FORMS = ("map", "array")  # events as tagged maps (vLLM today) or positiona
 HASH_FORMS = ("int", "bytes")  # vLLM's default short form, or the full digest
 
 ExternalHash = int | bytes
+# As the typed decoder reads one: a negative int (a producer sending the 64 bits signed)
+# fails it, and the batch is read field by field, which takes the low 64 bits.
+_WireHash = Annotated[int, msgspec.Meta(ge=0)] | bytes
 
 
 def short_hash(full_hash: bytes) -> int:
@@ -67,8 +71,8 @@ class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag_field="type"):
 
 
 class WireBlockStored(_MapEvent, tag="BlockStored"):
-    block_hashes: list[ExternalHash]
-    parent_block_hash: ExternalHash | None
+    block_hashes: list[_WireHash]
+    parent_block_hash: _WireHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -81,7 +85,7 @@ class WireBlockStored(_MapEvent, tag="BlockStored"):
 
 
 class WireBlockRemoved(_MapEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalHash]
+    block_hashes: list[_WireHash]
     medium: str | None
     group_idx: int | None = None
 
@@ -262,9 +266,18 @@ def _event(tag: str, f: dict[str, Any]) -> WireEvent:
     return WireAllBlocksCleared(_opt(get("medium"), str))
 
 
+_TYPED = msgspec.msgpack.Decoder(WireEventBatch)
+
+
 def decode_batch(payload: bytes) -> DecodedBatch:
     """Any of vLLM's batch forms (see the module docstring). WireError if the payload is
     not msgpack or not a batch; single events that cannot be read are skipped, with why."""
+    try:
+        typed = _TYPED.decode(payload)
+    except msgspec.DecodeError:  # (ValidationError too) another form, or not msgpack
+        pass
+    else:
+        return DecodedBatch(typed.ts, typed.events, typed.data_parallel_rank)
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:

@@ -20,6 +20,13 @@ At start the ingester asks the replay socket for everything it still has, so it 
 wait for the pod's next batch to learn what the pod already holds.
 Frames or payloads that cannot be read are counted, logged (throttled) and skipped.
 
+Batches are read in ticks: the first one to arrive after a quiet spell starts a tick of
+`flush_interval_s`, after which every batch queued meanwhile is applied at once and their
+claim changes written in one round trip. One thread does it all: it drives the index
+publisher itself (no thread of its own), so while events flow it wakes once per tick, not
+once per batch (a wake-up costs more CPU than a small batch's work), and an idle one only to
+renew the lease. The price is the index lag: up to one tick.
+
 While the pod's OpenAI server does not answer /health (vllm_health.py) the pod is out of the
 index: its claims and lease removed, its events still followed, and republished in full when
 it answers again.
@@ -40,18 +47,26 @@ from pagekv.kvnode.pod.vllm_health import HealthProbe, health_url
 from pagekv.kvnode.pod.vllm_stream import BadFrames, Frame, ReplayFailed, VllmEventStream
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HashConfig
+from pagekv.proto.index.mirror import BucketChange
 from pagekv.proto.index.schema import POD_KIND_VLLM, IndexSchema
 from pagekv.proto.index.writes import kind_fields
 from pagekv.proto.redact import redact_url
 from pagekv.proto.serving import ThrottledWarning
 from pagekv.proto.vllm_chain import VllmBlockBook
-from pagekv.proto.vllm_events import WireError, decode_batch
+from pagekv.proto.vllm_events import (
+    WireAllBlocksCleared,
+    WireBlockRemoved,
+    WireBlockStored,
+    WireError,
+    decode_batch,
+)
 
 logger = logging.getLogger(__name__)
 
 _WARN_EVERY_S = 10.0  # at most one line per kind of trouble per this many seconds
-_RECV_TIMEOUT_S = 0.1  # how often the loop looks at its stop flag
 _SEEN_BATCHES = 4096  # recent batches remembered (by payload hash) to know a duplicate
+_EVENT_NAMES = {WireBlockStored: "BlockStored", WireBlockRemoved: "BlockRemoved",
+                WireAllBlocksCleared: "AllBlocksCleared"}  # the metric's label
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +88,7 @@ class IngestConfig:
     redis_tls: TlsFiles | None = None
     health_interval_s: float = 2.0  # 0: no health probe, the pod is always taken as up
     health_failures: int = 3
+    flush_interval_s: float = 0.05  # a tick: how long a batch may wait to be written
 
 
 @dataclass(slots=True)
@@ -104,7 +120,8 @@ class VllmIngester:
         self.publisher = IndexPublisher(
             config.redis_url, self.schema, config.pod_id, config.openai_address,
             self.schema.hash_config(), load_fn=dict, full_state_fn=self._full_state,
-            lease_ttl_s=config.lease_ttl_s, redis_tls=config.redis_tls,
+            lease_ttl_s=config.lease_ttl_s, flush_interval_s=config.flush_interval_s,
+            redis_tls=config.redis_tls, placed=True,
             registration=kind_fields(POD_KIND_VLLM, config.openai_address))
         self.health: HealthProbe | None = None
         if config.health_interval_s > 0:
@@ -113,6 +130,9 @@ class VllmIngester:
                                       config.health_failures)
         self.stream: VllmEventStream | None = None
         self._last: int | None = None  # the last batch applied, None before the first
+        self._pending: list[BucketChange] = []  # claim changes of this tick, in order
+        self._handed: int | None = None  # the last batch whose changes the publisher has
+        self._poked = False
         self._seen: OrderedDict[int, int] = OrderedDict()  # seq -> hash of its payload
         self.joined = threading.Event()  # set once the start's replay is done
         self._applied = threading.Condition()
@@ -130,10 +150,11 @@ class VllmIngester:
                     c.pod_id, c.zmq_endpoint, c.replay_endpoint or "none", c.topic,
                     redact_url(c.redis_url), c.openai_address, c.model, c.block_size,
                     self.book.hash_config.fingerprint())
-        synced = self.publisher.start(timeout)
+        self.stream = VllmEventStream(c.zmq_endpoint, c.replay_endpoint, c.topic)
+        self.publisher.on_wake = self._poke
+        synced = self.publisher.start(timeout, thread=False)
         if self.health is not None:
             self.health.start()
-        self.stream = VllmEventStream(c.zmq_endpoint, c.replay_endpoint, c.topic)
         self._thread = threading.Thread(target=self._run, name=f"ingest-{c.pod_id}",
                                         daemon=True)
         self._thread.start()
@@ -146,6 +167,8 @@ class VllmIngester:
         thread, self._thread = self._thread, None
         if thread is not None:
             self._stop.set()
+            self.publisher.request_stop()
+            self._poke()
             thread.join(timeout)
         if self.stream is not None:
             self.stream.close()
@@ -157,7 +180,7 @@ class VllmIngester:
         """Wait until batch `seq` is applied and what it changed is visible in Redis."""
         deadline = time.monotonic() + timeout
         with self._applied:
-            while self._last is None or self._last < seq:
+            while self._handed is None or self._handed < seq:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -166,14 +189,26 @@ class VllmIngester:
             return True  # out of the index: nothing of it is to become visible
         return self.publisher.flush(max(0.0, deadline - time.monotonic()))
 
-    def _full_state(self) -> dict[bytes, int]:
+    def _full_state(self) -> dict[int, dict[str, int]]:
         with self._lock:
             return self.book.full_state()
 
-    def _submit(self, events: list) -> None:
-        """Under self._lock, after the book took them in."""
-        if events:
-            self.publisher.submit(events)
+    def _poke(self) -> None:
+        """Wake the ingest thread: the publisher has work (a flush, a pause), or stop."""
+        self._poked = True
+        if self.stream is not None:
+            self.stream.interrupt()
+
+    def _hand_over(self) -> None:
+        """The tick's claim changes to the publisher, as one item (it nets them), then wake
+        whoever waits for the batches applied."""
+        if self._pending:
+            self.publisher.submit([self._pending])
+            self._pending = []
+        if self._handed != self._last:
+            with self._applied:
+                self._handed = self._last
+                self._applied.notify_all()
 
     # -- the pod's health (the probe's thread) ------------------------------------------
     def _pod_down(self, why: str) -> None:
@@ -194,19 +229,50 @@ class VllmIngester:
             self._join()
         except Exception:
             logger.exception("ingester %s: the start's replay failed", self.config.pod_id)
+        self._hand_over()
+        pub, stream, stop = self.publisher, self.stream, self._stop
+        due = time.monotonic() + pub.step(write=True)
         self.joined.set()
-        while not self._stop.is_set():
+        tick = self.config.flush_interval_s
+        tick_end: float | None = None  # while batches flow: when this tick ends
+        while not stop.is_set():
+            now = time.monotonic()
+            if tick_end is None:
+                if stream.wait(max(0.0, due - now)) and not self._poked:
+                    tick_end = time.monotonic() + tick  # a batch: a tick starts
+                    continue
+            else:
+                stream.wait(max(0.0, min(due, tick_end) - now), batches=False)
+            if stop.is_set():
+                break
+            now = time.monotonic()
+            write = self._poked
+            if tick_end is not None and now >= tick_end:
+                tick_end = now + tick if self._drain() else None
+                self._hand_over()
+                write = True
+            if write or now >= due:
+                self._poked = False
+                due = time.monotonic() + pub.step(write=write)
+
+    def _drain(self) -> int:
+        """Apply every batch queued; how many there were."""
+        assert self.stream is not None
+        n = 0
+        while True:
             try:
-                frame = self.stream.recv(_RECV_TIMEOUT_S)
+                frame = self.stream.recv_nowait()
             except BadFrames as exc:
                 self._garbage(f"a message that is not a KV event batch: {exc}")
                 continue
             if frame is None:
-                continue
+                return n
+            n += 1
             try:
                 self._on_frame(frame)
             except Exception:  # a bug must not stop ingesting: say so, carry on
-                logger.exception("ingester %s: batch %d failed", self.config.pod_id, frame.seq)
+                logger.exception("ingester %s: batch %d failed", self.config.pod_id,
+                                 frame.seq)
 
     def _join(self) -> None:
         """Apply whatever the publisher still buffers (the pod's state so far, if its buffer
@@ -249,6 +315,8 @@ class VllmIngester:
             self._clear()
             self._seen.clear()  # the new stream's numbers say nothing about the old one's
             last = self._last = None
+            with self._applied:
+                self._handed = None
         if last is None and frame.seq > 0:
             self._catch_up(0, frame, joining=True)
         elif last is not None and frame.seq > last + 1:
@@ -292,7 +360,7 @@ class VllmIngester:
 
     def _clear(self) -> None:
         with self._lock:
-            self._submit(self.book.clear())
+            self._pending += self.book.clear()
         self.counters.clears += 1
 
     def _apply(self, frame: Frame) -> None:
@@ -305,11 +373,11 @@ class VllmIngester:
             for reason in batch.skipped:
                 book.refuse(reason, f"an event of batch {frame.seq} could not be read")
             with self._lock:
-                self._submit(book.apply(batch.events))
+                self._pending += book.apply(batch.events)
             c = self.counters
             c.batches += 1
             for ev in batch.events:
-                c.events[type(ev).__name__.removeprefix("Wire")] += 1
+                c.events[_EVENT_NAMES[type(ev)]] += 1
             c.lag.observe(max(0.0, time.time() - batch.ts))
             for refusal in book.take_refusals():
                 self._warning(refusal.reason, "vLLM pod %s: event refused (%s): %s",
@@ -318,9 +386,7 @@ class VllmIngester:
         self._seen[frame.seq] = hash(frame.payload)
         if len(self._seen) > _SEEN_BATCHES:
             self._seen.popitem(last=False)
-        with self._applied:
-            self._last = frame.seq
-            self._applied.notify_all()
+        self._last = frame.seq
 
     def _garbage(self, detail: str) -> None:
         self.counters.garbage += 1

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--topic", default=d.topic, help="its `topic`")
     g.add_argument("--replay-timeout-s", type=float, default=d.replay_timeout_s,
                    help="how long a replay may take before the missed batches count as gone")
+    g.add_argument("--flush-interval-s", type=float, default=d.flush_interval_s,
+                   help="batches arriving within this long are applied and written to the "
+                        "index together (the index lag is at most about this much)")
     g = p.add_argument_group("the pod in the index")
     g.add_argument("--pod-id", required=True, help="its id in the index (one per vLLM pod)")
     g.add_argument("--openai-address", required=True, metavar="HOST:PORT",
@@ -79,6 +82,7 @@ def config_from(args: argparse.Namespace) -> IngestConfig:
         block_size=args.block_size, redis_url=redis_url, hash_algo=args.hash_algo,
         hash_seed=args.hash_seed, lease_ttl_s=args.lease_ttl_s,
         replay_timeout_s=args.replay_timeout_s, max_blocks=args.max_blocks,
+        flush_interval_s=args.flush_interval_s,
         recent_blocks=args.recent_blocks, redis_tls=tls_from(args, "redis"),
         health_interval_s=args.health_interval_s, health_failures=args.health_failures)
 

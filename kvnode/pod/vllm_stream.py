@@ -9,6 +9,8 @@ publisher is reconnected by ZeroMQ itself.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -46,12 +48,50 @@ class VllmEventStream:
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)  # a prefix match, as ZeroMQ does
         self._sub.connect(endpoint)
         self._replay: zmq.Socket | None = None
+        # interrupt() writes a byte here: a wait() of any length returns at once.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sub, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._pipe_only = zmq.Poller()
+        self._pipe_only.register(self._wake_r, zmq.POLLIN)
 
     def recv(self, timeout_s: float) -> Frame | None:
         """The next live batch, or None after `timeout_s`. BadFrames for a malformed one."""
-        if not self._sub.poll(int(timeout_s * 1000)):
+        if not self.wait(timeout_s):
             return None
-        frames = self._sub.recv_multipart()
+        return self.recv_nowait()
+
+    def wait(self, timeout_s: float | None, batches: bool = True) -> bool:
+        """Wait up to `timeout_s` (None: no limit) for a live batch (batches=False: only
+        sleep) or an interrupt(); whether a batch is there to read."""
+        poller = self._poller if batches else self._pipe_only
+        # Whole milliseconds, rounded up: rounded down, the last one would spin.
+        ready = dict(poller.poll(None if timeout_s is None
+                                 else max(0, math.ceil(timeout_s * 1000))))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        return self._sub in ready
+
+    def interrupt(self) -> None:
+        """Make the wait() in progress (or the next one) return now; any thread."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+    def recv_nowait(self) -> Frame | None:
+        """The next live batch if one is there, else None. BadFrames for a malformed one."""
+        try:
+            frames = self._sub.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
         if len(frames) != 3:
             raise BadFrames(f"{len(frames)} frames, not 3 (topic, seq, payload)")
         try:
@@ -111,3 +151,5 @@ class VllmEventStream:
     def close(self) -> None:
         self._drop_replay_socket()
         self._sub.close(0)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)

@@ -1,12 +1,13 @@
 """The vLLM pod's book (proto/vllm_chain.py): full hashes recomputed from short ones and
-checked, refusals by reason, tiers, the bounded memory of released blocks."""
+checked, refusals by reason, tiers, the bounded memory of released blocks, and the claim
+changes it hands the index publisher, each in its chain's bucket."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagekv.proto.hashing import HashConfig, hash_prompt
-from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagekv.proto.index.schema import bucket_of
 from pagekv.proto.medium import Medium
 from pagekv.proto.vllm_chain import VllmBlockBook
 from pagekv.proto.vllm_events import (
@@ -21,6 +22,12 @@ CONFIG = HashConfig("sha256", "seed-1")
 TOKENS = list(range(100, 124))  # 6 blocks
 FULL = hash_prompt(CONFIG, BS, TOKENS)
 SHORT = [short_hash(h) for h in FULL]
+BUCKET = bucket_of(FULL[0])  # every block of the chain is filed under block 0's bucket
+GPU, CPU, DISK = Medium.GPU.bit, Medium.CPU.bit, Medium.DISK.bit
+
+
+def changes(hashes: list[bytes], old: int, new: int, bucket: int = BUCKET) -> list:
+    return [(h, bucket, old, new) for h in hashes]
 
 
 def stored(first: int, last: int, *, tokens_from: int | None = None, medium: str = "GPU",
@@ -40,9 +47,10 @@ def book(**kw) -> VllmBlockBook:
 def test_short_hashes_become_the_full_chain() -> None:
     b = book()
     out = b.apply([stored(0, 2), stored(2, 5)])
-    assert out == [BlockStored(FULL[0:2], None, [], BS, None, Medium.GPU),
-                   BlockStored(FULL[2:5], FULL[1], [], BS, None, Medium.GPU)]
-    assert b.full_state() == {h: Medium.GPU.bit for h in FULL[:5]}
+    assert out == changes(FULL[0:5], 0, GPU)
+    assert b.masks() == {h: GPU for h in FULL[:5]}
+    assert b.full_state() == {BUCKET: {h.hex(): GPU for h in FULL[:5]}}
+    assert b.apply([stored(2, 3)]) == []  # held already: nothing changes
     assert not b.refused
 
 
@@ -54,8 +62,7 @@ def test_a_block_cached_in_between_is_passed_over() -> None:
     ev.block_hashes = [SHORT[2], SHORT[4]]
     out = b.apply([ev])
     assert not b.refused
-    assert out == [BlockStored([FULL[2]], FULL[1], [], BS, None, Medium.GPU),
-                   BlockStored([FULL[4]], FULL[3], [], BS, None, Medium.GPU)]
+    assert out == changes([FULL[2], FULL[4]], 0, GPU)
 
 
 @pytest.mark.parametrize("config", [HashConfig("sha256", "seed-2"), HashConfig("xxhash", "seed-1")])
@@ -90,7 +97,7 @@ def test_extra_keys_of_the_event_enter_the_hash() -> None:
     ev = WireBlockStored([short_hash(full0), short_hash(full1)], None, TOKENS[:2 * BS], BS,
                          None, "GPU", "my-adapter", extra_keys=keys)
     b = book()
-    assert b.apply([ev]) == [BlockStored([full0, full1], None, [], BS, None, Medium.GPU)]
+    assert b.apply([ev]) == changes([full0, full1], 0, GPU, bucket_of(full0))
 
 
 def test_tiers_removals_and_a_tokenless_store() -> None:
@@ -99,18 +106,16 @@ def test_tiers_removals_and_a_tokenless_store() -> None:
     # vLLM's offloading tier: no tokens, no parent; each block keeps the parent it had.
     cpu = WireBlockStored([SHORT[2], SHORT[1], 12345], None, [], 0, None, "CPU", None)
     out = b.apply([cpu])
-    assert out == [BlockStored([FULL[2]], FULL[1], [], BS, None, Medium.CPU),
-                   BlockStored([FULL[1]], FULL[0], [], BS, None, Medium.CPU)]
+    assert out == changes([FULL[2], FULL[1]], GPU, GPU | CPU)
     assert b.refused == {"unknown_hash": 1}
-    assert b.full_state()[FULL[1]] == Medium.GPU.bit | Medium.CPU.bit
+    assert b.masks()[FULL[1]] == GPU | CPU
     out = b.apply([WireBlockRemoved([SHORT[1], SHORT[2], 999], "GPU")])
-    assert out == [BlockRemoved([FULL[1], FULL[2]], Medium.GPU)]
+    assert out == changes([FULL[1], FULL[2]], GPU | CPU, CPU)
     assert b.ignored_removals == 1
-    assert b.full_state() == {FULL[0]: Medium.GPU.bit, FULL[1]: Medium.CPU.bit,
-                              FULL[2]: Medium.CPU.bit}
-    b.apply([WireAllBlocksCleared("CPU")])
-    assert b.full_state() == {FULL[0]: Medium.GPU.bit}
-    assert b.clear() == [AllBlocksCleared(None)] and len(b) == 0
+    assert b.masks() == {FULL[0]: GPU, FULL[1]: CPU, FULL[2]: CPU}
+    assert b.apply([WireAllBlocksCleared("CPU")]) == changes(FULL[1:3], CPU, 0)
+    assert b.masks() == {FULL[0]: GPU}
+    assert b.clear() == changes(FULL[:1], GPU, 0) and len(b) == 0
 
 
 def test_released_blocks_stay_known_within_the_bound() -> None:
@@ -136,9 +141,14 @@ def test_the_book_is_bounded() -> None:
 
 def test_digests_on_the_wire_are_taken_as_given() -> None:
     b = book()
+    root = WireBlockStored(FULL[:1], None, TOKENS[:BS], BS, None, "DISK", None)
     ev = WireBlockStored(FULL[1:3], FULL[0], TOKENS[BS:3 * BS], BS, None, "DISK", None)
-    assert b.apply([ev]) == [BlockStored(FULL[1:3], FULL[0], [], BS, None, Medium.DISK)]
+    assert b.apply([root, ev]) == changes(FULL[0:3], 0, DISK)
     short_digest = WireBlockStored([FULL[3][:16]], None, TOKENS[:BS], BS, None, "GPU", None)
     b.apply([short_digest, WireBlockRemoved([FULL[1]], "DISK")])
     assert b.refused == {"hash_length": 1}
-    assert b.full_state() == {FULL[2]: Medium.DISK.bit}
+    assert b.masks() == {FULL[0]: DISK, FULL[2]: DISK}
+    # A run whose parent is not known cannot be placed in its chain's bucket: refused.
+    orphan = WireBlockStored(FULL[4:5], FULL[3], TOKENS[4 * BS:5 * BS], BS, None, "GPU", None)
+    assert b.apply([orphan]) == []
+    assert b.refused == {"hash_length": 1, "unknown_parent": 1}

@@ -167,6 +167,19 @@ def test_unknown_and_malformed_events_are_skipped_with_a_reason() -> None:
     assert batch.events[1].block_hashes == [H1] and batch.events[1].medium is None
 
 
+def test_the_typed_path_and_the_field_by_field_path_read_the_same() -> None:
+    """vLLM's own form is read by msgspec's typed decoder; what it refuses (a signed hash,
+    here) is read field by field, with the same events as a result."""
+    stored = WireBlockStored([H1, 7], 5, [1, 2, 3, 4], 2, None, "GPU", None)
+    payload = encode_batch(3.5, [stored, WireBlockRemoved([7], "CPU")])
+    batch = decode_batch(payload)
+    assert batch.ts == 3.5 and batch.data_parallel_rank == 0 and not batch.skipped
+    assert batch.events == [stored, WireBlockRemoved([7], "CPU")]
+    signed = msgspec.msgpack.encode([3.5, [{"type": "BlockRemoved", "block_hashes": [-1, 7],
+                                            "medium": "CPU"}], 0])
+    assert decode_batch(signed).events == [WireBlockRemoved([MASK64, 7], "CPU")]
+
+
 @pytest.mark.parametrize("payload", [b"", b"\xc1", b"garbage!", msgspec.msgpack.encode(5),
                                      msgspec.msgpack.encode([1.0]),
                                      msgspec.msgpack.encode(["ts", []]),

@@ -1,0 +1,95 @@
+"""The vLLM pod's /health probe (kvnode/pod/vllm_health.py) against real HTTP servers on
+loopback: one kept-alive connection for every check, a new one after the pod closes it or
+goes away, and the answer or the failure said in words."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pagekv.kvnode.pod.vllm_health import HealthProbe, health_url
+
+
+class _Server(ThreadingHTTPServer):
+    def __init__(self, http11: bool) -> None:
+        self.connections = 0
+        self.status = 200
+        self.cut = False
+        handler = type("H", (_Handler,), {"protocol_version":
+                                          "HTTP/1.1" if http11 else "HTTP/1.0"})
+        super().__init__(("127.0.0.1", 0), handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def process_request(self, request, client_address) -> None:
+        self.connections += 1
+        super().process_request(request, client_address)
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.server.cut:
+            self.close_connection = True
+            return
+        self.send_response(self.server.status if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _probe(port: int) -> HealthProbe:
+    return HealthProbe(health_url(f"127.0.0.1:{port}"), lambda why: None, lambda: None,
+                       interval_s=1.0, failures=2)
+
+
+@pytest.mark.parametrize("http11", [True, False])
+def test_checks_answer_the_status_over_as_few_connections_as_the_server_allows(
+        http11: bool) -> None:
+    server = _Server(http11)
+    try:
+        probe = _probe(server.server_port)
+        assert [probe.check() for _ in range(5)] == [None] * 5
+        server.status = 503
+        assert probe.check() == "HTTP 503"
+        # HTTP/1.1 keeps one connection for all of them; HTTP/1.0 closes each.
+        assert server.connections == (1 if http11 else 6)
+    finally:
+        server.close()
+
+
+def test_a_connection_the_pod_cuts_is_opened_again() -> None:
+    server = _Server(True)
+    try:
+        probe = _probe(server.server_port)
+        assert probe.check() is None
+        server.cut = True  # the next request: the connection closed, no answer
+        why = probe.check()
+        assert why is not None and "RemoteDisconnected" in why
+        server.cut = False
+        assert probe.check() is None and probe.check() is None
+        assert server.connections == 2
+    finally:
+        server.close()
+
+
+def test_nothing_listening_is_a_failure_not_a_hang() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    why = _probe(port).check()
+    assert why is not None and "Refused" in why
+
+
+def test_only_http_urls() -> None:
+    with pytest.raises(ValueError, match="http://"):
+        HealthProbe("https://x:1/health", lambda why: None, lambda: None)
