@@ -1,34 +1,43 @@
 """vLLM event ingestion: what `pagekv ingest-vllm` costs, against the published figure to
-stay below (event ingestion at 0.16% of a router CPU).
+stay below (event ingestion at 0.16% of a router CPU), and against a bare ZeroMQ subscriber
+fed the same stream in the same run.
 
 A publisher in vLLM's format (XPUB on loopback, payloads encoded before the clock starts:
 int hashes, tagged-map events, as vLLM sends by default) feeds a real `pagekv ingest-vllm`
-process writing into a real redis-server. The workload is a vLLM pod's: each batch stores a
-run of blocks (a new prompt, or the continuation of one: the ingester recomputes every full
-hash from tokens and parent) and, once the pool is full, removes as many of the oldest.
+process writing into a real redis-server, its /health probe answered by a small HTTP server
+here (as a vLLM pod's would be). The workload is a vLLM pod's: each batch stores a run of
+blocks (a new prompt, or the continuation of one: the ingester recomputes every full hash
+from tokens and parent) and, once the pool is full, removes as many of the oldest.
 
-* throughput — every batch at once: ingester CPU seconds (user + system, from /proc) per
-  event and per block, i.e. events/s on one core;
-* idle — the process with no events (its lease, its timers);
-* paced — a realistic rate (default 100 batches/s of one store and one removal of 8 blocks:
-  1,600 block changes/s, a pod prefilling ~12,800 tokens/s at block size 16): the ingester's
-  share of one core, and the index lag, a batch's send to its first block visible in Redis
-  (measured by polling Redis), p50/p99.
+* idle — the process with no events (its lease, its timers, its health probe);
+* throughput — every batch at once: ingester CPU per event and per block, i.e. events/s on
+  one core;
+* paced, at each rate of --rates (batches/s; default 100 batches/s is one store and one
+  removal of 8 blocks: 1,600 block changes/s, a pod prefilling ~12,800 tokens/s at block
+  size 16): the ingester's share of one core; beside it, the baseline: a subscriber process
+  that only receives the same stream (SUB, drained every 50 ms like the ingester, nothing
+  done with it): the transport's own cost, which no ingester can go under. Also Redis's own
+  CPU for the writes (not the router's: Redis runs apart) and the index lag, a batch's send
+  to its first block visible in Redis (polled), p50/p99.
 
-    python -m bench.vllm_ingest [--quick] [--rate 100] [--seconds 10] [--batches 20000]
+CPU is read from /proc/<pid>/task/*/schedstat: nanoseconds on CPU of every thread (the
+ZeroMQ I/O thread included), not 10 ms clock ticks.
+
+    python -m bench.vllm_ingest [--quick] [--rates 25,50,100] [--seconds 10] [--plot PNG]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
@@ -99,9 +108,14 @@ class Workload:
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of every thread of `pid` so far, in seconds (ns precision)."""
+    total = 0
+    for path in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def last_seq(metrics_port: int) -> float:
@@ -119,7 +133,7 @@ def metric_sum(metrics_port: int, name: str) -> float:
 
 
 class LagWatcher(threading.Thread):
-    """Polls Redis for each sent batch's first block: send -> visible, in seconds."""
+    """Polls Redis (every 2 ms) for each sent batch's first block: send -> visible, in s."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
@@ -132,7 +146,7 @@ class LagWatcher(threading.Thread):
         while not self.stop.is_set() or self.pending:
             batch = list(self.pending)[:256]
             if not batch:
-                time.sleep(0.0005)
+                time.sleep(0.002)
                 continue
             pipe = self.client.pipeline(transaction=False)
             for key, _ in batch:
@@ -143,46 +157,138 @@ class LagWatcher(threading.Thread):
                 if there:
                     self.lags.append(now - sent)
                     self.pending.remove((key, sent))
-            time.sleep(0.0005)
+            time.sleep(0.002)
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def floor_subscriber(endpoint: str, tick_s: float) -> int:
+    """The baseline process: receive every batch, drained once per tick, and drop it."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    sub.setsockopt(zmq.RCVHWM, 100_000)
+    sub.connect(endpoint)
+    while True:
+        if not sub.poll(250):
+            continue
+        time.sleep(tick_s)
+        while True:
+            try:
+                sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+
+
+def paced(pub, batches: list, first_seq: int, rate: float, seconds: float, pids: dict,
+          redis_url: str) -> dict:
+    """Send int(rate * seconds) batches at `rate`; CPU share of each process in `pids`,
+    index lag percentiles."""
+    n = int(rate * seconds)
+    watcher = LagWatcher(redis_url)
+    watcher.start()
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    t0 = time.perf_counter()
+    events = blocks = 0
+    for i in range(n):
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        evs, key = batches[i]
+        events += len(evs)
+        blocks += sum(len(e.block_hashes) for e in evs)
+        now = time.time()
+        pub.send_multipart((TOPIC, seq_to_bytes(first_seq + i), encode_batch(now, evs)))
+        watcher.pending.append((key, now))
+    # One more period, so that the last batch's work falls inside the window too.
+    time.sleep(max(0.0, t0 + n / rate + 0.1 - time.perf_counter()))
+    wall = time.perf_counter() - t0
+    share = {name: (cpu_seconds(pid) - cpu0[name]) / wall for name, pid in pids.items()}
+    watcher.stop.set()
+    watcher.join(30)
+    lags = watcher.lags
+    return {"rate": rate, "batches": n, "events": events, "blocks": blocks, "wall": wall,
+            "share": share, "lag_p50": pct(lags, 0.5) if lags else float("nan"),
+            "lag_p99": pct(lags, 0.99) if lags else float("nan"),
+            "lag_max": max(lags) if lags else float("nan"), "seen": len(lags)}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r["blocks"] / r["wall"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(rates, [100 * r["share"]["ingester"] for r in rows], "o-",
+            label="pagekv ingest-vllm")
+    ax.plot(rates, [100 * r["share"]["floor"] for r in rows], "s--",
+            label="bare ZeroMQ subscriber (receive only)")
+    ax.axhline(100 * PUBLISHED_SHARE, color="red", lw=1, label="published figure, 0.16%")
+    ax.set_xlabel("block changes/s (vLLM batches of 8-block events)")
+    ax.set_ylabel("% of one core")
+    ax.set_title("vLLM KV-event ingestion: CPU against event rate")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a short run of each phase")
     ap.add_argument("--batches", type=int, default=20_000, help="the throughput phase")
-    ap.add_argument("--rate", type=float, default=100.0, help="batches/s, the paced phase")
-    ap.add_argument("--seconds", type=float, default=10.0, help="the paced phase")
+    ap.add_argument("--rates", default="10,25,50,100", help="batches/s of the paced phases")
+    ap.add_argument("--seconds", type=float, default=20.0, help="each paced phase")
     ap.add_argument("--blocks-per-event", type=int, default=8)
     ap.add_argument("--pool", type=int, default=20_000, help="blocks the pod holds")
-    ap.add_argument("--idle-seconds", type=float, default=5.0, help="the idle phase")
+    ap.add_argument("--idle-seconds", type=float, default=10.0, help="the idle phase")
+    ap.add_argument("--tick-s", type=float, default=0.05,
+                    help="the ingester's --flush-interval-s (and the baseline's tick)")
+    ap.add_argument("--plot", default=None, help="PNG of CPU share against rate")
+    ap.add_argument("--floor-subscriber", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.floor_subscriber:
+        return floor_subscriber(args.floor_subscriber, args.tick_s)
     if args.quick:
         args.batches, args.seconds, args.idle_seconds = 3000, 3.0, 2.0
+        args.rates = "100"
+    rates = [float(r) for r in args.rates.split(",")]
     run_dir = Path(tempfile.mkdtemp(prefix="pagekv-bench-ingest-"))
     work = Workload(args.blocks_per_event, args.pool)
-    n_paced = int(args.rate * args.seconds)
     t_gen = time.perf_counter()
-    batches = [work.batch() for _ in range(args.batches + n_paced)]
-    payloads = [encode_batch(0.0, events) for events, _ in batches[:args.batches]]
+    batches = [work.batch() for _ in range(args.batches)]
+    paced_sets = [[work.batch() for _ in range(int(r * args.seconds))] for r in rates]
+    payloads = [encode_batch(0.0, events) for events, _ in batches]
     gen_s = time.perf_counter() - t_gen
-    fast_events, fast_blocks = 0, 0
-    for events, _ in batches[:args.batches]:
-        fast_events += len(events)
-        fast_blocks += sum(len(e.block_hashes) for e in events)
+    fast_events = sum(len(events) for events, _ in batches)
+    fast_blocks = sum(sum(len(e.block_hashes) for e in events) for events, _ in batches)
 
+    health = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=health.serve_forever, daemon=True).start()
     rds = RedisProcess(data_dir=run_dir / "redis").start()
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)  # never drop: the throughput phase sends all at once
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # see the second subscriber's subscription too
     pub.bind("tcp://127.0.0.1:*")
     endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
     mport = free_port()
     child = spawn("ingest", pagekv_cmd(
         "ingest-vllm", "--zmq-endpoint", endpoint, "--topic", TOPIC.decode(), "--pod-id", POD,
-        "--openai-address", "127.0.0.1:8000", "--model", SCHEMA.model, "--block-size", str(BS),
-        "--redis-url", rds.url, "--metrics-port", str(mport), "--log-level", "WARNING",
-        "--health-interval-s", "0"),  # no OpenAI server here: the pod is taken as up
-        run_dir)
+        "--openai-address", f"127.0.0.1:{health.server_port}", "--model", SCHEMA.model,
+        "--block-size", str(BS), "--redis-url", rds.url, "--metrics-port", str(mport),
+        "--flush-interval-s", str(args.tick_s), "--log-level", "WARNING"), run_dir)
+    floor = None
+    rows: list[dict] = []
     try:
         assert pub.poll(60_000), "the ingester did not subscribe"
         pub.recv()
@@ -196,63 +302,62 @@ def main(argv: list[str] | None = None) -> int:
         cpu0, t0 = cpu_seconds(pid), time.perf_counter()
         for seq, payload in enumerate(payloads):
             pub.send_multipart((TOPIC, seq_to_bytes(seq), payload), copy=False)
-        last_key = batches[args.batches - 1][1]
+        last_key = batches[-1][1]
         client = redis.Redis.from_url(rds.url)
         while last_seq(mport) < args.batches - 1 or not client.hexists(last_key, POD):
             if child.proc.poll() is not None:
                 raise RuntimeError(child.log_tail())
             time.sleep(0.01)
         fast_wall, fast_cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
-        # -- paced: a realistic rate ---------------------------------------------------------
-        watcher = LagWatcher(rds.url)
-        watcher.start()
-        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-        paced_events = paced_blocks = 0
-        for i in range(n_paced):
-            due = t0 + i / args.rate
-            delay = due - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            events, key = batches[args.batches + i]
-            paced_events += len(events)
-            paced_blocks += sum(len(e.block_hashes) for e in events)
-            now = time.time()
-            pub.send_multipart((TOPIC, seq_to_bytes(args.batches + i),
-                                encode_batch(now, events)))
-            watcher.pending.append((key, now))
-        paced_wall = time.perf_counter() - t0
-        paced_cpu = cpu_seconds(pid) - cpu0
-        watcher.stop.set()
-        watcher.join(30)
+        # -- the baseline subscriber joins for the paced phases ---------------------------
+        floor = subprocess.Popen([sys.executable, "-m", "bench.vllm_ingest",
+                                  "--floor-subscriber", endpoint, "--tick-s", str(args.tick_s)],
+                                 cwd=Path(__file__).resolve().parent.parent)
+        assert pub.poll(30_000), "the baseline subscriber did not subscribe"
+        pub.recv()
+        time.sleep(1.0)
+        pids = {"ingester": pid, "floor": floor.pid, "redis": rds.pid}
+        seq = args.batches
+        for rate, paced_batches in zip(rates, paced_sets, strict=True):
+            rows.append(paced(pub, paced_batches, seq, rate, args.seconds, pids, rds.url))
+            seq += len(paced_batches)
+            time.sleep(0.5)
         refused = metric_sum(mport, "pagekv_ingest_refused_events_total")
         gaps = metric_sum(mport, "pagekv_ingest_gaps_total")
+        pod_up = metric_sum(mport, "pagekv_ingest_pod_up")
     finally:
+        if floor is not None:
+            floor.kill()
+            floor.wait()
         stop_child(child)
         pub.close(0)
         rds.close()
+        health.shutdown()
 
-    share = paced_cpu / paced_wall
     print(f"# vLLM event ingestion, pagekv ingest-vllm ({machine_info()})")
     print(f"# {args.blocks_per_event} blocks per event, pool {args.pool} blocks, int hashes "
-          f"recomputed (sha256); workload generated in {gen_s:.1f}s; refused {refused:.0f}, "
-          f"gaps {gaps:.0f}")
-    print("| phase | batches | events | blocks | wall s | ingester CPU s | events/s per core "
-          "| blocks/s per core |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| throughput | {args.batches} | {fast_events} | {fast_blocks} | {fast_wall:.2f} | "
-          f"{fast_cpu:.2f} | {fast_events / fast_cpu:,.0f} | {fast_blocks / fast_cpu:,.0f} |")
-    print(f"| paced {args.rate:g}/s | {n_paced} | {paced_events} | {paced_blocks} | "
-          f"{paced_wall:.2f} | {paced_cpu:.2f} | {paced_events / max(paced_cpu, 1e-9):,.0f} | "
-          f"{paced_blocks / max(paced_cpu, 1e-9):,.0f} |")
+          f"recomputed (sha256); tick {args.tick_s * 1e3:g} ms; workload generated in "
+          f"{gen_s:.1f}s; refused {refused:.0f}, gaps {gaps:.0f}, pod up {pod_up:.0f}")
+    print(f"idle: the ingester takes {idle_share:.3%} of one core (health probe every 2 s, "
+          "lease renewed every 1 s)")
+    print(f"throughput: {args.batches} batches, {fast_events} events, {fast_blocks} blocks in "
+          f"{fast_wall:.2f}s, {fast_cpu:.2f} CPU s: {fast_events / fast_cpu:,.0f} events/s and "
+          f"{fast_blocks / fast_cpu:,.0f} block changes/s per core")
     print()
-    print(f"paced: {paced_events / paced_wall:,.0f} events/s ({paced_blocks / paced_wall:,.0f} "
-          f"block changes/s): ingester at {share:.2%} of one core (the figure to stay below: "
-          f"{PUBLISHED_SHARE:.2%}; {'below' if share <= PUBLISHED_SHARE else 'above'} it, "
-          f"x{share / PUBLISHED_SHARE:.1f}); idle, the process takes {idle_share:.2%}")
-    if watcher.lags:
-        print(f"index lag (send -> visible in Redis), {len(watcher.lags)} batches: p50 "
-              f"{pct(watcher.lags, 0.5) * 1e3:.1f} ms, p99 {pct(watcher.lags, 0.99) * 1e3:.1f} ms, "
-              f"max {max(watcher.lags) * 1e3:.1f} ms")
+    print("| batches/s | events/s | block changes/s | ingester, % of a core | bare subscriber "
+          "(baseline) | ingester / baseline | ingester above baseline | Redis, % of a core | "
+          "index lag p50 / p99 / max ms | vs 0.16% |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ing, base = r["share"]["ingester"], r["share"]["floor"]
+        print(f"| {r['rate']:g} | {r['events'] / r['wall']:,.0f} | "
+              f"{r['blocks'] / r['wall']:,.0f} | {ing:.3%} | {base:.3%} | "
+              f"{ing / max(base, 1e-9):.2f}x | {ing - base:.3%} | {r['share']['redis']:.3%} | "
+              f"{r['lag_p50'] * 1e3:.1f} / {r['lag_p99'] * 1e3:.1f} / {r['lag_max'] * 1e3:.1f} | "
+              f"{'below' if ing <= PUBLISHED_SHARE else f'x{ing / PUBLISHED_SHARE:.1f}'} |")
+    if args.plot and len(rows) > 1:
+        plot(rows, args.plot)
+        print(f"\nplot: {args.plot}")
     return 0
 
 
