@@ -78,6 +78,7 @@ class IndexPublisher:
         redis_tls: TlsFiles | None = None,
         registration: Mapping[str, str] | None = None,
         placed: bool = False,
+        renew_every_third: bool = False,
     ) -> None:
         if not pod_id or any(c in pod_id for c in " \t\r\n"):
             raise ValueError(f"pod_id must be non-empty without whitespace, got {pod_id!r}")
@@ -99,7 +100,10 @@ class IndexPublisher:
         self._tier_costs_fn = tier_costs_fn
         self.lease_ttl_s = lease_ttl_s
         self.flush_interval_s = flush_interval_s
-        self.renew_interval_s = min(1.0, lease_ttl_s / 3.0)
+        # Every second at least, for the load it carries; a pod without load to tell (the
+        # vLLM ingester's) may renew only every third of its lease (`renew_every_third`).
+        self.renew_interval_s = lease_ttl_s / 3.0 if renew_every_third else min(
+            1.0, lease_ttl_s / 3.0)
         self._lease_ms = int(lease_ttl_s * 1000)
         self.max_pending = max_pending
         self.epoch = ""

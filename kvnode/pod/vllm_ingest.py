@@ -81,7 +81,7 @@ class IngestConfig:
     topic: str = ""
     hash_algo: str = "sha256"
     hash_seed: str = DEFAULT_HASH_SEED
-    lease_ttl_s: float = 3.0
+    lease_ttl_s: float = 6.0  # renewed every third of it (it carries no load to update)
     replay_timeout_s: float = 2.0
     max_blocks: int = 4_000_000
     recent_blocks: int = 262_144
@@ -121,7 +121,7 @@ class VllmIngester:
             config.redis_url, self.schema, config.pod_id, config.openai_address,
             self.schema.hash_config(), load_fn=dict, full_state_fn=self._full_state,
             lease_ttl_s=config.lease_ttl_s, flush_interval_s=config.flush_interval_s,
-            redis_tls=config.redis_tls, placed=True,
+            redis_tls=config.redis_tls, placed=True, renew_every_third=True,
             registration=kind_fields(POD_KIND_VLLM, config.openai_address))
         self.health: HealthProbe | None = None
         if config.health_interval_s > 0:

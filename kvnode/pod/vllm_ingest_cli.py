@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pod-id", required=True, help="its id in the index (one per vLLM pod)")
     g.add_argument("--openai-address", required=True, metavar="HOST:PORT",
                    help="its OpenAI server, as the router should reach it")
-    g.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
+    g.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s,
+                   help="the pod's lease in the index, renewed every third of it: how long "
+                        "its claims outlive a dead ingester")
     g.add_argument("--health-interval-s", type=float, default=d.health_interval_s,
                    help="how often to ask the OpenAI server's /health; while it fails the pod "
                         "is kept out of the index (0: never ask)")

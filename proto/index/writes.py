@@ -305,6 +305,10 @@ def _pipelined(client: Any, calls: Sequence[tuple[list[str], list[str]]],
     """CLAIM_WRITES calls in one pipeline of a single node's client, after the SADD of
     `listing` (key, buckets) if it names any: a node runs a pipeline in order."""
     sha = scripts.CLAIM_WRITES.sha
+    if len(calls) == 1 and not (listing and listing[1]):  # the usual flush: no pipeline
+        keys, args = calls[0]
+        scripts.CLAIM_WRITES.run(client, keys, [*head, *args])
+        return
     for attempt in (0, 1):
         pipe = client.pipeline(transaction=False)
         if listing and listing[1]:
