@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
           f"recomputed (sha256); tick {args.tick_s * 1e3:g} ms; workload generated in "
           f"{gen_s:.1f}s; refused {refused:.0f}, gaps {gaps:.0f}, pod up {pod_up:.0f}")
     print(f"idle: the ingester takes {idle_share:.3%} of one core (health probe every 2 s, "
-          "lease renewed every 1 s)")
+          "lease renewed every 2 s)")
     print(f"throughput: {args.batches} batches, {fast_events} events, {fast_blocks} blocks in "
           f"{fast_wall:.2f}s, {fast_cpu:.2f} CPU s: {fast_events / fast_cpu:,.0f} events/s and "
           f"{fast_blocks / fast_cpu:,.0f} block changes/s per core")

@@ -10,6 +10,7 @@ On the vLLM side: `vllm serve MODEL --kv-events-config '{"enable_kv_cache_events
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import threading
@@ -159,7 +160,14 @@ class IngestCollector(Collector):
             yield self._one(family, f"pagekv_index_{key}", f"Index publisher: {key}", value)
 
 
+# The book holds a few hundred thousand small long-lived objects and every block stored makes
+# a few more: at Python's default thresholds the cyclic GC took ~20% of the per-block CPU
+# (none of them form cycles). Fewer, larger young collections: 1.9 instead of 2.3 us a block.
+_GC_THRESHOLDS = (50_000, 20, 100)
+
+
 def main(args: argparse.Namespace) -> int:
+    gc.set_threshold(*_GC_THRESHOLDS)
     ingester = VllmIngester(config_from(args))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
