@@ -14,9 +14,11 @@ from tokens and parent) and, once the pool is full, removes as many of the oldes
   one core;
 * paced, at each rate of --rates (batches/s; default 100 batches/s is one store and one
   removal of 8 blocks: 1,600 block changes/s, a pod prefilling ~12,800 tokens/s at block
-  size 16): the ingester's share of one core; beside it, the baseline: a subscriber process
-  that only receives the same stream (SUB, drained every 50 ms like the ingester, nothing
-  done with it): the transport's own cost, which no ingester can go under. Also Redis's own
+  size 16): the ingester's share of one core; beside it, the baselines: subscriber processes
+  that only receive the same stream (SUB, drained every tick like the ingester, nothing done
+  with it), one in Python (pyzmq) and one compiled (bench/native/zmq_floor.c, built here with
+  gcc against pyzmq's own libzmq): the transport's own cost, which no ingester in that
+  language (or in any, for the compiled one) can go under. Also Redis's own
   CPU for the writes (not the router's: Redis runs apart) and the index lag, a batch's send
   to its first block visible in Redis (polled), p50/p99.
 
@@ -187,6 +189,29 @@ def floor_subscriber(endpoint: str, tick_s: float) -> int:
                 break
 
 
+def build_native_floor(out_dir: Path) -> Path | None:
+    """bench/native/zmq_floor.c built against the libzmq pyzmq bundles; None (said) if it
+    cannot be: no gcc, or a pyzmq without a bundled libzmq."""
+    libs = sorted(Path(zmq.__file__).resolve().parent.parent.glob("pyzmq.libs/libzmq*.so*"))
+    source = Path(__file__).resolve().parent / "native" / "zmq_floor.c"
+    if not libs:
+        print("# (no bundled libzmq found: the compiled baseline is left out)")
+        return None
+    exe = out_dir / "zmq_floor"
+    try:
+        subprocess.run(["gcc", "-O2", "-o", str(exe), str(source), str(libs[0]),
+                        f"-Wl,-rpath,{libs[0].parent}"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"# (the compiled baseline could not be built: {exc}; left out)")
+        return None
+    return exe
+
+
+def subscribed(pub, what: str) -> None:
+    assert pub.poll(30_000), f"{what} did not subscribe"
+    pub.recv()
+
+
 def paced(pub, batches: list, first_seq: int, rate: float, seconds: float, pids: dict,
           redis_url: str) -> dict:
     """Send int(rate * seconds) batches at `rate`; CPU share of each process in `pids`,
@@ -231,7 +256,10 @@ def plot(rows: list[dict], path: str) -> None:
     ax.plot(rates, [100 * r["share"]["ingester"] for r in rows], "o-",
             label="pagekv ingest-vllm")
     ax.plot(rates, [100 * r["share"]["floor"] for r in rows], "s--",
-            label="bare ZeroMQ subscriber (receive only)")
+            label="bare ZeroMQ subscriber, Python (receive only)")
+    if "floor_c" in rows[0]["share"]:
+        ax.plot(rates, [100 * r["share"]["floor_c"] for r in rows], "^:",
+                label="bare ZeroMQ subscriber, C (receive only)")
     ax.axhline(100 * PUBLISHED_SHARE, color="red", lw=1, label="published figure, 0.16%")
     ax.set_xlabel("block changes/s (vLLM batches of 8-block events)")
     ax.set_ylabel("% of one core")
@@ -287,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "--openai-address", f"127.0.0.1:{health.server_port}", "--model", SCHEMA.model,
         "--block-size", str(BS), "--redis-url", rds.url, "--metrics-port", str(mport),
         "--flush-interval-s", str(args.tick_s), "--log-level", "WARNING"), run_dir)
-    floor = None
+    floors: list[subprocess.Popen] = []
     rows: list[dict] = []
     try:
         assert pub.poll(60_000), "the ingester did not subscribe"
@@ -309,14 +337,19 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(child.log_tail())
             time.sleep(0.01)
         fast_wall, fast_cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
-        # -- the baseline subscriber joins for the paced phases ---------------------------
-        floor = subprocess.Popen([sys.executable, "-m", "bench.vllm_ingest",
-                                  "--floor-subscriber", endpoint, "--tick-s", str(args.tick_s)],
-                                 cwd=Path(__file__).resolve().parent.parent)
-        assert pub.poll(30_000), "the baseline subscriber did not subscribe"
-        pub.recv()
+        # -- the baseline subscribers join for the paced phases --------------------------
+        floors.append(subprocess.Popen(
+            [sys.executable, "-m", "bench.vllm_ingest", "--floor-subscriber", endpoint,
+             "--tick-s", str(args.tick_s)], cwd=Path(__file__).resolve().parent.parent))
+        subscribed(pub, "the Python baseline subscriber")
+        pids = {"ingester": pid, "floor": floors[0].pid, "redis": rds.pid}
+        native = build_native_floor(run_dir)
+        if native is not None:
+            floors.append(subprocess.Popen([str(native), endpoint, TOPIC.decode(),
+                                            str(round(args.tick_s * 1000))]))
+            subscribed(pub, "the compiled baseline subscriber")
+            pids["floor_c"] = floors[1].pid
         time.sleep(1.0)
-        pids = {"ingester": pid, "floor": floor.pid, "redis": rds.pid}
         seq = args.batches
         for rate, paced_batches in zip(rates, paced_sets, strict=True):
             rows.append(paced(pub, paced_batches, seq, rate, args.seconds, pids, rds.url))
@@ -326,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         gaps = metric_sum(mport, "pagekv_ingest_gaps_total")
         pod_up = metric_sum(mport, "pagekv_ingest_pod_up")
     finally:
-        if floor is not None:
+        for floor in floors:
             floor.kill()
             floor.wait()
         stop_child(child)
@@ -344,15 +377,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{fast_wall:.2f}s, {fast_cpu:.2f} CPU s: {fast_events / fast_cpu:,.0f} events/s and "
           f"{fast_blocks / fast_cpu:,.0f} block changes/s per core")
     print()
-    print("| batches/s | events/s | block changes/s | ingester, % of a core | bare subscriber "
-          "(baseline) | ingester / baseline | ingester above baseline | Redis, % of a core | "
+    print("| batches/s | events/s | block changes/s | ingester, % of a core | bare subscriber, "
+          "Python (baseline) | ingester / baseline | bare subscriber, C | Redis, % of a core | "
           "index lag p50 / p99 / max ms | vs 0.16% |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ing, base = r["share"]["ingester"], r["share"]["floor"]
+        native_share = r["share"].get("floor_c")
+        native_cell = "-" if native_share is None else f"{native_share:.3%}"
         print(f"| {r['rate']:g} | {r['events'] / r['wall']:,.0f} | "
               f"{r['blocks'] / r['wall']:,.0f} | {ing:.3%} | {base:.3%} | "
-              f"{ing / max(base, 1e-9):.2f}x | {ing - base:.3%} | {r['share']['redis']:.3%} | "
+              f"{ing / max(base, 1e-9):.2f}x | {native_cell} | {r['share']['redis']:.3%} | "
               f"{r['lag_p50'] * 1e3:.1f} / {r['lag_p99'] * 1e3:.1f} / {r['lag_max'] * 1e3:.1f} | "
               f"{'below' if ing <= PUBLISHED_SHARE else f'x{ing / PUBLISHED_SHARE:.1f}'} |")
     if args.plot and len(rows) > 1:
