@@ -128,6 +128,14 @@ def last_seq(metrics_port: int) -> float:
     return -1.0
 
 
+def metrics_up(metrics_port: int) -> bool:
+    try:
+        last_seq(metrics_port)
+    except OSError:
+        return False
+    return True
+
+
 def metric_sum(metrics_port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
@@ -320,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         assert pub.poll(60_000), "the ingester did not subscribe"
         pub.recv()
-        time.sleep(0.5)  # its metrics server and index registration
+        deadline = time.monotonic() + 60
+        while not metrics_up(mport):  # its metrics server answers: it has started
+            assert time.monotonic() < deadline, "the ingester's metrics never answered"
+            time.sleep(0.1)
+        time.sleep(2.0)  # and has settled (its first sync, the lazy imports)
         pid = child.proc.pid
         # -- idle: what the process costs with no events (lease renewals, timers) ----------
         cpu0, t0 = cpu_seconds(pid), time.perf_counter()
