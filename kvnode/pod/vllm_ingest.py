@@ -170,6 +170,7 @@ class VllmIngester:
             self.publisher.request_stop()
             self._poke()
             thread.join(timeout)
+        self.publisher.on_wake = None
         if self.stream is not None:
             self.stream.close()
         self.publisher.stop(clear=clear)

@@ -81,6 +81,8 @@ class VllmEventStream:
 
     def interrupt(self) -> None:
         """Make the wait() in progress (or the next one) return now; any thread."""
+        if self._wake_w < 0:
+            return  # closed: a number that another file may have been given since
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -149,7 +151,12 @@ class VllmEventStream:
             self._replay = None
 
     def close(self) -> None:
+        """Idempotent."""
+        if self._sub.closed:
+            return
         self._drop_replay_socket()
         self._sub.close(0)
-        for fd in (self._wake_r, self._wake_w):
+        wake_r, wake_w = self._wake_r, self._wake_w
+        self._wake_r = self._wake_w = -1  # interrupt() from now on writes nothing
+        for fd in (wake_r, wake_w):
             os.close(fd)

@@ -326,3 +326,42 @@ def test_a_pod_that_stops_serving_leaves_the_index_and_comes_back(make_ingester,
         _Health.status = 200
         server.shutdown()
         server.server_close()
+
+
+def test_redis_going_away_loses_nothing_and_never_stalls_the_stop(scripted, tmp_path) -> None:
+    """The ingest thread drives its publisher: while Redis is down the publisher backs off
+    there, batches keep being applied to the book between its tries, and when Redis is back
+    the whole book is republished. A stop during the outage returns at once."""
+    from pagekv.kvnode.pod.redis_server import RedisProcess
+
+    server = RedisProcess(data_dir=tmp_path / "redis").start()  # its own: it is stopped
+    client = redis.Redis.from_url(server.url)
+    ing = VllmIngester(IngestConfig(
+        zmq_endpoint=scripted.endpoint, replay_endpoint=scripted.replay_endpoint,
+        topic=TOPIC, pod_id="vllm-a", openai_address="127.0.0.1:8000", model=SCHEMA.model,
+        block_size=BS, redis_url=server.url, hash_algo=SCHEMA.hash_algo,
+        hash_seed=SCHEMA.hash_seed, lease_ttl_s=1.5, health_interval_s=0.0))
+    try:
+        assert ing.start()
+        scripted.wait_subscriber()
+        scripted.send(0, [wire_stored(A, TOKENS_A, 0, 2)])
+        assert ing.wait_applied(0)
+        assert pod_claims(client, SCHEMA, "vllm-a") == dict.fromkeys(A[:2], "G")
+        server.stop()
+        scripted.send(1, [wire_stored(A, TOKENS_A, 2, 4), wire_stored(B, TOKENS_B, 0, 2)])
+        wait_for(lambda: ing.counters.last_seq == 1, what="batch 1 applied while Redis is down")
+        assert len(ing.book) == 6
+        server.start()  # the same port
+        wait_for(lambda: pod_claims(client, SCHEMA, "vllm-a") == dict.fromkeys(A + B, "G"),
+                 timeout=15, what="the book republished")
+        assert ing.publisher.stats()["republishes"] >= 2
+        server.stop()  # and once more, to stop while it is away
+        scripted.send(2, [WireBlockRemoved([short_hash(B[1])], "GPU")])
+        wait_for(lambda: ing.counters.last_seq == 2, what="batch 2 applied")
+        t0 = time.monotonic()
+        ing.stop(clear=False, timeout=5)
+        assert time.monotonic() - t0 < 3.0
+        assert ing._thread is None
+    finally:
+        ing.stop(clear=False)
+        server.close()
