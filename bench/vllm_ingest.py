@@ -170,11 +170,28 @@ class LagWatcher(threading.Thread):
             time.sleep(0.002)
 
 
+def _metrics_page() -> bytes:
+    """A /metrics page the size of a vLLM pod's (~60 KB, mostly histogram buckets), with the
+    gauges the ingester reads: its load scrape is part of what the ingester costs."""
+    lines = [f'vllm:time_to_first_token_seconds_bucket{{le="{b}",model_name="m"}} {i}.0'
+             for i, b in enumerate(range(1200))]
+    lines += ['vllm:num_requests_running{model_name="m",engine="0"} 12.0',
+              'vllm:num_requests_waiting{model_name="m",engine="0"} 3.0',
+              'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.4',
+              'vllm:cache_config_info{engine="0",num_gpu_blocks="20000"} 1.0']
+    return ("\n".join(lines) + "\n").encode()
+
+
 class _Health(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server does
+    page = _metrics_page()
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
+        body = self.page if self.path == "/metrics" else b""
+        self.send_response(200 if self.path in ("/health", "/metrics") else 404)
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -383,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {args.blocks_per_event} blocks per event, pool {args.pool} blocks, int hashes "
           f"recomputed (sha256); tick {args.tick_s * 1e3:g} ms; workload generated in "
           f"{gen_s:.1f}s; refused {refused:.0f}, gaps {gaps:.0f}, pod up {pod_up:.0f}")
-    print(f"idle: the ingester takes {idle_share:.3%} of one core (health probe every 2 s, "
-          "lease renewed every 2 s)")
+    print(f"idle: the ingester takes {idle_share:.3%} of one core (/health and a "
+          f"{len(_Health.page) // 1000} KB /metrics read every 2 s, lease renewed every 2 s)")
     print(f"throughput: {args.batches} batches, {fast_events} events, {fast_blocks} blocks in "
           f"{fast_wall:.2f}s, {fast_cpu:.2f} CPU s: {fast_events / fast_cpu:,.0f} events/s and "
           f"{fast_blocks / fast_cpu:,.0f} block changes/s per core")

@@ -4,6 +4,10 @@ sends none, and a dead one just stops. So the ingester asks its OpenAI server's 
 200, the pod is down, and it is up again at the first 200. The ingester keeps a pod that is
 down out of the index (no lease), so the router never counts on a dead pod's blocks.
 
+With `load_path` ("/metrics"), each check that finds the pod serving also reads its load
+from that page on the same connection (kvnode/pod/vllm_load.py), for the ingester's lease;
+a pod without the page (404) is not asked again.
+
 One HTTP/1.1 connection is kept open between checks (a new connection per check costs
 several times the CPU, every 2 s for as long as the ingester runs); any failure closes it,
 and the next check opens a new one.
@@ -14,8 +18,11 @@ from __future__ import annotations
 import http.client
 import logging
 import threading
+import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
+
+from pagekv.kvnode.pod.vllm_load import parse_vllm_load
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +33,8 @@ def health_url(openai_address: str) -> str:
 
 class HealthProbe:
     def __init__(self, url: str, on_down: Callable[[str], None], on_up: Callable[[], None],
-                 interval_s: float = 2.0, failures: int = 3) -> None:
+                 interval_s: float = 2.0, failures: int = 3,
+                 load_path: str | None = None) -> None:
         if interval_s <= 0 or failures <= 0:
             raise ValueError("the health probe needs interval_s > 0 and failures > 0")
         self.url = url
@@ -43,6 +51,9 @@ class HealthProbe:
         self._host, self._port = parts.hostname, parts.port or 80
         self._path = parts.path or "/"
         self._conn: http.client.HTTPConnection | None = None
+        self.load_path = load_path
+        self.load: dict[str, float] = {}  # the last load read (replaced whole, never mutated)
+        self.load_at = 0.0  # monotonic time it was read; 0: never
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-health", daemon=True)
 
@@ -57,18 +68,44 @@ class HealthProbe:
     def check(self) -> str | None:
         """None if the pod answers 200, else why not."""
         try:
-            if self._conn is None:
-                self._conn = http.client.HTTPConnection(self._host, self._port,
-                                                        timeout=min(self.interval_s, 5.0))
-            self._conn.request("GET", self._path)
-            resp = self._conn.getresponse()
-            resp.read()
-            if resp.will_close:
-                self._close()
-            return None if resp.status == 200 else f"HTTP {resp.status}"
+            status, _ = self._get(self._path)
+            if status != 200:
+                return f"HTTP {status}"
+            if self.load_path:
+                self._read_load()
+            return None
         except (OSError, http.client.HTTPException) as exc:  # refused, timed out, cut
             self._close()
             return f"{type(exc).__name__}: {exc}"
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self._host, self._port,
+                                                    timeout=min(self.interval_s, 5.0))
+        self._conn.request("GET", path)
+        resp = self._conn.getresponse()
+        body = resp.read()
+        if resp.will_close:
+            self._close()
+        return resp.status, body
+
+    def _read_load(self) -> None:
+        assert self.load_path is not None
+        status, body = self._get(self.load_path)
+        if status == 404:
+            logger.info("%s%s: no such page (HTTP 404); the pod's load is not published",
+                        self.url.removesuffix(self._path), self.load_path)
+            self.load_path = None
+            return
+        if status == 200:
+            self.load = parse_vllm_load(body.decode("utf-8", "replace"))
+            self.load_at = time.monotonic()
+
+    def fresh_load(self) -> dict[str, float]:
+        """The load read within the last three checks, else nothing (it would mislead)."""
+        if self.up and self.load_at and time.monotonic() - self.load_at <= 3 * self.interval_s:
+            return self.load
+        return {}
 
     def _close(self) -> None:
         if self._conn is not None:

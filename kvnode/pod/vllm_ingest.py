@@ -88,6 +88,7 @@ class IngestConfig:
     redis_tls: TlsFiles | None = None
     health_interval_s: float = 2.0  # 0: no health probe, the pod is always taken as up
     health_failures: int = 3
+    load_from_metrics: bool = True  # with the health check: its /metrics into the lease
     flush_interval_s: float = 0.05  # a tick: how long a batch may wait to be written
 
 
@@ -119,7 +120,8 @@ class VllmIngester:
         self._lock = threading.Lock()  # the book, between this thread and the publisher's
         self.publisher = IndexPublisher(
             config.redis_url, self.schema, config.pod_id, config.openai_address,
-            self.schema.hash_config(), load_fn=dict, full_state_fn=self._full_state,
+            self.schema.hash_config(), load_fn=self.published_load,
+            full_state_fn=self._full_state,
             lease_ttl_s=config.lease_ttl_s, flush_interval_s=config.flush_interval_s,
             redis_tls=config.redis_tls, placed=True, renew_every_third=True,
             registration=kind_fields(POD_KIND_VLLM, config.openai_address))
@@ -127,7 +129,8 @@ class VllmIngester:
         if config.health_interval_s > 0:
             self.health = HealthProbe(health_url(config.openai_address), self._pod_down,
                                       self._pod_up, config.health_interval_s,
-                                      config.health_failures)
+                                      config.health_failures,
+                                      "/metrics" if config.load_from_metrics else None)
         self.stream: VllmEventStream | None = None
         self._last: int | None = None  # the last batch applied, None before the first
         self._pending: list[BucketChange] = []  # claim changes of this tick, in order
@@ -189,6 +192,10 @@ class VllmIngester:
         if self.health is not None and not self.health.up:
             return True  # out of the index: nothing of it is to become visible
         return self.publisher.flush(max(0.0, deadline - time.monotonic()))
+
+    def published_load(self) -> dict[str, float]:
+        """What the lease tells of the pod's queue: its own /metrics, read by the probe."""
+        return self.health.fresh_load() if self.health is not None else {}
 
     def _full_state(self) -> dict[int, dict[str, int]]:
         with self._lock:

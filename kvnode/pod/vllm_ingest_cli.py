@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "is kept out of the index (0: never ask)")
     g.add_argument("--health-failures", type=int, default=d.health_failures,
                    help="failed /health answers in a row that take the pod out")
+    g.add_argument("--load-from-metrics", action=argparse.BooleanOptionalAction,
+                   default=d.load_from_metrics,
+                   help="with each health check, read the pod's queue (waiting, running, "
+                        "free KV blocks) from its /metrics and publish it with the lease, "
+                        "for the router's load scoring")
     g.add_argument("--max-blocks", type=int, default=d.max_blocks,
                    help="blocks indexed for the pod at most (GPU and offloaded tiers)")
     g.add_argument("--recent-blocks", type=int, default=d.recent_blocks,
@@ -87,7 +92,8 @@ def config_from(args: argparse.Namespace) -> IngestConfig:
         replay_timeout_s=args.replay_timeout_s, max_blocks=args.max_blocks,
         flush_interval_s=args.flush_interval_s,
         recent_blocks=args.recent_blocks, redis_tls=tls_from(args, "redis"),
-        health_interval_s=args.health_interval_s, health_failures=args.health_failures)
+        health_interval_s=args.health_interval_s, health_failures=args.health_failures,
+        load_from_metrics=args.load_from_metrics)
 
 
 class IngestCollector(Collector):
@@ -149,6 +155,12 @@ class IngestCollector(Collector):
         yield self._one(GaugeMetricFamily, "pagekv_ingest_pod_up",
                         "1 while the pod answers /health (and is in the index)",
                         ing.health is None or ing.health.up)
+        load = GaugeMetricFamily("pagekv_ingest_pod_load",
+                                 "The pod's queue as read from its /metrics and published "
+                                 "with its lease", labels=[*names, "field"])
+        for field_name, value in ing.published_load().items():
+            load.add_metric([*values, field_name], value)
+        yield load
         pub = ing.publisher
         yield _histogram_family("pagekv_index_publish_lag_seconds",
                                 "Index publisher: submit to visible in Redis, per batch",

@@ -18,6 +18,8 @@ class _Server(ThreadingHTTPServer):
         self.connections = 0
         self.status = 200
         self.cut = False
+        self.metrics: str | None = None  # the /metrics page; None: 404
+        self.paths: list[str] = []
         handler = type("H", (_Handler,), {"protocol_version":
                                           "HTTP/1.1" if http11 else "HTTP/1.0"})
         super().__init__(("127.0.0.1", 0), handler)
@@ -39,9 +41,18 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.cut:
             self.close_connection = True
             return
-        self.send_response(self.server.status if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
+        self.server.paths.append(self.path)
+        body = b""
+        if self.path == "/health":
+            self.send_response(self.server.status)
+        elif self.path == "/metrics" and self.server.metrics is not None:
+            self.send_response(200)
+            body = self.server.metrics.encode()
+        else:
+            self.send_response(404)
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args) -> None:
         pass
@@ -93,3 +104,35 @@ def test_nothing_listening_is_a_failure_not_a_hang() -> None:
 def test_only_http_urls() -> None:
     with pytest.raises(ValueError, match="http://"):
         HealthProbe("https://x:1/health", lambda why: None, lambda: None)
+
+
+def test_the_load_is_read_from_metrics_on_the_same_connection() -> None:
+    server = _Server(True)
+    server.metrics = ("vllm:num_requests_running{engine=\"0\"} 4\n"
+                      "vllm:num_requests_waiting{engine=\"0\"} 2\n")
+    try:
+        probe = HealthProbe(health_url(f"127.0.0.1:{server.server_port}"), lambda why: None,
+                            lambda: None, interval_s=1.0, load_path="/metrics")
+        assert probe.fresh_load() == {}  # nothing read yet
+        assert probe.check() is None
+        assert probe.fresh_load() == {"waiting": 2.0, "running": 4.0}
+        server.metrics = "vllm:num_requests_running 0\nvllm:num_requests_waiting 9\n"
+        assert probe.check() is None
+        assert probe.load == {"waiting": 9.0, "running": 0.0}
+        assert server.paths == ["/health", "/metrics"] * 2 and server.connections == 1
+        probe.load_at -= 10  # three checks' time without a new reading: stale, not used
+        assert probe.fresh_load() == {}
+    finally:
+        server.close()
+
+
+def test_a_pod_without_a_metrics_page_is_not_asked_again() -> None:
+    server = _Server(True)  # metrics None: /metrics is a 404
+    try:
+        probe = HealthProbe(health_url(f"127.0.0.1:{server.server_port}"), lambda why: None,
+                            lambda: None, interval_s=1.0, load_path="/metrics")
+        assert probe.check() is None and probe.check() is None
+        assert server.paths == ["/health", "/metrics", "/health"]
+        assert probe.load_path is None and probe.fresh_load() == {}
+    finally:
+        server.close()

@@ -286,8 +286,16 @@ def test_the_pods_publisher_keeps_a_dropped_batchs_number_and_replays() -> None:
 
 class _Health(BaseHTTPRequestHandler):
     status = 200
+    metrics = ""  # the /metrics page; "" : 404
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/metrics" and type(self).metrics:
+            body = type(self).metrics.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         self.send_response(type(self).status if self.path == "/health" else 404)
         self.end_headers()
 
@@ -365,3 +373,28 @@ def test_redis_going_away_loses_nothing_and_never_stalls_the_stop(scripted, tmp_
     finally:
         ing.stop(clear=False)
         server.close()
+
+
+def test_the_pods_queue_from_its_metrics_is_published_with_its_lease(make_ingester,
+                                                                     rclient) -> None:
+    """The router scores a vLLM pod's queue from its lease, as a PageKV pod's."""
+    _Health.metrics = "\n".join([
+        'vllm:num_requests_running{engine="0"} 5', 'vllm:num_requests_waiting{engine="0"} 3',
+        'vllm:kv_cache_usage_perc{engine="0"} 0.5',
+        'vllm:cache_config_info{engine="0",num_gpu_blocks="800"} 1'])
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pub = ScriptedPublisher()
+    try:
+        ing = make_ingester(pub.endpoint, None,
+                            openai_address=f"127.0.0.1:{server.server_port}",
+                            health_interval_s=0.05)
+        info = wait_for(lambda: next((p for p in list_live_pods(rclient, SCHEMA)
+                                      if p.waiting == 3), None), what="the load published")
+        assert (info.waiting, info.running, info.free_blocks) == (3, 5, 400)
+        assert ing.published_load() == {"waiting": 3.0, "running": 5.0, "free_blocks": 400.0}
+    finally:
+        _Health.metrics = ""
+        pub.close()
+        server.shutdown()
+        server.server_close()
