@@ -10,6 +10,7 @@ before its first claim does, so whoever cleans up after the pod finds every clai
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ from pagekv.proto.index.schema import POD_KINDS, IndexSchema, bucket_name, text
 PIPELINE_CHUNK = 4096  # commands per pipeline round trip when writing many claims
 # Claim writes per CLAIM_WRITES call: Redis runs a script alone, so each stays ~1 ms long.
 CLAIM_RECORDS = 512
+PIPELINE_CALLS = 32  # CLAIM_WRITES calls a round trip: ~1 MB of records at most
 SET_CHUNK = 1000  # members per SADD / SREM / SSCAN page
 
 # renew_lease results
@@ -281,7 +283,7 @@ class ClaimRecords:
         head = [pod_id, str(width), str(len(values) - 1), *values[1:]]
         if not is_cluster_client(client):
             listing = (schema.pod_buckets_key(pod_id), [bucket_name(b) for b in list_first])
-            _pipelined(client, list(self.calls(schema, pod_id, False)), head, listing)
+            _pipelined(client, self.calls(schema, pod_id, False), head, listing)
             return
         if list_first:
             raise ValueError("a cluster's bucket list is written before, not in the pipeline")
@@ -300,28 +302,36 @@ class ClaimRecords:
                     scripts.CLAIM_WRITES.run(client, keys, [*head, *args])
 
 
-def _pipelined(client: Any, calls: Sequence[tuple[list[str], list[str]]],
+def _pipelined(client: Any, calls: Iterable[tuple[list[str], list[str]]],
                head: Sequence[str], listing: tuple[str, list[str]] | None = None) -> None:
-    """CLAIM_WRITES calls in one pipeline of a single node's client, after the SADD of
-    `listing` (key, buckets) if it names any: a node runs a pipeline in order."""
+    """CLAIM_WRITES calls on a single node's client, PIPELINE_CALLS a round trip (a full
+    republish of millions of claims never sits in one buffer), after the SADD of `listing`
+    (key, buckets) if it names any: a node runs a pipeline in order."""
     sha = scripts.CLAIM_WRITES.sha
-    if len(calls) == 1 and not (listing and listing[1]):  # the usual flush: no pipeline
-        keys, args = calls[0]
-        scripts.CLAIM_WRITES.run(client, keys, [*head, *args])
-        return
-    for attempt in (0, 1):
-        pipe = client.pipeline(transaction=False)
-        if listing and listing[1]:
-            pipe.sadd(listing[0], *listing[1])
-        for keys, args in calls:
-            pipe.evalsha(sha, len(keys), *keys, *head, *args)
-        try:
-            pipe.execute()
+    pending = iter(calls)
+    pre = listing if listing and listing[1] else None
+    while True:
+        chunk = list(itertools.islice(pending, PIPELINE_CALLS))
+        if not chunk and pre is None:
             return
-        except NoScriptError:  # a restarted or flushed Redis: load it, send again
-            if attempt:
-                raise
-            client.script_load(scripts.CLAIM_WRITES.source)
+        if len(chunk) == 1 and pre is None:  # the usual flush: no pipeline
+            keys, args = chunk[0]
+            scripts.CLAIM_WRITES.run(client, keys, [*head, *args])
+            continue
+        for attempt in (0, 1):
+            pipe = client.pipeline(transaction=False)
+            if pre is not None:
+                pipe.sadd(pre[0], *pre[1])
+            for keys, args in chunk:
+                pipe.evalsha(sha, len(keys), *keys, *head, *args)
+            try:
+                pipe.execute()
+                break
+            except NoScriptError:  # a restarted or flushed Redis: load it, send again
+                if attempt:
+                    raise
+                client.script_load(scripts.CLAIM_WRITES.source)
+        pre = None
 
 
 def clear_pod_claims(client: Any, schema: IndexSchema, pod_id: str, batch: int = 1000) -> int:

@@ -268,3 +268,27 @@ def test_a_driven_publisher_does_its_work_only_in_step(index_redis, client):
     finally:
         pub.stop(clear=True)
     assert not client.exists(SCHEMA.pod_key("pod-d"))
+
+
+def test_a_republish_larger_than_one_round_trip_is_written_whole(make_pod, client,
+                                                                  monkeypatch):
+    """Claims go CLAIM_RECORDS a call and PIPELINE_CALLS calls a round trip: a republish of
+    many times that (tiny bounds here) writes every claim, stale ones removed."""
+    from pagekv.proto.index import writes
+
+    monkeypatch.setattr(writes, "CLAIM_RECORDS", 4)
+    monkeypatch.setattr(writes, "PIPELINE_CALLS", 3)
+    pod = make_pod("pod-a")
+    chains = [chain(7, f"r{i}") for i in range(6)]
+    for blocks in chains:
+        pod.store(blocks)
+    assert pod.pub.flush()
+    expected = {h: Medium.GPU for blocks in chains for h in blocks}
+    assert index_claims(client, SCHEMA, "pod-a", pod.pub.epoch) == expected
+    pod.emit([BlockRemoved(chains[0], Medium.GPU)])
+    assert pod.pub.flush()
+    pod.pub._drop_pending()  # as after a lost connection: the full state again, in full
+    wait_until(lambda: pod.pub.stats()["republishes"] >= 2, what="a republish")
+    assert pod.pub.flush()
+    expected = {h: Medium.GPU for blocks in chains[1:] for h in blocks}
+    assert index_claims(client, SCHEMA, "pod-a", pod.pub.epoch) == expected
