@@ -398,3 +398,29 @@ def test_the_pods_queue_from_its_metrics_is_published_with_its_lease(make_ingest
         pub.close()
         server.shutdown()
         server.server_close()
+
+
+def test_an_ingester_started_before_redis_catches_up_once_it_is_there(scripted,
+                                                                      tmp_path) -> None:
+    from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
+
+    server = RedisProcess(port=free_port(), data_dir=tmp_path / "redis")  # not started yet
+    ing = VllmIngester(IngestConfig(
+        zmq_endpoint=scripted.endpoint, replay_endpoint=scripted.replay_endpoint,
+        topic=TOPIC, pod_id="vllm-a", openai_address="127.0.0.1:8000", model=SCHEMA.model,
+        block_size=BS, redis_url=server.url, hash_algo=SCHEMA.hash_algo,
+        hash_seed=SCHEMA.hash_seed, lease_ttl_s=1.5, health_interval_s=0.0))
+    try:
+        t0 = time.monotonic()
+        assert not ing.start(timeout=0.5)  # no Redis: says so, does not raise
+        assert time.monotonic() - t0 < 3.0
+        scripted.wait_subscriber()
+        scripted.send(0, [wire_stored(A, TOKENS_A, 0, 3)])
+        wait_for(lambda: ing.counters.last_seq == 0, what="batch 0 applied without Redis")
+        server.start()
+        client = redis.Redis.from_url(server.url)
+        wait_for(lambda: pod_claims(client, SCHEMA, "vllm-a") == dict.fromkeys(A[:3], "G"),
+                 timeout=15, what="the book published once Redis is there")
+    finally:
+        ing.stop()
+        server.close()
