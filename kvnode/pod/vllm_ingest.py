@@ -20,12 +20,13 @@ At start the ingester asks the replay socket for everything it still has, so it 
 wait for the pod's next batch to learn what the pod already holds.
 Frames or payloads that cannot be read are counted, logged (throttled) and skipped.
 
-Batches are read in ticks: the first one to arrive after a quiet spell starts a tick of
-`flush_interval_s`, after which every batch queued meanwhile is applied at once and their
-claim changes written in one round trip. One thread does it all: it drives the index
+Batches are read in ticks of `flush_interval_s`: one that arrives a tick or more after the
+last drain is applied at once; one that arrives sooner waits for that tick to end, and every
+batch queued by then is applied together, their claim changes written in one round trip;
+ticks go on while they gather batches. One thread does it all: it drives the index
 publisher itself (no thread of its own), so while events flow it wakes once per tick, not
 once per batch (a wake-up costs more CPU than a small batch's work), and an idle one only to
-renew the lease. The price is the index lag: up to one tick.
+renew the lease. The price is the index lag: up to one tick while batches keep coming.
 
 While the pod's OpenAI server does not answer /health (vllm_health.py) the pod is out of the
 index: its claims and lease removed, its events still followed, and republished in full when
@@ -242,13 +243,20 @@ class VllmIngester:
         due = time.monotonic() + pub.step(write=True)
         self.joined.set()
         tick = self.config.flush_interval_s
-        tick_end: float | None = None  # while batches flow: when this tick ends
+        tick_end: float | None = None  # when the batches queued are to be applied
+        at_once = False  # this drain is a lone batch's, after a quiet tick
+        last_drain = -tick
         while not stop.is_set():
             now = time.monotonic()
             if tick_end is None:
                 if stream.wait(max(0.0, due - now)) and not self._poked:
-                    tick_end = time.monotonic() + tick  # a batch: a tick starts
-                    continue
+                    now = time.monotonic()
+                    # A batch after a quiet tick is applied at once (one wake-up for it,
+                    # no lag); one sooner than that waits for the tick to gather more.
+                    at_once = now - last_drain >= tick
+                    tick_end = now if at_once else last_drain + tick
+                    if not at_once:
+                        continue
             else:
                 stream.wait(max(0.0, min(due, tick_end) - now), batches=False)
             if stop.is_set():
@@ -256,7 +264,12 @@ class VllmIngester:
             now = time.monotonic()
             write = self._poked
             if tick_end is not None and now >= tick_end:
-                tick_end = now + tick if self._drain() else None
+                drained = self._drain()
+                # Ticks go on while they gather batches; after a lone batch, or an empty
+                # tick, the next batch is waited for.
+                tick_end = now + tick if drained and not at_once else None
+                at_once = False
+                last_drain = now
                 self._hand_over()
                 write = True
             if write or now >= due:
