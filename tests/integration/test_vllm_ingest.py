@@ -336,6 +336,15 @@ def test_a_pod_that_stops_serving_leaves_the_index_and_comes_back(make_ingester,
         server.server_close()
 
 
+def _own_redis_ingester(scripted: ScriptedPublisher, redis_url: str) -> VllmIngester:
+    """An ingester on a Redis of the test's own (one it stops and starts)."""
+    return VllmIngester(IngestConfig(
+        zmq_endpoint=scripted.endpoint, replay_endpoint=scripted.replay_endpoint,
+        topic=TOPIC, pod_id="vllm-a", openai_address="127.0.0.1:8000", model=SCHEMA.model,
+        block_size=BS, redis_url=redis_url, hash_algo=SCHEMA.hash_algo,
+        hash_seed=SCHEMA.hash_seed, lease_ttl_s=1.5, health_interval_s=0.0))
+
+
 def test_redis_going_away_loses_nothing_and_never_stalls_the_stop(scripted, tmp_path) -> None:
     """The ingest thread drives its publisher: while Redis is down the publisher backs off
     there, batches keep being applied to the book between its tries, and when Redis is back
@@ -344,11 +353,7 @@ def test_redis_going_away_loses_nothing_and_never_stalls_the_stop(scripted, tmp_
 
     server = RedisProcess(data_dir=tmp_path / "redis").start()  # its own: it is stopped
     client = redis.Redis.from_url(server.url)
-    ing = VllmIngester(IngestConfig(
-        zmq_endpoint=scripted.endpoint, replay_endpoint=scripted.replay_endpoint,
-        topic=TOPIC, pod_id="vllm-a", openai_address="127.0.0.1:8000", model=SCHEMA.model,
-        block_size=BS, redis_url=server.url, hash_algo=SCHEMA.hash_algo,
-        hash_seed=SCHEMA.hash_seed, lease_ttl_s=1.5, health_interval_s=0.0))
+    ing = _own_redis_ingester(scripted, server.url)
     try:
         assert ing.start()
         scripted.wait_subscriber()
@@ -405,11 +410,7 @@ def test_an_ingester_started_before_redis_catches_up_once_it_is_there(scripted,
     from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
 
     server = RedisProcess(port=free_port(), data_dir=tmp_path / "redis")  # not started yet
-    ing = VllmIngester(IngestConfig(
-        zmq_endpoint=scripted.endpoint, replay_endpoint=scripted.replay_endpoint,
-        topic=TOPIC, pod_id="vllm-a", openai_address="127.0.0.1:8000", model=SCHEMA.model,
-        block_size=BS, redis_url=server.url, hash_algo=SCHEMA.hash_algo,
-        hash_seed=SCHEMA.hash_seed, lease_ttl_s=1.5, health_interval_s=0.0))
+    ing = _own_redis_ingester(scripted, server.url)
     try:
         t0 = time.monotonic()
         assert not ing.start(timeout=0.5)  # no Redis: says so, does not raise
