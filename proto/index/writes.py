@@ -2,10 +2,12 @@
 registration and lease, its block claims, and their removal.
 
 Registration and lease are control keys (one hash tag: a MULTI is fine); a claim goes to its
-bucket's tag. Claims are written through pipelines of at most PIPELINE_CHUNK commands: one
-round trip per chunk (on a cluster, one per shard the chunk touches, sent together), and no
-single reply large enough to stall Redis or the pod. A bucket enters the pod's bucket list
-before its first claim does, so whoever cleans up after the pod finds every claim.
+bucket's tag. Claims are written by the CLAIM_WRITES script, CLAIM_RECORDS claims a call and
+PIPELINE_CALLS calls a round trip (on a cluster, one bucket a call and one pipeline per
+shard); reads and removals in bulk go through pipelines of at most PIPELINE_CHUNK commands.
+No single call or reply is large enough to stall Redis or the pod. A bucket enters the
+pod's bucket list before its first claim does, so whoever cleans up after the pod finds
+every claim.
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from pagekv.proto.index import scripts
-from pagekv.proto.index.connect import REDIS_ERRORS
+from pagekv.proto.index.connect import REDIS_ERRORS, is_cluster
 from pagekv.proto.index.mirror import BucketChange
 from pagekv.proto.index.schema import POD_KINDS, IndexSchema, bucket_name, text
 
@@ -139,10 +140,6 @@ class _Pipe:
         return self.replies
 
 
-def is_cluster_client(client: Any) -> bool:
-    return isinstance(client, RedisCluster)
-
-
 def listed_buckets(client: Any, schema: IndexSchema, pod_id: str) -> set[int]:
     """The buckets in `pod_id`'s bucket list."""
     return {int(text(b), 16) for b in client.smembers(schema.pod_buckets_key(pod_id))}
@@ -214,7 +211,7 @@ def write_claim_changes(client: Any, schema: IndexSchema, pod_id: str,
     for h, bucket, _old, new in changes:
         add(bucket, new, h.hex())
     new_buckets = claims.buckets_set() - listed
-    if new_buckets and is_cluster_client(client):  # (another shard: a round trip first)
+    if new_buckets and is_cluster(client):  # (another shard: a round trip first)
         list_buckets(client, schema, pod_id, new_buckets)
         new_buckets = set()
     claims.send(client, schema, pod_id, values, new_buckets)
@@ -274,14 +271,14 @@ class ClaimRecords:
 
     def send(self, client: Any, schema: IndexSchema, pod_id: str, values: Sequence[str],
              list_first: Collection[int] = ()) -> None:
-        """All the calls in one pipeline; on a cluster, one pipeline per shard.
+        """The calls pipelined (PIPELINE_CALLS a round trip); on a cluster, per shard.
         `list_first`: buckets to add to the pod's bucket list at the head of the pipeline
         (one node only: a cluster's bucket list is on another shard than the claims)."""
         if not self.by_bucket:
             return
         width = len(next(iter(self.by_bucket.values()))[0]) - 1
         head = [pod_id, str(width), str(len(values) - 1), *values[1:]]
-        if not is_cluster_client(client):
+        if not is_cluster(client):
             listing = (schema.pod_buckets_key(pod_id), [bucket_name(b) for b in list_first])
             _pipelined(client, self.calls(schema, pod_id, False), head, listing)
             return
