@@ -55,8 +55,9 @@ class IndexPublisher:
     """One pod's writer to the index. Thread-safe `submit`; everything else on one thread.
 
     `full_state_fn()` must be callable from the publisher thread and return every hashed
-    block the pod holds (hash -> "GPU" | "CPU" | "DISK", or a tier bitmask), reflecting at
-    least every event already submitted. `load_fn()` returns numbers such as waiting, running, free_blocks.
+    block the pod holds (hash -> "GPU" | "CPU" | "DISK"; with `placed=True`, bucket -> hex
+    hash -> tier mask), reflecting at least every event already submitted. `load_fn()`
+    returns numbers such as waiting, running, free_blocks.
     `tier_costs_fn()` returns seconds per token to reload a block from each tier.
     """
 
@@ -68,7 +69,7 @@ class IndexPublisher:
         address: str,
         hash_config: dict[str, Any],
         load_fn: Callable[[], dict[str, float]],
-        full_state_fn: Callable[[], dict[bytes, str]],
+        full_state_fn: Callable[[], Mapping[Any, Any]],  # (see the class docstring)
         tier_costs_fn: Callable[[], dict[str, float]] | None = None,
         lease_ttl_s: float = 3.0,
         flush_interval_s: float = 0.05,

@@ -35,15 +35,11 @@ class ClaimMirror:
         return len(self.masks)
 
     @classmethod
-    def from_state(cls, state: Mapping[bytes, str | int]) -> ClaimMirror:
-        """From a pod's full state: hash -> the tier holding it, or a tier bitmask (a pod
-        that learns its blocks from events, like the vLLM ingester, may see one in two
-        tiers for a while)."""
+    def from_state(cls, state: Mapping[bytes, str]) -> ClaimMirror:
+        """From a pod's full state (hash -> the tier holding it)."""
         masks: dict[bytes, int] = {}
         for block_hash, tier in state.items():
-            bits = tier if type(tier) is int else _BIT[tier]
-            if bits:
-                masks[block_hash] = masks.get(block_hash, 0) | bits
+            masks[block_hash] = masks.get(block_hash, 0) | _BIT[tier]
         return cls(masks)
 
     def apply(self, events: Iterable[KVEvent]) -> list[Change]:
@@ -133,8 +129,8 @@ class PodClaims:
             self.buckets.compact(masks)
         return out
 
-    def reset(self, state: Mapping[bytes, str | int]) -> dict[int, dict[str, int]]:
-        """Start over from a pod's full state (hash -> tier or mask). Returns what to publish:
+    def reset(self, state: Mapping[bytes, str]) -> dict[int, dict[str, int]]:
+        """Start over from a pod's full state (hash -> tier). Returns what to publish:
         bucket -> hex hash -> tier mask, for every hash whose bucket is known."""
         self.mirror = ClaimMirror.from_state(state)
         masks = self.mirror.masks
