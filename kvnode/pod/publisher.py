@@ -235,9 +235,8 @@ class IndexPublisher:
         (only if this instance still owns the pod id); clear=False flushes what is queued
         and leaves everything to expire with the lease."""
         thread, self._thread = self._thread, None
-        self._stop.set()
+        self.request_stop()
         if thread is not None:
-            self._wake.set()
             thread.join(timeout)
             if thread.is_alive():
                 logger.warning("index publisher %s: thread did not stop in %.1fs",

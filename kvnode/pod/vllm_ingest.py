@@ -118,7 +118,6 @@ class VllmIngester:
                                   config.block_size, max_blocks=config.max_blocks,
                                   recent_blocks=config.recent_blocks)
         self.counters = IngestCounters()
-        self._lock = threading.Lock()  # the book, between this thread and the publisher's
         self.publisher = IndexPublisher(
             config.redis_url, self.schema, config.pod_id, config.openai_address,
             self.schema.hash_config(), load_fn=self.published_load,
@@ -199,8 +198,7 @@ class VllmIngester:
         return self.health.fresh_load() if self.health is not None else {}
 
     def _full_state(self) -> dict[int, dict[str, int]]:
-        with self._lock:
-            return self.book.full_state()
+        return self.book.full_state()  # (the publisher runs on this thread: no lock)
 
     def _poke(self) -> None:
         """Wake the ingest thread: the publisher has work (a flush, a pause), or stop."""
@@ -380,8 +378,7 @@ class VllmIngester:
             self._apply(f)
 
     def _clear(self) -> None:
-        with self._lock:
-            self._pending += self.book.clear()
+        self._pending += self.book.clear()
         self.counters.clears += 1
 
     def _apply(self, frame: Frame) -> None:
@@ -393,8 +390,7 @@ class VllmIngester:
             book = self.book
             for reason in batch.skipped:
                 book.refuse(reason, f"an event of batch {frame.seq} could not be read")
-            with self._lock:
-                self._pending += book.apply(batch.events)
+            self._pending += book.apply(batch.events)
             c = self.counters
             c.batches += 1
             for ev in batch.events:
