@@ -74,11 +74,19 @@ def test_pod_events_through_the_ingester_equal_the_pods_own_claims(redis_server,
         own = wait_for(lambda: pod_claims(rclient, SCHEMA, "pod-self"), what="own claims")
 
         def same() -> bool:
-            # Settled too: every block the ingester holds is visible (both publishers lag
-            # by up to a flush, so two states in the middle of one could look alike).
+            # Settled first: the ingester has applied the pod's last batch and both
+            # publishers have written all they were handed (before that, both may still show
+            # the state from before the last prompts, and look alike).
+            pod_m, ing_m = metrics(pod_mport), metrics(mport)
+            if (ing_m[("pagekv_ingest_last_seq", "")]
+                    != pod_m[("pagekv_kv_events_zmq_seq", "")] - 1):
+                return False
+            if any(m[("pagekv_index_visible_seq", "")] != m[("pagekv_index_seq", "")]
+                   for m in (pod_m, ing_m)):
+                return False
             ingested = pod_claims(rclient, SCHEMA, "pod-zmq")
             return (ingested == pod_claims(rclient, SCHEMA, "pod-self")
-                    and metrics(mport)[("pagekv_ingest_indexed_blocks", "")] == len(ingested))
+                    and ing_m[("pagekv_ingest_indexed_blocks", "")] == len(ingested))
 
         wait_for(same, 20, "the ingested claims to equal the pod's own")
         own = pod_claims(rclient, SCHEMA, "pod-self")
