@@ -58,19 +58,12 @@ class VllmEventStream:
         self._pipe_only = zmq.Poller()
         self._pipe_only.register(self._wake_r, zmq.POLLIN)
 
-    def recv(self, timeout_s: float) -> Frame | None:
-        """The next live batch, or None after `timeout_s`. BadFrames for a malformed one."""
-        if not self.wait(timeout_s):
-            return None
-        return self.recv_nowait()
-
-    def wait(self, timeout_s: float | None, batches: bool = True) -> bool:
-        """Wait up to `timeout_s` (None: no limit) for a live batch (batches=False: only
-        sleep) or an interrupt(); whether a batch is there to read."""
+    def wait(self, timeout_s: float, batches: bool = True) -> bool:
+        """Wait up to `timeout_s` for a live batch (batches=False: only sleep) or an
+        interrupt(); whether a batch is there to read."""
         poller = self._poller if batches else self._pipe_only
         # Whole milliseconds, rounded up: rounded down, the last one would spin.
-        ready = dict(poller.poll(None if timeout_s is None
-                                 else max(0, math.ceil(timeout_s * 1000))))
+        ready = dict(poller.poll(max(0, math.ceil(timeout_s * 1000))))
         if self._wake_r in ready:
             try:
                 while os.read(self._wake_r, 4096):
@@ -85,7 +78,7 @@ class VllmEventStream:
             return  # closed: a number that another file may have been given since
         try:
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
+        except OSError:
             pass  # the pipe is full (a wake-up is pending anyway) or closed
 
     def recv_nowait(self) -> Frame | None:
