@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from pagekv.proto.index import PodMatch, list_live_pods, lookup_prefix, queries, register_scripts
-from tests.integration.index_fixtures import SCHEMA, chain, primaries
-from tests.integration.test_index_lookup import counting_client
+from pagekv.proto.index import PodMatch, list_live_pods, lookup_prefix, queries
+from tests.integration.index_fixtures import SCHEMA, chain
+from tests.integration.test_index_lookup import counting_from_now, evalsha_calls
 
 pytestmark = pytest.mark.integration
 
@@ -82,17 +82,10 @@ def test_a_key_keeps_at_most_the_cap_latest_pods(client):
 
 def test_write_and_lookup_are_one_round_trip_each_to_one_node(client):
     blocks = chain(16, "p6")
-    counting = counting_client(client)
-    register_scripts(counting)
-    nodes = list(primaries(client))
-    for node in nodes:
-        node.config_resetstat()
-    counting.sent.clear()
+    counting, nodes = counting_from_now(client)
     predict(counting, "pod-a", blocks)
     got = lookup_prefix(counting, SCHEMA, blocks, FAR, predictions=True)
     assert got["pod-a"].predicted == 16
     assert counting.sent == ["EVALSHA", "EVALSHA"]
-    calls = sorted(node.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-                   for node in nodes)
-    assert calls == [0] * (len(nodes) - 1) + [2]  # both on the chain's bucket's shard
+    assert evalsha_calls(nodes) == [0] * (len(nodes) - 1) + [2]  # both on the bucket's shard
     counting.close()
