@@ -210,7 +210,7 @@ def write_claim_changes(client: Any, schema: IndexSchema, pod_id: str,
     add = claims.add
     for h, bucket, _old, new in changes:
         add(bucket, new, h.hex())
-    new_buckets = claims.buckets_set() - listed
+    new_buckets = claims.claimed - listed  # (they must be listed before their claims)
     if new_buckets and is_cluster(client):  # (another shard: a round trip first)
         list_buckets(client, schema, pod_id, new_buckets)
         new_buckets = set()
@@ -226,13 +226,14 @@ class ClaimRecords:
     in one char, the hash in hex) per claim instead of two commands, so that packing and
     parsing in the client cost a string join per call, not a command per block."""
 
-    __slots__ = ("by_bucket", "chars")
+    __slots__ = ("by_bucket", "chars", "claimed")
 
     def __init__(self, n_values: int) -> None:
         if n_values > len(_MASK_CHARS):
             raise ValueError(f"{n_values} tier masks do not fit one record char")
         self.chars = _MASK_CHARS[:n_values]
         self.by_bucket: dict[int, list[str]] = {}
+        self.claimed: set[int] = set()  # buckets that get a claim (not only removals)
 
     def add(self, bucket: int, mask: int, hex_hash: str) -> None:
         """Set `hex_hash`'s claim to `mask` (0: remove it)."""
@@ -240,11 +241,8 @@ class ClaimRecords:
         if records is None:
             records = self.by_bucket[bucket] = []
         records.append(self.chars[mask] + hex_hash)
-
-    def buckets_set(self) -> set[int]:
-        """The buckets that get a claim (not only removals): they must be listed first."""
-        return {b for b, recs in self.by_bucket.items()
-                if any(r[0] != "0" for r in recs)}
+        if mask:
+            self.claimed.add(bucket)
 
     def __len__(self) -> int:
         return sum(len(r) for r in self.by_bucket.values())

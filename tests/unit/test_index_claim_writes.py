@@ -33,10 +33,10 @@ def test_records_are_one_char_of_mask_and_the_hex_hash() -> None:
     recs.add(7, 0, H[1].hex())
     recs.add(2, 1, H[2].hex())
     assert recs.by_bucket == {7: ["3" + H[0].hex(), "0" + H[1].hex()], 2: ["1" + H[2].hex()]}
-    assert recs.buckets_set() == {7, 2} and len(recs) == 3
+    assert recs.claimed == {7, 2} and len(recs) == 3
     removals_only = writes.ClaimRecords(8)
     removals_only.add(4, 0, H[3].hex())
-    assert removals_only.buckets_set() == set()  # nothing to list for a removal
+    assert removals_only.claimed == set()  # nothing to list for a removal
 
 
 @pytest.mark.parametrize("one_bucket_each", [False, True])
