@@ -62,7 +62,8 @@ class HealthProbe:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(self.interval_s + 5)
+        if self._thread.is_alive():  # (never started: nothing to join)
+            self._thread.join(self.interval_s + 5)
         self._close()
 
     def check(self) -> str | None:

@@ -136,3 +136,7 @@ def test_a_pod_without_a_metrics_page_is_not_asked_again() -> None:
         assert probe.load_path is None and probe.fresh_load() == {}
     finally:
         server.close()
+
+
+def test_a_probe_never_started_stops_quietly() -> None:
+    _probe(1).stop()  # an ingester stopped before it started
