@@ -1,4 +1,4 @@
-"""`pagekv router`: run the prefix-aware gRPC router (registered by kvnode.pod.cli)."""
+"""`pagekv router`: run the prefix-aware gRPC router (registered by pagekv/cli.py)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""The pod on the network: gRPC server, index publisher, metrics, CLI, client."""
+"""The pod on the network: gRPC server, its flags, messages, metrics, the KV transfer service, client."""
