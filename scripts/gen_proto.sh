@@ -5,7 +5,8 @@
 # PYTHON selects the interpreter (default: the repository's .venv, else python3).
 # The repository's proto/ is installed as the package `pagekv.proto`, so the proto is compiled
 # from a staging tree with that layout: the generated grpc module then imports its messages as
-# `from pagekv.proto.pagekv.v1 import pagekv_pb2`.
+# `from pagekv.proto.pagekv.v1 import pagekv_pb2`. pagekv_pb2.pyi types the messages for mypy
+# (the .py builds them at import time from a serialized descriptor, which no checker can read).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +22,7 @@ trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$STAGE/src/pagekv/proto/pagekv/v1" "$STAGE/out"
 cp "$ROOT/proto/pagekv/v1/pagekv.proto" "$STAGE/src/pagekv/proto/pagekv/v1/"
 "$PYTHON" -m grpc_tools.protoc -I "$STAGE/src" \
-  --python_out="$STAGE/out" --grpc_python_out="$STAGE/out" \
+  --python_out="$STAGE/out" --pyi_out="$STAGE/out" --grpc_python_out="$STAGE/out" \
   pagekv/proto/pagekv/v1/pagekv.proto
-cp "$STAGE/out/pagekv/proto/pagekv/v1/"pagekv_pb2*.py "$OUT/proto/pagekv/v1/"
+cp "$STAGE/out/pagekv/proto/pagekv/v1/"pagekv_pb2*.py "$STAGE/out/pagekv/proto/pagekv/v1/pagekv_pb2.pyi" \
+  "$OUT/proto/pagekv/v1/"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GENERATED = ("pagekv_pb2.py", "pagekv_pb2_grpc.py")
+GENERATED = ("pagekv_pb2.py", "pagekv_pb2.pyi", "pagekv_pb2_grpc.py")
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
