@@ -46,7 +46,7 @@ import redis  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from bench.stats import pct  # noqa: E402
 from pagekv.deploy.local_cluster import Child, pagekv_cmd, spawn, stop_child, wait_healthy  # noqa: E402
-from pagekv.kvnode.pod.redis_server import RedisProcess, free_port  # noqa: E402
+from pagekv.deploy.redis_server import RedisProcess, free_port  # noqa: E402
 from pagekv.proto.index import IndexSchema, list_live_pods  # noqa: E402
 from pagekv.proto.index.queries import count_pod_claims  # noqa: E402
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb  # noqa: E402

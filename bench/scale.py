@@ -59,7 +59,7 @@ from bench.machine import machine_info  # noqa: E402
 from bench.scale_pod import PRESETS, Oracle, PodConfig, SimPod, StepCost, calibrate  # noqa: E402
 from bench.scale_trace import ScaleRequest, TraceConfig, num_tenants, trace_for_load  # noqa: E402
 from bench.stats import pct  # noqa: E402
-from pagekv.kvnode.pod.redis_server import RedisProcess  # noqa: E402
+from pagekv.deploy.redis_server import RedisProcess  # noqa: E402
 from pagekv.proto.hashing import HashConfig, RequestBlockHasher  # noqa: E402
 from pagekv.proto.index import IndexSchema, connect_async, scripts  # noqa: E402
 from pagekv.proto.medium import PEER_SHARE, Medium  # noqa: E402
@@ -108,7 +108,7 @@ def start_index(kind: str, run_dir: Path) -> Index:
         return Index(kind, rp.url, [redis.Redis.from_url(rp.url)], rp)
     # Three primaries, no replicas (they would only add load on the box), on loopback; the
     # pods and the router reach it through its redis+cluster:// URL.
-    from pagekv.kvnode.pod.redis_cluster import LocalRedisCluster
+    from pagekv.deploy.redis_cluster import LocalRedisCluster
 
     cluster = LocalRedisCluster(primaries=3, replicas=0,
                                 data_dir=run_dir / "redis-cluster").start()

@@ -33,10 +33,10 @@ from pagekv.kvnode.engine.outputs import RequestMetrics
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
 from pagekv.kvnode.engine.tier_connector import TierConnector, TierEvictor
+from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
 from pagekv.kvnode.memory.request import Request
-from pagekv.kvnode.pod.publisher import IndexPublisher
 from pagekv.proto.hashing import HashConfig, RequestBlockHasher
 from pagekv.proto.index.schema import IndexSchema
 from pagekv.proto.medium import PEER_SHARE, Medium

@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from bench.machine import machine_info  # noqa: E402
 from pagekv.deploy.local_cluster import pagekv_cmd, spawn, stop_child, wait_healthy  # noqa: E402
-from pagekv.kvnode.pod.redis_server import free_port  # noqa: E402
+from pagekv.deploy.redis_server import free_port  # noqa: E402
 
 
 def start_once(run_dir: Path, model: str, extra: list[str], env: dict[str, str]) -> float:

@@ -51,7 +51,7 @@ import zmq  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from bench.stats import pct  # noqa: E402
 from pagekv.deploy.local_cluster import pagekv_cmd, spawn, stop_child  # noqa: E402
-from pagekv.kvnode.pod.redis_server import RedisProcess, free_port  # noqa: E402
+from pagekv.deploy.redis_server import RedisProcess, free_port  # noqa: E402
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HashConfig, RequestBlockHasher  # noqa: E402
 from pagekv.proto.index import IndexSchema  # noqa: E402
 from pagekv.proto.index.schema import bucket_of  # noqa: E402

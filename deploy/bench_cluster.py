@@ -97,7 +97,7 @@ def run_workload(address: str, plan: list[tuple[str, int, str, str | list[int]]]
                  max_tokens: int, chat: bool) -> list[Result]:
     from tqdm import tqdm
 
-    from pagekv.kvnode.pod.cli import CliError
+    from pagekv.proto.command_line import CliError
 
     results = []
     with grpc.insecure_channel(address) as channel:

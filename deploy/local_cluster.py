@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
+from pagekv.deploy.redis_server import RedisProcess, free_port
 from pagekv.proto.credentials import (
     ADMIN_TOKEN_ENV,
     API_TOKEN_ENV,
@@ -107,7 +107,7 @@ def stop_child(child: Child, grace: float = 15.0) -> None:
 
 
 def pagekv_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pagekv.kvnode.pod.cli", *args]
+    return [sys.executable, "-m", "pagekv", *args]
 
 
 @dataclass

@@ -53,8 +53,8 @@ class PodActor:
                  lease_ttl_s: float = 3.0, max_queue: int = 1024) -> None:
         _actor_logging()
         # Imported here: the driver (and the router actor) never load torch.
+        from pagekv.deploy.redis_server import free_port
         from pagekv.kvnode.engine.config import EngineArgs
-        from pagekv.kvnode.pod.redis_server import free_port
         from pagekv.kvnode.pod.server import PodServer
         from pagekv.proto.heap import freeze_startup_heap
 

@@ -262,7 +262,7 @@ def write_prometheus_targets(handles: ClusterHandles, path: str) -> None:
 # -- the CLI ---------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pagekv.kvnode.pod.cli import add_engine_arguments
+    from pagekv.kvnode.pod.engine_flags import add_engine_arguments
 
     p.add_argument("--num-nodes", "--num-pods", dest="num_pods", type=int, default=None,
                    metavar="N",
@@ -308,7 +308,7 @@ def _connect(args: argparse.Namespace, needed_cpus: float) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagekv.kvnode.pod.cli import engine_args_from
+    from pagekv.kvnode.pod.engine_flags import engine_args_from
 
     engine = asdict(engine_args_from(args))
     model = engine.pop("model")

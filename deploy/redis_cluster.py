@@ -24,7 +24,7 @@ from types import TracebackType
 
 import redis
 
-from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
+from pagekv.deploy.redis_server import RedisProcess, free_port
 
 SLOTS = 16384
 _BUS_OFFSET = 10000

@@ -2,6 +2,6 @@
 
 import sys
 
-from pagekv.kvnode.pod.cli import main
+from pagekv.cli import main
 
 sys.exit(main())

@@ -1,9 +1,11 @@
 """`pagekv` — the command line: `node`, `router`, `ingest-vllm`, `up`, `generate`,
 `bench-cluster`, `ray-up`, `build-kernels`.
 
-Each subcommand lives in its own module and registers itself here through two functions,
-`add_arguments(parser)` and `main(args) -> int`, so that importing the CLI stays cheap (the
-router and the client never import torch).
+The dispatcher, above every layer (it starts pods, the router and deploy's clusters). Each
+subcommand lives in its own module and registers itself here through two functions,
+`add_arguments(parser)` and `main(args) -> int`; only the selected one is imported, so that
+the router and the client never import torch. Their module names below are the one place the
+project imports itself by string, and tests/unit/test_layers.py reads them as imports.
 """
 
 from __future__ import annotations
@@ -12,18 +14,16 @@ import argparse
 import importlib
 import logging
 import sys
-import typing
-from dataclasses import fields
 from importlib import metadata
 from pathlib import Path
 
-from pagekv.kvnode.engine.config import BYTE_SIZES, CHOICES, HELP, EngineArgs
+from pagekv.proto.command_line import CliError, flag_name
 
 # subcommand -> (module, help)
 SUBCOMMANDS = {
     "node": ("pagekv.kvnode.pod.node_cli", "run one pod: the engine behind a gRPC Generate service"),
     "router": ("pagekv.router.cli", "run the prefix-aware gRPC router over the Redis index"),
-    "ingest-vllm": ("pagekv.kvnode.pod.vllm_ingest_cli",
+    "ingest-vllm": ("pagekv.kvnode.index.vllm_ingest_cli",
                     "index a vLLM pod's blocks from its KV events (ZeroMQ), for the router"),
     "up": ("pagekv.deploy.local_cluster", "start a local cluster: Redis, N pods and the router"),
     "generate": ("pagekv.kvnode.pod.client", "send one Generate call to a router or a pod"),
@@ -33,62 +33,6 @@ SUBCOMMANDS = {
                       "compile the C++ CPU kernel now, so no pod compiles at start"),
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-class CliError(Exception):
-    """A bad value found after parsing: one line on stderr, exit code 2, no traceback."""
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2GiB', '2GB', '1e9', '4096' -> bytes (humanfriendly, plus plain numbers)."""
-    from humanfriendly import InvalidSize, parse_size
-
-    try:
-        return int(float(text))
-    except ValueError:
-        pass
-    try:
-        return int(parse_size(text, binary=False))
-    except InvalidSize as e:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from e
-
-
-def _value_type(name: str, annotation: object) -> typing.Callable[[str], object]:
-    """The argparse type of one EngineArgs field, from its annotation (`int | None` -> int)."""
-    if name in BYTE_SIZES:
-        return parse_bytes
-    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    return args[0] if args[0] in (int, float) else str
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, named like vLLM's (--block-size, --kv-cache-dtype...).
-    The positional MODEL (as in `vllm serve MODEL`) is the same as --model."""
-    defaults = EngineArgs()
-    hints = typing.get_type_hints(EngineArgs)
-    group = parser.add_argument_group("engine")
-    group.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                       help="the model, as --model")
-    for f in fields(EngineArgs):
-        default = getattr(defaults, f.name)
-        if hints[f.name] is bool:
-            group.add_argument(_flag(f.name), dest=f.name, default=default,
-                               action=argparse.BooleanOptionalAction, help=HELP.get(f.name))
-            continue
-        group.add_argument(_flag(f.name), dest=f.name, default=default,
-                           type=_value_type(f.name, hints[f.name]),
-                           choices=CHOICES.get(f.name), help=HELP.get(f.name))
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
-    if getattr(ns, "model_tag", None):
-        values["model"] = ns.model_tag
-    return EngineArgs(**values)
 
 
 def config_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
@@ -105,7 +49,7 @@ def config_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
     known = {opt: a for a in parser._actions for opt in a.option_strings}
     tokens: list[str] = []
     for key, value in data.items():
-        flag = _flag(str(key))
+        flag = flag_name(str(key))
         action = known.get(flag)
         if action is None:
             raise CliError(f"--config {path}: unknown option {key!r}")
@@ -171,11 +115,11 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
                 f"{name}: needs {e.name or e} installed: pip install{extra}")
             continue
         mod.add_arguments(p)
-        p.set_defaults(_main=mod.main)
+        p.set_defaults(run_command=mod.main)
     return parser
 
 
-def _with_config(argv: list[str], parser: argparse.ArgumentParser, selected: str | None
+def with_config(argv: list[str], parser: argparse.ArgumentParser, selected: str | None
                  ) -> list[str]:
     """argv with --config's options spliced in right after the subcommand's name."""
     if selected is None:
@@ -197,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing is not None:
         parser.exit(2, f"pagekv {missing}\n")
     try:
-        args = parser.parse_args(_with_config(argv, parser, selected))
+        args = parser.parse_args(with_config(argv, parser, selected))
     except CliError as e:
         parser.exit(2, f"pagekv: error: {e}\n")
     logging.basicConfig(
@@ -205,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args._main(args) or 0)
+        return int(args.run_command(args) or 0)
     except (CliError, ValueError, OSError) as e:
         # A value argparse could not judge (a model path, a length past the model's limit) or
         # a missing piece (no redis-server for `pagekv up`): one line naming it, as for a bad

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from redis.crc import key_slot  # noqa: E402
 
-from pagekv.kvnode.pod.redis_cluster import LocalRedisCluster, slot_ranges  # noqa: E402
-from pagekv.kvnode.pod.redis_server import RedisProcess  # noqa: E402
+from pagekv.deploy.redis_cluster import LocalRedisCluster, slot_ranges  # noqa: E402
+from pagekv.deploy.redis_server import RedisProcess  # noqa: E402
 from pagekv.proto.index import (  # noqa: E402
     BUCKETS,
     IndexSchema,

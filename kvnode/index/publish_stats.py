@@ -1,7 +1,8 @@
 """The index publisher's counters and its publish lag (submit -> visible in Redis).
 
 Plain numbers owned by the publisher thread; `stats()` of the publisher reads them, as does
-Prometheus through it (kvnode.pod.prom).
+Prometheus through it (kvnode.pod.prom, the ingester's page): `INDEX_COUNTERS` names the
+monotonic ones and `histogram_family` turns a plain histogram into Prometheus's form.
 """
 
 from __future__ import annotations
@@ -9,12 +10,20 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from prometheus_client.core import HistogramMetricFamily
+
 from pagekv.kvnode.memory.metrics import Histogram
 
 # Seconds from a batch's first event to its visibility in Redis (normally a few ms).
 LAG_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
+
+# Monotonic index-publisher statistics (exported as counters; the rest are gauges).
+INDEX_COUNTERS = frozenset({
+    "events_submitted", "events_published", "events_dropped", "batches", "errors",
+    "reconnects", "republishes", "lease_renewals",
+})
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -85,3 +94,17 @@ class PublishCounters:
         self.events_published += events
         self.batches += 1
         self.lag.record(lag_s)
+
+
+def histogram_family(name: str, doc: str, h: Histogram, label_names: list[str],
+                     label_values: list[str]) -> HistogramMetricFamily:
+    """A plain histogram as Prometheus's cumulative buckets (the pod's and the ingester's pages)."""
+    cumulative = []
+    running = 0
+    for bound, count in zip(h.buckets, h.counts, strict=False):
+        running += count
+        cumulative.append((repr(float(bound)), running))
+    cumulative.append(("+Inf", running + h.counts[-1]))
+    fam = HistogramMetricFamily(name, doc, labels=label_names)
+    fam.add_metric(label_values, cumulative, h.total)
+    return fam

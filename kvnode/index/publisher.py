@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from pagekv.kvnode.index.publish_queue import EventQueue
+from pagekv.kvnode.index.publish_stats import PublishCounters
 from pagekv.kvnode.memory.metrics import Histogram
-from pagekv.kvnode.pod.publish_queue import EventQueue
-from pagekv.kvnode.pod.publish_stats import PublishCounters
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.index import writes
 from pagekv.proto.index.connect import REDIS_ERRORS, check_tls_url, connect, drop_connections

@@ -5,7 +5,7 @@ sends none, and a dead one just stops. So the ingester asks its OpenAI server's 
 down out of the index (no lease), so the router never counts on a dead pod's blocks.
 
 With `load_path` ("/metrics"), each check that finds the pod serving also reads its load
-from that page on the same connection (kvnode/pod/vllm_load.py), for the ingester's lease;
+from that page on the same connection (kvnode/index/vllm_load.py), for the ingester's lease;
 a pod without the page (404) is not asked again.
 
 One HTTP/1.1 connection is kept open between checks (a new connection per check costs
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from pagekv.kvnode.pod.vllm_load import parse_vllm_load
+from pagekv.kvnode.index.vllm_load import parse_vllm_load
 
 logger = logging.getLogger(__name__)
 

@@ -41,11 +41,11 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from pagekv.kvnode.index.publish_stats import LAG_BUCKETS
+from pagekv.kvnode.index.publisher import IndexPublisher
+from pagekv.kvnode.index.vllm_health import HealthProbe, health_url
+from pagekv.kvnode.index.vllm_stream import BadFrames, Frame, ReplayFailed, VllmEventStream
 from pagekv.kvnode.memory.metrics import Histogram as PlainHistogram
-from pagekv.kvnode.pod.publish_stats import LAG_BUCKETS
-from pagekv.kvnode.pod.publisher import IndexPublisher
-from pagekv.kvnode.pod.vllm_health import HealthProbe, health_url
-from pagekv.kvnode.pod.vllm_stream import BadFrames, Frame, ReplayFailed, VllmEventStream
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HashConfig
 from pagekv.proto.index.mirror import BucketChange

@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagekv.kvnode.pod.prom import INDEX_COUNTERS, _histogram_family
-from pagekv.kvnode.pod.vllm_ingest import IngestConfig, VllmIngester
+from pagekv.kvnode.index.publish_stats import INDEX_COUNTERS, histogram_family
+from pagekv.kvnode.index.vllm_ingest import IngestConfig, VllmIngester
 from pagekv.proto.credentials import add_redis_arguments, redis_url_from, tls_from
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from pagekv.proto.serving import serve_metrics
@@ -149,7 +149,7 @@ class IngestCollector(Collector):
                         "Sequence number of the last batch applied", c.last_seq)
         yield self._one(GaugeMetricFamily, "pagekv_ingest_indexed_blocks",
                         "Blocks the pod holds, as indexed", len(book))
-        yield _histogram_family("pagekv_ingest_lag_seconds",
+        yield histogram_family("pagekv_ingest_lag_seconds",
                                 "The batch's timestamp at the vLLM pod to its events queued "
                                 "for the index", c.lag, names, values)
         yield self._one(GaugeMetricFamily, "pagekv_ingest_pod_up",
@@ -162,7 +162,7 @@ class IngestCollector(Collector):
             load.add_metric([*values, field_name], value)
         yield load
         pub = ing.publisher
-        yield _histogram_family("pagekv_index_publish_lag_seconds",
+        yield histogram_family("pagekv_index_publish_lag_seconds",
                                 "Index publisher: submit to visible in Redis, per batch",
                                 pub.lag_histogram, names, values)
         for key, value in pub.stats().items():

@@ -10,7 +10,7 @@ import logging
 import signal
 import socket
 
-from pagekv.kvnode.pod.kv_events_zmq import ZmqEventsConfig
+from pagekv.kvnode.index.kv_events_zmq import ZmqEventsConfig
 from pagekv.kvnode.pod.kv_transfer import TransferConfig
 from pagekv.kvnode.pod.server import PodServer
 from pagekv.proto.credentials import (
@@ -32,7 +32,7 @@ logger = logging.getLogger("pagekv.kvnode.pod.server")  # the pod's log lines, o
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pagekv.kvnode.pod.cli import add_engine_arguments
+    from pagekv.kvnode.pod.engine_flags import add_engine_arguments
 
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50051)
@@ -124,7 +124,7 @@ def transfer_config_from(args: argparse.Namespace) -> TransferConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagekv.kvnode.pod.cli import engine_args_from
+    from pagekv.kvnode.pod.engine_flags import engine_args_from
 
     # A stable default id: a restarted pod replaces its own registration (new epoch)
     # instead of leaving a dead pod id in the index.

@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from pagekv.deploy.local_cluster import LocalCluster
-from pagekv.kvnode.pod.publisher import IndexPublisher
-from pagekv.kvnode.pod.redis_cluster import LocalRedisCluster
-from pagekv.kvnode.pod.redis_server import RedisProcess, find_redis_server
+from pagekv.deploy.redis_cluster import LocalRedisCluster
+from pagekv.deploy.redis_server import RedisProcess, find_redis_server
+from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.proto.index import IndexSchema, connect
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc

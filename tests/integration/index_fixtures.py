@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.proto.index import IndexSchema
 from pagekv.proto.index.connect import is_cluster
 from pagekv.proto.kv_events import BlockRemoved, BlockStored, KVEvent

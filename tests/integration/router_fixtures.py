@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import IndexSchema
 from pagekv.proto.kv_events import BlockStored

@@ -4,7 +4,7 @@ and the commands of its `build:` services (kvnode-a, kvnode-b, router) really ru
 The run test starts those commands as local processes, exactly as written, with only what a
 container network provides rewritten: service hostnames -> 127.0.0.1, container ports ->
 free loopback ports, `--host 0.0.0.0` -> 127.0.0.1, the SSD directory -> tmp_path, `pagekv`
--> `python -m pagekv.kvnode.pod.cli`. Redis is a local redis-server in place of the redis:7 image.
+-> `python -m pagekv`. Redis is a local redis-server in place of the redis:7 image.
 
 The compose variables are set for the test (TEST_VARS): the model is swapped from
 pagekv-small to pagekv-tiny and the pool and tiers are shrunk, which keeps two pods cheap on
@@ -30,8 +30,8 @@ import pytest
 import yaml
 
 from pagekv.deploy.local_cluster import Child, spawn, stop_child, wait_healthy
+from pagekv.deploy.redis_server import RedisProcess, free_port
 from pagekv.kvnode.engine.config import EngineArgs
-from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from pagekv.router.config import RouterConfig
@@ -271,7 +271,7 @@ def localize(service: str, argv: list[str], ports: dict[tuple[str, int], int],
             arg = remap(arg, service, ports)
         out.append(arg)
     if out and out[0] == "pagekv":
-        out = [sys.executable, "-m", "pagekv.kvnode.pod.cli", *out[1:]]
+        out = [sys.executable, "-m", "pagekv", *out[1:]]
     elif out and out[0] == "python":
         out = [sys.executable, *out[1:]]
     return out

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from pagekv.deploy.local_cluster import LocalCluster
-from pagekv.kvnode.pod.redis_cluster import LocalRedisCluster
+from pagekv.deploy.redis_cluster import LocalRedisCluster
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import connect, count_pod_claims, list_live_pods, lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.proto.index import (
     IndexClient,
     IndexSchema,

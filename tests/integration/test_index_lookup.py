@@ -13,7 +13,7 @@ import pytest
 import redis
 import redis.cluster
 
-from pagekv.kvnode.pod.publisher import IndexPublisher
+from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.proto.index import (
     IndexSchema,
     PodMatch,

@@ -27,7 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagekv.deploy.local_cluster import Child, LocalCluster, wait_healthy
-from pagekv.kvnode.pod.redis_server import free_port
+from pagekv.deploy.redis_server import free_port
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def pagekv(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagekv.kvnode.pod.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "pagekv", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, **kw)
 
 
@@ -42,7 +42,7 @@ def processes_mentioning(needle: str) -> list[int]:
 def test_up_generate_and_sigterm_leaves_no_orphans(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagekv.kvnode.pod.cli", "up", "--nodes", "2", "--router-port", "0", "--router-http-port", "0",
+        [sys.executable, "-m", "pagekv", "up", "--nodes", "2", "--router-port", "0", "--router-http-port", "0",
          "--run-dir", str(run_dir), "--node-arg=--num-gpu-blocks=64",
          "--node-arg=--max-model-len=512"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -15,8 +15,8 @@ import time
 import openai
 import pytest
 
+from pagekv.deploy.redis_server import free_port
 from pagekv.kvnode.engine.config import EngineArgs
-from pagekv.kvnode.pod.redis_server import free_port
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from tests.integration.contract_fixtures import running_somewhere, wait_idle
 from tests.integration.openai_fixtures import (

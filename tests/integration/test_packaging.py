@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
+from pagekv.deploy.redis_server import RedisProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -69,13 +69,13 @@ def test_the_wheel_claims_only_the_pagekv_namespace(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"pagekv", wheel.name.split("-py3")[0] + ".dist-info"}, tops
-    for needed in ("pagekv/__init__.py", "pagekv/kvnode/pod/cli.py",
+    for needed in ("pagekv/__init__.py", "pagekv/cli.py",
                    "pagekv/kvnode/model/attention/csrc/paged_attention.cpp",
                    "pagekv/proto/pagekv/v1/pagekv_pb2.py", "pagekv/tiers/ssd.py",
                    "pagekv/router/server.py", "pagekv/deploy/prometheus/pagekv.rules.yml"):
         assert needed in names, needed
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "pagekv = pagekv.kvnode.pod.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "pagekv = pagekv.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 def test_public_api_and_light_parts_without_torch(light_venv: Path) -> None:
@@ -83,7 +83,7 @@ def test_public_api_and_light_parts_without_torch(light_venv: Path) -> None:
     code = ("import sys, pagekv\n"
             "from pagekv import Client, __version__\n"
             "import pagekv.router.server, pagekv.kvnode.pod.client, pagekv.proto.index\n"
-            "import pagekv.kvnode.pod.vllm_ingest_cli\n"
+            "import pagekv.kvnode.index.vllm_ingest_cli\n"
             "assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
             "from redis.utils import HIREDIS_AVAILABLE\n"  # replies parsed in C (hiredis)
             "assert HIREDIS_AVAILABLE, 'redis-py without hiredis'\n"

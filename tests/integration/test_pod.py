@@ -14,9 +14,9 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagekv.deploy.local_cluster import LocalCluster
+from pagekv.deploy.redis_server import RedisProcess
 from pagekv.kvnode.engine.llm import LLM
 from pagekv.kvnode.engine.sampling_params import SamplingParams
-from pagekv.kvnode.pod.redis_server import RedisProcess
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import IndexSchema, count_pod_claims, list_live_pods, lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb

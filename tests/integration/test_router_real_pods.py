@@ -17,7 +17,7 @@ import grpc
 import pytest
 import redis
 
-from pagekv.kvnode.pod.redis_server import RedisProcess
+from pagekv.deploy.redis_server import RedisProcess
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb

@@ -28,7 +28,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagekv.deploy.local_cluster import Child, pagekv_cmd, spawn, stop_child, wait_healthy
-from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
+from pagekv.deploy.redis_server import RedisProcess, free_port
 from pagekv.proto.index import count_pod_claims, lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pagekv.kvnode.pod.redis_server import free_port
+from pagekv.deploy.redis_server import free_port
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.router.openai_forward import VllmStub, completion_body
 

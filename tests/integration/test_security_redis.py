@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from pagekv.deploy.local_cluster import LocalCluster, pagekv_cmd, spawn, stop_child, wait_healthy
+from pagekv.deploy.redis_server import RedisProcess, find_redis_server, free_port
 from pagekv.kvnode.pod.client import Client
-from pagekv.kvnode.pod.redis_server import RedisProcess, find_redis_server, free_port
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.index import REDIS_ERRORS, connect
 from tests.integration.tls_fixtures import Certs, make_certs

@@ -1,4 +1,4 @@
-"""The vLLM pod's /health probe (kvnode/pod/vllm_health.py) against real HTTP servers on
+"""The vLLM pod's /health probe (kvnode/index/vllm_health.py) against real HTTP servers on
 loopback: one kept-alive connection for every check, a new one after the pod closes it or
 goes away, and the answer or the failure said in words."""
 
@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pagekv.kvnode.pod.vllm_health import HealthProbe, health_url
+from pagekv.kvnode.index.vllm_health import HealthProbe, health_url
 
 
 class _Server(ThreadingHTTPServer):

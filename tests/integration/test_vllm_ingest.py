@@ -17,8 +17,8 @@ import pytest
 import redis
 import zmq
 
-from pagekv.kvnode.pod.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
-from pagekv.kvnode.pod.vllm_ingest import IngestConfig, VllmIngester
+from pagekv.kvnode.index.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
+from pagekv.kvnode.index.vllm_ingest import IngestConfig, VllmIngester
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import list_live_pods, lookup_prefix
 from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -162,7 +162,7 @@ def test_a_batch_the_replay_no_longer_has_clears_and_waits_for_fresh_state(
     scripted.wait_subscriber()
     scripted.send(0, [wire_stored(A, TOKENS_A, 0, 2)])
     assert ing.wait_applied(0)
-    with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.pod.vllm_ingest"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.index.vllm_ingest"):
         scripted.send(1, [wire_stored(A, TOKENS_A, 2, 3)], live=False, keep=False)
         scripted.send(2, [wire_stored(B, TOKENS_B, 0, 2)])
         assert ing.wait_applied(2)
@@ -185,7 +185,7 @@ def test_a_restarted_publisher_starts_a_new_stream(make_ingester, rclient, scrip
     scripted.send(1, [wire_stored(A, TOKENS_A, 2, 4)])
     assert ing.wait_applied(1)
     scripted.forget()  # the vLLM pod restarted: empty cache, sequence from 0
-    with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.pod.vllm_ingest"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.index.vllm_ingest"):
         scripted.send(0, [wire_stored(B, TOKENS_B, 0, 2)])
         wait_for(lambda: ing.counters.resets == 1, what="the reset")
         assert ing.wait_applied(0)
@@ -201,7 +201,7 @@ def test_garbage_is_counted_logged_once_and_skipped(make_ingester, rclient, scri
     ing = make_ingester(scripted.endpoint, scripted.replay_endpoint)
     scripted.wait_subscriber()
     topic = scripted.topic
-    with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.pod.vllm_ingest"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.index.vllm_ingest"):
         scripted.send(0, [wire_stored(A, TOKENS_A, 0, 2)])
         scripted.send_frames([topic, b"\x00\x01", b"\x90"])  # a 2-byte sequence number
         scripted.send_frames([topic, b"only two frames"])
@@ -224,7 +224,7 @@ def test_events_hashed_with_another_seed_are_refused(make_ingester, rclient, scr
     other = hash_prompt(HashConfig(SCHEMA.hash_algo, "another-seed"), BS, TOKENS_A)
     ing = make_ingester(scripted.endpoint, scripted.replay_endpoint)
     scripted.wait_subscriber()
-    with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.pod.vllm_ingest"):
+    with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.index.vllm_ingest"):
         scripted.send(0, [wire_stored(other, TOKENS_A, 0, 2)])
         scripted.send(1, [wire_stored(other, TOKENS_A, 2, 4)])
         assert ing.wait_applied(1)
@@ -315,7 +315,7 @@ def test_a_pod_that_stops_serving_leaves_the_index_and_comes_back(make_ingester,
         scripted.send(0, [wire_stored(A, TOKENS_A, 0, 2)])
         assert ing.wait_applied(0)
         assert pod_claims(rclient, SCHEMA, "vllm-a") == dict.fromkeys(A[:2], "G")
-        with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.pod.vllm_ingest"):
+        with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.index.vllm_ingest"):
             _Health.status = 503
             wait_for(lambda: not rclient.exists(SCHEMA.lease_key("vllm-a")), what="it left")
         assert pod_claims(rclient, SCHEMA, "vllm-a") == {}
@@ -349,7 +349,7 @@ def test_redis_going_away_loses_nothing_and_never_stalls_the_stop(scripted, tmp_
     """The ingest thread drives its publisher: while Redis is down the publisher backs off
     there, batches keep being applied to the book between its tries, and when Redis is back
     the whole book is republished. A stop during the outage returns at once."""
-    from pagekv.kvnode.pod.redis_server import RedisProcess
+    from pagekv.deploy.redis_server import RedisProcess
 
     server = RedisProcess(data_dir=tmp_path / "redis").start()  # its own: it is stopped
     client = redis.Redis.from_url(server.url)
@@ -407,7 +407,7 @@ def test_the_pods_queue_from_its_metrics_is_published_with_its_lease(make_ingest
 
 def test_an_ingester_started_before_redis_catches_up_once_it_is_there(scripted,
                                                                       tmp_path) -> None:
-    from pagekv.kvnode.pod.redis_server import RedisProcess, free_port
+    from pagekv.deploy.redis_server import RedisProcess, free_port
 
     server = RedisProcess(port=free_port(), data_dir=tmp_path / "redis")  # not started yet
     ing = _own_redis_ingester(scripted, server.url)

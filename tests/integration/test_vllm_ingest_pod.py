@@ -18,7 +18,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagekv.deploy.local_cluster import pagekv_cmd, spawn, stop_child, wait_healthy
-from pagekv.kvnode.pod.redis_server import free_port
+from pagekv.deploy.redis_server import free_port
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from tests.integration.vllm_fixtures import SCHEMA, pod_claims, wait_for

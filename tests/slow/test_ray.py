@@ -22,7 +22,7 @@ import pytest
 import redis
 import yaml
 
-from pagekv.kvnode.pod.redis_server import RedisProcess
+from pagekv.deploy.redis_server import RedisProcess
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HashConfig, hash_prompt
 from pagekv.proto.index import IndexSchema, list_live_pods, lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
@@ -204,7 +204,7 @@ def test_pod_actor_retries_when_its_port_is_taken_before_bind(
         redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The actor class itself, in this process (no Ray needed): the first port it picks is
     taken by someone else by the time it binds."""
-    from pagekv.kvnode.pod import redis_server
+    from pagekv.deploy import redis_server
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))

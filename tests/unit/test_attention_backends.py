@@ -18,6 +18,7 @@ from pagekv.kvnode.model.attention import (
     write_kv_cache,
 )
 from pagekv.kvnode.model.attention.phase_dispatch import AVX512_LIMITS, PORTABLE_LIMITS
+from tests.unit.attention_stand_in import stand_in
 
 KERNEL = "pagekv.kvnode.model.attention.cpu_kernel"
 TRITON = "pagekv.kvnode.model.attention.triton_backend"
@@ -59,15 +60,15 @@ def _no_env(monkeypatch):
 
 
 def test_torch_by_env(monkeypatch):
-    monkeypatch.setitem(sys.modules, KERNEL, _fake_kernel(True))
+    stand_in(monkeypatch, KERNEL, _fake_kernel(True))
     monkeypatch.setenv("PAGEKV_ATTENTION_BACKEND", "torch")
     assert get_attention_backend() is REFERENCE_BACKEND
 
 
 def test_auto_on_cpu_is_the_phase_dispatched_kernel(monkeypatch, caplog):
     fake = _fake_kernel(True)
-    monkeypatch.setitem(sys.modules, KERNEL, fake)
-    monkeypatch.setitem(sys.modules, TRITON, _fake_triton(True))
+    stand_in(monkeypatch, KERNEL, fake)
+    stand_in(monkeypatch, TRITON, _fake_triton(True))
     caplog.set_level("INFO", logger="pagekv.kvnode.model.attention")
     backend = get_attention_backend()
     assert backend.name == "cpp" and backend.describe() == PORTABLE_LIMITS.describe()
@@ -88,7 +89,7 @@ def test_auto_on_cpu_is_the_phase_dispatched_kernel(monkeypatch, caplog):
 def test_the_kernels_avx512_path_raises_its_limits(monkeypatch):
     fake = _fake_kernel(True)
     fake.has_avx512_path = lambda: True  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, KERNEL, fake)
+    stand_in(monkeypatch, KERNEL, fake)
     assert get_attention_backend("cpp").describe() == AVX512_LIMITS.describe()
     assert AVX512_LIMITS.max_query_len > PORTABLE_LIMITS.max_query_len
 
@@ -96,7 +97,7 @@ def test_the_kernels_avx512_path_raises_its_limits(monkeypatch):
 @pytest.mark.parametrize("kernel", [None, "unavailable"])
 def test_falls_back_to_reference_without_the_kernel(monkeypatch, kernel):
     # None in sys.modules makes the import raise ImportError.
-    monkeypatch.setitem(sys.modules, KERNEL, None if kernel is None else _fake_kernel(False))
+    stand_in(monkeypatch, KERNEL, None if kernel is None else _fake_kernel(False))
     monkeypatch.setenv("PAGEKV_ATTENTION_BACKEND", "auto")
     assert get_attention_backend() is REFERENCE_BACKEND
     with pytest.raises(RuntimeError, match="attention backend 'cpp' requested but"):
@@ -104,15 +105,15 @@ def test_falls_back_to_reference_without_the_kernel(monkeypatch, kernel):
 
 
 def test_cpp_on_cuda_is_an_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, KERNEL, _fake_kernel(True))
+    stand_in(monkeypatch, KERNEL, _fake_kernel(True))
     with pytest.raises(RuntimeError, match="CPU kernel; device is cuda:0"):
         get_attention_backend("cpp", "cuda:0")
 
 
 def test_auto_on_cuda_prefers_triton(monkeypatch):
     fake = _fake_triton(True)
-    monkeypatch.setitem(sys.modules, TRITON, fake)
-    monkeypatch.setitem(sys.modules, KERNEL, _fake_kernel(True))
+    stand_in(monkeypatch, TRITON, fake)
+    stand_in(monkeypatch, KERNEL, _fake_kernel(True))
     backend = get_attention_backend(device="cuda:0")
     assert backend.name == "triton" and backend.paged_attention() == "triton"
     assert fake.asked == ["cuda:0"]
@@ -120,9 +121,9 @@ def test_auto_on_cuda_prefers_triton(monkeypatch):
 
 
 def test_auto_on_cuda_without_triton_is_the_reference(monkeypatch):
-    monkeypatch.setitem(sys.modules, TRITON, None)  # the module does not import
+    stand_in(monkeypatch, TRITON, None)  # the module does not import
     assert get_attention_backend(device="cuda:0") is REFERENCE_BACKEND
-    monkeypatch.setitem(sys.modules, TRITON, _fake_triton(False, "no GPU"))
+    stand_in(monkeypatch, TRITON, _fake_triton(False, "no GPU"))
     assert get_attention_backend(device="cuda") is REFERENCE_BACKEND
 
 
@@ -133,7 +134,7 @@ def test_triton_module_that_raises_does_not_break_auto(monkeypatch):
         raise OSError("driver gone")
 
     broken.available = available  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, TRITON, broken)
+    stand_in(monkeypatch, TRITON, broken)
     assert get_attention_backend(device="cuda") is REFERENCE_BACKEND
     with pytest.raises(RuntimeError, match="OSError: driver gone"):
         get_attention_backend("triton", "cuda")
@@ -141,7 +142,7 @@ def test_triton_module_that_raises_does_not_break_auto(monkeypatch):
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     fake = _fake_triton(True)
-    monkeypatch.setitem(sys.modules, TRITON, fake)
+    stand_in(monkeypatch, TRITON, fake)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         get_attention_backend("triton")
     assert not fake.asked  # refused before the module is even asked
@@ -152,10 +153,10 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 def test_named_triton_reports_why_it_is_unusable(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, TRITON, None)
+    stand_in(monkeypatch, TRITON, None)
     with pytest.raises(RuntimeError, match="triton_backend does not import"):
         get_attention_backend("triton")
-    monkeypatch.setitem(sys.modules, TRITON, _fake_triton(False, "triton is not installed"))
+    stand_in(monkeypatch, TRITON, _fake_triton(False, "triton is not installed"))
     with pytest.raises(RuntimeError, match="is False: triton is not installed"):
         get_attention_backend("triton", "cuda:1")
 

@@ -4,7 +4,6 @@ float64 attention over the contiguous K/V, on mixed batches: cold prefills, pref
 
 from __future__ import annotations
 
-import sys
 import types
 
 import pytest
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 
 from pagekv.kvnode.model.attention import cpu_kernel, get_attention_backend
 from pagekv.kvnode.model.attention.phase_dispatch import KernelLimits, phase_dispatched
+from tests.unit.attention_stand_in import stand_in
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(),
                                   reason="C++ paged attention extension could not be built")
@@ -139,6 +139,6 @@ def test_dispatcher_uses_the_kernel_module(monkeypatch):
     mod = types.ModuleType(cpu_kernel.__name__)
     mod.available = lambda: True  # type: ignore[attr-defined]
     mod.paged_attention = lambda q, *a: torch.full(q.shape, 3.0)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, cpu_kernel.__name__, mod)
+    stand_in(monkeypatch, cpu_kernel.__name__, mod)
     args, _ = mixed_batch([(4, 1), (8, 1)], 16, None, seed=0)
     assert get_attention_backend("cpp").paged_attention(**args).eq(3.0).all()

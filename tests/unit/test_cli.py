@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from pagekv import cli
 from pagekv.kvnode.engine.config import CHOICES
-from pagekv.kvnode.pod import cli
+from pagekv.kvnode.pod.engine_flags import engine_args_from
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def parse(*argv: str):
     argv = list(argv)
     parser = cli.build_parser(argv[0])
-    return parser.parse_args(cli._with_config(argv, parser, argv[0]))
+    return parser.parse_args(cli.with_config(argv, parser, argv[0]))
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -30,9 +31,9 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_positional_model_like_vllm_serve() -> None:
-    assert cli.engine_args_from(parse("node", "/models/llama")).model == "/models/llama"
-    assert cli.engine_args_from(parse("node", "--model", "pagekv-small")).model == "pagekv-small"
-    assert cli.engine_args_from(parse("node")).model == "pagekv-tiny"
+    assert engine_args_from(parse("node", "/models/llama")).model == "/models/llama"
+    assert engine_args_from(parse("node", "--model", "pagekv-small")).model == "pagekv-small"
+    assert engine_args_from(parse("node")).model == "pagekv-tiny"
 
 
 def test_global_flags_before_or_after_the_subcommand() -> None:
@@ -46,12 +47,12 @@ def test_config_file_with_flags_winning(tmp_path: Path) -> None:
     cfg.write_text("block-size: 32\nkv_cache_dtype: fp8\nenable-prefix-caching: false\n"
                    "cpu-offload-bytes: 2GiB\nmodel: pagekv-small\nport: 50099\n")
     ns = parse("node", "--config", str(cfg), "--block-size", "64")
-    args = cli.engine_args_from(ns)
+    args = engine_args_from(ns)
     assert (args.block_size, args.kv_cache_dtype, args.enable_prefix_caching) == (64, "fp8", False)
     assert args.cpu_offload_bytes == 2 * 2**30 and args.model == "pagekv-small"
     assert ns.port == 50099
     ns = parse("node", "--config", str(cfg), "pagekv-tiny")
-    assert cli.engine_args_from(ns).model == "pagekv-tiny"  # the positional wins too
+    assert engine_args_from(ns).model == "pagekv-tiny"  # the positional wins too
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -92,7 +93,7 @@ def test_bad_config_files_are_one_error(tmp_path: Path, text: str, says: str,
 
 def test_a_value_only_the_model_can_judge_is_one_line_too() -> None:
     """--max-model-len past the model's limit is found at load time: still one line."""
-    r = subprocess.run([sys.executable, "-m", "pagekv.kvnode.pod.cli", "node", "--max-model-len",
+    r = subprocess.run([sys.executable, "-m", "pagekv", "node", "--max-model-len",
                         "100000000", "--port", "0"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -124,7 +125,7 @@ def test_python_dash_m_pagekv_is_the_cli() -> None:
 
 def test_bench_cluster_says_in_one_line_why_a_request_failed() -> None:
     """A refused or failed call (here: nothing listens) is one line, not a gRPC traceback."""
-    from pagekv.kvnode.pod.redis_server import free_port
+    from pagekv.deploy.redis_server import free_port
 
     r = subprocess.run([sys.executable, "-m", "pagekv", "bench-cluster", "--router",
                         f"127.0.0.1:{free_port()}", "--groups", "1", "--per-group", "1"],

@@ -26,15 +26,19 @@ ALLOWED: dict[str, set[str]] = {
     "kvnode.memory": {"proto", "kvnode.memory"},
     "kvnode.model": {"proto", "kvnode.model"},
     "kvnode.engine": {"proto", "tiers", "kvnode.memory", "kvnode.model", "kvnode.engine"},
+    # the publisher and the vLLM ingester: no engine (the memory layer only for Histogram)
+    "kvnode.index": {"proto", "kvnode.memory", "kvnode.index"},
     "kvnode.pod": {"proto", "tiers", "kvnode"},
     "kvnode": {"proto", "tiers", "kvnode"},  # the package's own face (kvnode/__init__.py)
-    "pagekv": {"proto", "tiers", "kvnode", "router", "deploy"},  # the public API, lazily
+    # the public API (lazily) and the `pagekv` command's dispatcher (pagekv/cli.py)
+    "pagekv": {"proto", "tiers", "kvnode", "router", "deploy", "pagekv"},
     "deploy": {"proto", "tiers", "kvnode", "router", "deploy"},
 }
 FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
     "proto": {"torch", "ray", "numpy"},
     "router": {"torch", "ray", "numpy", "safetensors"},
     "kvnode.memory": {"torch"},
+    "kvnode.index": {"torch", "numpy"},
 }
 PROJECT = ("proto", "tiers", "router", "kvnode", "deploy")
 NAMESPACE = "pagekv."
@@ -58,8 +62,18 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _names_a_module(text: str) -> bool:
+    """Is this string the dotted name of one of the project's modules (`pagekv.router.cli`)?"""
+    if not text.startswith(NAMESPACE) or not all(p.isidentifier() for p in text.split(".")):
+        return False
+    rel = Path(*text.split(".")[1:])
+    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+
+
 def imports_of(path: Path, mod: str) -> list[tuple[int, str]]:
-    """Every absolute module a file imports, at any depth (functions, TYPE_CHECKING too)."""
+    """Every absolute module a file imports, at any depth (functions, TYPE_CHECKING too), and
+    every string constant that names a project module: the dispatcher's lazily imported
+    subcommands, or any other import by string, are checked like import statements."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out = []
     package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
@@ -73,11 +87,17 @@ def imports_of(path: Path, mod: str) -> list[tuple[int, str]]:
             else:
                 target = node.module or ""
             out.append((node.lineno, target))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                _names_a_module(node.value):
+            out.append((node.lineno, node.value))
     return out
 
 
 def source_files() -> list[Path]:
-    return [p for top in (*PROJECT, "pagekv") for p in sorted((ROOT / top).rglob("*.py"))]
+    """The product's modules, each once: pagekv/kvnode etc. are symlinks to the top-level
+    folders (so static tools resolve `pagekv.kvnode`), not more modules."""
+    return [p for top in (*PROJECT, "pagekv") for p in sorted((ROOT / top).rglob("*.py"))
+            if not any((ROOT / d).is_symlink() for d in p.relative_to(ROOT).parents)]
 
 
 def violations_in(path: Path, mod: str) -> list[str]:
@@ -125,12 +145,26 @@ def test_the_checker_sees_violations(tmp_path: Path) -> None:
     bare = tmp_path / "bare.py"
     bare.write_text("from kvnode.engine import engine\n")  # not through the namespace
     assert ["namespace" in v for v in violations_in(bare, "kvnode.pod.bare")] == [True]
+    by_name = tmp_path / "by_name.py"  # an import by string is an import too
+    by_name.write_text('import importlib\nimportlib.import_module("pagekv.router.cli")\n'
+                       '"""pagekv.router.cli is named in prose here."""\n')
+    assert len(violations_in(by_name, "kvnode.index.by_name")) == 1
+    assert violations_in(by_name, "pagekv.cli") == []
+
+
+def test_the_checkout_resolves_pagekv_as_python_does() -> None:
+    """pagekv/<folder> is a symlink to the folder, so static tools see `pagekv.kvnode`."""
+    for top in PROJECT:
+        link = ROOT / "pagekv" / top
+        assert link.is_symlink() and link.resolve() == (ROOT / top).resolve(), link
+    assert {p.name for p in (ROOT / "pagekv").iterdir() if p.suffix == ".py"} == {
+        "__init__.py", "__main__.py", "cli.py"}
 
 
 @pytest.mark.parametrize("module", [
     "pagekv", "pagekv.proto.hashing", "pagekv.proto.kv_events", "pagekv.proto.medium",
     "pagekv.router.server", "pagekv.router.cli", "pagekv.kvnode.memory.kv_cache_manager",
-    "pagekv.kvnode.pod.client",
+    "pagekv.kvnode.pod.client", "pagekv.kvnode.index.vllm_ingest_cli", "pagekv.cli",
 ])
 def test_light_modules_do_not_pull_torch_in(module: str) -> None:
     """Importing the module in a fresh interpreter leaves torch (and ray) unloaded."""

@@ -12,7 +12,7 @@ import weakref
 import grpc
 import pytest
 
-from pagekv.kvnode.pod.redis_server import free_port
+from pagekv.deploy.redis_server import free_port
 from pagekv.proto import serving
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.requests import (

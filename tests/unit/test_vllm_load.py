@@ -1,9 +1,9 @@
-"""A vLLM pod's load from its /metrics page (kvnode/pod/vllm_load.py): the few vLLM gauges,
+"""A vLLM pod's load from its /metrics page (kvnode/index/vllm_load.py): the few vLLM gauges,
 summed over engines, in Prometheus's text format with everything it allows around them."""
 
 from __future__ import annotations
 
-from pagekv.kvnode.pod.vllm_load import parse_vllm_load
+from pagekv.kvnode.index.vllm_load import parse_vllm_load
 
 MODEL = 'model_name="meta-llama/Llama-3.1-8B-Instruct",engine="0"'
 PAGE = f"""# HELP vllm:num_requests_running Number of requests in model execution batches.

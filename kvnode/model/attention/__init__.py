@@ -20,7 +20,6 @@ backend that cannot be used is a RuntimeError saying why.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from collections.abc import Callable
@@ -37,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "PAGEKV_ATTENTION_BACKEND"
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "cpp", "triton")
-_KERNEL_MODULE = "pagekv.kvnode.model.attention.cpu_kernel"
+_KERNEL_MODULE = "pagekv.kvnode.model.attention.cpu_kernel"  # named in the reasons logged
 _TRITON_MODULE = "pagekv.kvnode.model.attention.triton_backend"
 
 
@@ -61,7 +60,7 @@ def _load_kernel() -> tuple[AttentionBackend | None, str]:
     """The C++ backend (decode and short prefill in the kernel, the rest on the reference
     path), or None and the reason it is unusable."""
     try:
-        mod = importlib.import_module(_KERNEL_MODULE)
+        from pagekv.kvnode.model.attention import cpu_kernel as mod
     except ImportError as exc:
         return None, f"{_KERNEL_MODULE} does not import ({exc})"
     try:
@@ -91,7 +90,7 @@ def _load_triton(device: str) -> tuple[AttentionBackend | None, str]:
         return None, ("it runs on CUDA; on CPU only under Triton's interpreter "
                       "(TRITON_INTERPRET=1, for tests)")
     try:
-        mod = importlib.import_module(_TRITON_MODULE)
+        from pagekv.kvnode.model.attention import triton_backend as mod
     except Exception as exc:  # missing module or triton, or a broken one: auto falls back
         return None, f"{_TRITON_MODULE} does not import ({type(exc).__name__}: {exc})"
     try:

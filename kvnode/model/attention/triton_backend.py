@@ -12,18 +12,11 @@ when their modules were imported), which is for tests: it is orders of magnitude
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
 
 from pagekv.kvnode.model.attention import AttentionBackend
-
-_KERNEL_MODULES = (
-    "pagekv.kvnode.model.attention.triton_cache",
-    "pagekv.kvnode.model.attention.triton_decode",
-    "pagekv.kvnode.model.attention.triton_prefill",
-)
 
 
 def _interpreted() -> tuple[bool, bool]:
@@ -44,8 +37,11 @@ def available(device: torch.device | str) -> tuple[bool, str]:
     try:
         import triton  # noqa: F401
 
-        for name in _KERNEL_MODULES:
-            importlib.import_module(name)
+        from pagekv.kvnode.model.attention import (  # noqa: F401 - each must import
+            triton_cache,
+            triton_decode,
+            triton_prefill,
+        )
     except Exception as exc:  # no triton, or a kernel module that does not import
         return False, f"triton kernels do not import ({type(exc).__name__}: {exc})"
     kind = torch.device(device).type
@@ -126,8 +122,8 @@ def paged_attention(
                                 seq_lens[rows.to(seq_lens.device)], num_splits=splits,
                                 **common)
     if others:
-        prefill = importlib.import_module(
-            "pagekv.kvnode.model.attention.triton_prefill").paged_prefill
+        from pagekv.kvnode.model.attention.triton_prefill import paged_prefill as prefill
+
         if not decodes:  # paged_prefill skips rows without new tokens itself
             return prefill(query, key_cache, value_cache, block_tables, seq_lens,
                            query_start_loc, **common)
