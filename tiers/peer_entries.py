@@ -1,11 +1,13 @@
 """Blocks between pods: the SSD tier's self-describing entry, one per block, on the wire.
 
-A pod serving a cross-pod pull (kvnode/pod/kv_transfer.py) packs each block as an SSD entry
-(tiers/ssd_format.py): header with the block's hash, its parent's hash, the KV layout id,
-the codec and both checksums, then the payload (tiers/codec.py: raw or byte-shuffled LZ4).
-The puller unpacks it here and checks everything the entry says before a byte reaches its
-pool: both checksums, the layout, the length, and that the entry continues the chain it
-asked for (its hash is the next expected one and its parent the previous). No torch.
+A pod serving a cross-pod pull packs each block as an SSD entry (tiers/ssd_format.py), in its
+engine's exporter (kvnode/engine/kv_export.py; the pod's transfer service only sends the
+bytes): header with the block's hash, its parent's hash, the KV layout id, the codec and both
+checksums, then the payload (tiers/codec.py: raw or byte-shuffled LZ4).
+The puller (kvnode/engine/peer_pull.py) unpacks it here and checks everything the entry says
+before a byte reaches its pool: both checksums, the layout, the length, and that the entry
+continues the chain it asked for (its hash is the next expected one and its parent the
+previous). A refused entry raises `EntryRejected`, whose `reason` the puller counts. No torch.
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ class Engine:
         )
         self.puller: PeerPuller | None = None  # enable_peer_pull: the pod supplies a transport
         self.kv_layout = kv_layout(self.runner)  # what peers must share to exchange blocks
-        self.exporter = KvExporter(self.kv_manager, self.runner, chain)  # peers pull from it
+        # Peers pull from it: it reads and packs the blocks, the pod only sends the bytes.
+        self.exporter = KvExporter(self.kv_manager, self.runner, chain, self.kv_layout)
         self.groups: dict[str, SequenceGroup] = {}
         # Ids of the live extra samples of n>1 requests ("<id>#<i>"): the block tables and tier
         # loads are keyed by sequence id, so a client id must never equal one of them.

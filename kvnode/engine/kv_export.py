@@ -1,4 +1,4 @@
-"""The serving side of a cross-pod pull, in the engine: find a chain's blocks, pin, read.
+"""The serving side of a cross-pod pull, in the engine: find a chain's blocks, pin, read, pack.
 
 `open` (on the engine thread) walks the asked chain through the pool, then the tiers, and
 stops at the first block this pod does not hold. The pool blocks of the run get a reference
@@ -6,7 +6,9 @@ each, as a request's would, so no eviction can hand them out for reuse while a p
 them; `close` gives the references back (tail first, as a request frees). Rows are read off
 the engine thread: a pinned pool block is never written (its content is fixed by its hash
 and no one can be handed it for reuse), so `read_pool` may gather it while a step runs; tier
-blocks are copied where they lie (tiers.chain_reads).
+blocks are copied where they lie (tiers.chain_reads). `read_entries` packs the rows as the
+entries a peer receives (tiers.peer_entries, whose `unpack_block` the puller,
+kvnode.engine.peer_pull, checks them with): the pod's transfer service only sends bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
 from pagekv.proto.medium import Medium
 from pagekv.tiers.chain import TierChain
 from pagekv.tiers.chain_reads import media_below, read_run
+from pagekv.tiers.peer_entries import KvLayout, pack_block
 
 
 @dataclass(slots=True)
@@ -29,6 +32,7 @@ class ExportRun:
     media: list[Medium]  # where each one is
     pinned: list[KVCacheBlock] = field(default_factory=list)  # the pool's, referenced
     closed: bool = False
+    parent: bytes | None = None  # the block hashes[0] continues (None: the chain's root)
 
     def pool_ids(self, lo: int, hi: int) -> list[int]:
         """Block ids of the pool blocks among hashes[lo:hi] (they are pinned in order)."""
@@ -38,19 +42,23 @@ class ExportRun:
 
 
 class KvExporter:
-    def __init__(self, manager: KVCacheManager, runner, chain: TierChain | None) -> None:
+    def __init__(self, manager: KVCacheManager, runner, chain: TierChain | None,
+                 layout: KvLayout) -> None:
         self.manager = manager
         self.runner = runner
         self.chain = chain
+        self.layout = layout
         self.open_runs = 0  # runs not closed yet (a leak check for tests and /metrics)
 
-    def open(self, block_hashes: Sequence[bytes]) -> ExportRun:
-        """Engine thread. The run this pod can serve, its pool blocks pinned."""
+    def open(self, block_hashes: Sequence[bytes], parent_hash: bytes | None = None
+             ) -> ExportRun:
+        """Engine thread. The run this pod can serve, its pool blocks pinned; the chain
+        asked for continues `parent_hash` (None: it starts at the root)."""
         cached = self.manager.block_pool.get_cached_block
         blocks = [cached(h) for h in block_hashes]
         below = (media_below(self.chain, block_hashes) if self.chain is not None
                  else [None] * len(block_hashes))
-        run = ExportRun([], [])
+        run = ExportRun([], [], parent=parent_hash)
         for h, block, medium in zip(block_hashes, blocks, below, strict=True):
             if block is not None:
                 run.pinned.append(block)
@@ -76,6 +84,25 @@ class KvExporter:
         hashes = [h for h, m in zip(run.hashes[lo:hi], run.media[lo:hi], strict=True)
                   if m != Medium.GPU]
         return read_run(self.chain, hashes)
+
+    def read_entries(self, run: ExportRun, lo: int, hi: int, compress: bool = False
+                     ) -> list[bytes]:
+        """Any thread, while the run is open. The blocks run.hashes[lo:hi] in order, each
+        packed as the entry a peer receives (its parent the block before it), cut at the
+        first tier block that is gone. `compress`: LZ4 where it pays (tiers.peer_entries)."""
+        media = run.media[lo:hi]
+        pool = iter(self.read_pool(run, lo, hi) if Medium.GPU in media else ())
+        below = iter(self.read_below(run, lo, hi) if any(m != Medium.GPU for m in media)
+                     else ())
+        parent = run.hashes[lo - 1] if lo else run.parent
+        out = []
+        for h, m in zip(run.hashes[lo:hi], media, strict=True):
+            row = next(pool) if m == Medium.GPU else next(below, None)
+            if row is None:
+                break
+            out.append(pack_block(self.layout, h, parent, row.numpy(), compress))
+            parent = h
+        return out
 
     def close(self, run: ExportRun) -> None:
         """Engine thread. Release the run's pool blocks (once)."""

@@ -11,6 +11,9 @@ rest; each one is counted by reason and logged. One attempt per request.
 
 The transport is not here: the pod gives a `fetch(source, ask, handle)` that yields the
 peer's entries chunk by chunk and raises `PullFailed(reason)` (kvnode/pod/kv_pull_client.py).
+The entries are bytes to the pod: the peer's exporter packed them (kvnode/engine/kv_export.py)
+and this module unpacks them, both with tiers.peer_entries, whose `EntryRejected` names the
+reason an entry is refused; `_receive` counts that reason as it counts a `PullFailed`'s.
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ from pagekv.kvnode.memory.block_pool import KVCacheBlock
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
 from pagekv.kvnode.memory.request import Request
 from pagekv.proto.medium import PEER_SHARE, Medium
-from pagekv.tiers.peer_entries import EntryRejected, KvLayout, unpack_block
+from pagekv.tiers.peer_entries import (
+    BAD_CHAIN,
+    BAD_CHECKSUM,
+    BAD_LAYOUT,
+    EntryRejected,
+    KvLayout,
+    unpack_block,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +50,11 @@ PEER_MISSING = "peer_missing"          # the peer holds fewer blocks than the hi
 DEADLINE = "deadline"                  # --kv-pull-deadline-s passed
 NO_ROOM = "no_room"                    # the pool could not take the blocks
 ERROR = "error"                        # anything else (a bug: logged with its trace)
-FALLBACK_REASONS = (PEER_UNAVAILABLE, PEER_BUSY, PEER_MISSING, DEADLINE, "checksum",
-                    "hash_mismatch", "config_mismatch", NO_ROOM, ERROR)
+CHECKSUM = BAD_CHECKSUM                # "checksum": an entry torn or corrupt
+HASH_MISMATCH = BAD_CHAIN              # "hash_mismatch": not the block asked for, or too many
+CONFIG_MISMATCH = BAD_LAYOUT           # "config_mismatch": another KV layout or hash config
+FALLBACK_REASONS = (PEER_UNAVAILABLE, PEER_BUSY, PEER_MISSING, DEADLINE, CHECKSUM,
+                    HASH_MISMATCH, CONFIG_MISMATCH, NO_ROOM, ERROR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +64,13 @@ class KvSource:
     num_blocks: int
 
 
-class PullFailed(EntryRejected):
-    """A pull that stopped for its peer, its transport or its deadline (`reason`)."""
+class PullFailed(Exception):
+    """A pull that stopped for its peer, its transport or its deadline: `reason` is one of
+    FALLBACK_REASONS (an entry the puller refuses raises tiers' EntryRejected instead)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +224,7 @@ class PeerPuller:
                 for entry in entries:
                     i = len(out.datas)
                     if i >= len(ask.hashes):
-                        raise PullFailed("hash_mismatch", "the peer sent more blocks than asked")
+                        raise PullFailed(HASH_MISMATCH, "the peer sent more blocks than asked")
                     out.nbytes += len(entry)
                     parent = ask.hashes[i - 1] if i else ask.parent
                     out.datas.append(unpack_block(self.layout, entry, ask.hashes[i], parent))
@@ -218,7 +236,7 @@ class PeerPuller:
             if len(out.datas) < len(ask.hashes):
                 raise PullFailed(PEER_MISSING, f"the peer holds {len(out.datas)} of the "
                                                f"{len(ask.hashes)} blocks asked for")
-        except EntryRejected as exc:  # PullFailed too
+        except (PullFailed, EntryRejected) as exc:  # the transport's reason, or the entry's
             out.failure, out.detail = exc.reason, str(exc)
         except Exception as exc:  # a bug must not fail the request: it recomputes
             logger.exception("kv pull %s failed", ask.request_id)

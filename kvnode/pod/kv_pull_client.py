@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import grpc
 
 from pagekv.kvnode.engine.peer_pull import (
+    CONFIG_MISMATCH,
     DEADLINE,
     ERROR,
     PEER_BUSY,
@@ -29,14 +30,14 @@ from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.grpc_security import open_channel
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from pagekv.tiers.peer_entries import BAD_LAYOUT, KvLayout
+from pagekv.tiers.peer_entries import KvLayout
 
 MAX_CHANNELS = 64
 
 _REASONS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DEADLINE,
     grpc.StatusCode.RESOURCE_EXHAUSTED: PEER_BUSY,
-    grpc.StatusCode.FAILED_PRECONDITION: BAD_LAYOUT,  # hash configuration or KV layout
+    grpc.StatusCode.FAILED_PRECONDITION: CONFIG_MISMATCH,  # hash configuration or KV layout
     grpc.StatusCode.UNAVAILABLE: PEER_UNAVAILABLE,
     grpc.StatusCode.CANCELLED: PEER_UNAVAILABLE,  # the peer went away mid-stream
     grpc.StatusCode.UNKNOWN: PEER_UNAVAILABLE,

@@ -3,8 +3,8 @@
 Checks first (the pod serving, the same hash configuration and KV layout, the list's size,
 a free transfer slot: `--kv-transfer-max-concurrent`), then the run this pod holds is found
 and its pool blocks pinned on the engine thread (kvnode.engine.kv_export). The blocks go out
-a message at a time (about `chunk_bytes` each), packed as SSD entries (tiers.peer_entries);
-each message waits for gRPC's flow control, so a slow puller slows the reads instead of
+a message at a time (about `chunk_bytes` each), as the entries the engine's exporter packed
+(tiers.peer_entries: this module never looks inside one); each message waits for gRPC's flow control, so a slow puller slows the reads instead of
 filling this pod's memory. The stream stops at `--kv-transfer-max-bytes` (or the puller's
 smaller limit). Whatever ends the call — done, cancelled, the puller gone — the pins are
 released.
@@ -21,9 +21,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from pagekv.kvnode.engine.kv_export import ExportRun
-from pagekv.proto.medium import Medium
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
-from pagekv.tiers.peer_entries import pack_block
 
 logger = logging.getLogger(__name__)
 
@@ -126,16 +124,18 @@ class KvTransferService:
         eng = pod.engine
         exporter = eng.exporter
         hashes = list(request.block_hashes)
-        run: ExportRun = await asyncio.to_thread(pod.aengine.call, lambda: exporter.open(hashes))
+        parent = request.parent_hash or None
+        run: ExportRun = await asyncio.to_thread(pod.aengine.call,
+                                                 lambda: exporter.open(hashes, parent))
         budget = min(request.max_bytes or self.max_bytes, self.max_bytes)
-        per_message = max(1, self.chunk_bytes // eng.runner.block_bytes)
+        per_message = max(1, self.chunk_bytes // eng.kv_layout.block_bytes)
         sent = 0
         try:
-            parent = request.parent_hash or None
             for lo in range(0, len(run.hashes), per_message):
                 hi = min(lo + per_message, len(run.hashes))
-                rows = await self._read(run, lo, hi)
-                entries = await asyncio.to_thread(self._pack, run, lo, rows, parent)
+                # Off the engine thread: a busy pod must not pace the pull.
+                entries = await asyncio.to_thread(exporter.read_entries, run, lo, hi,
+                                                  self.compress)
                 kept = []
                 for entry in entries:
                     if sent + len(entry) > budget:
@@ -147,39 +147,11 @@ class KvTransferService:
                     yield pb.PullBlocksChunk(entries=kept)
                 if len(kept) < hi - lo:
                     break  # the byte limit, or a tier block gone since the run was found
-                parent = run.hashes[hi - 1]
         finally:
             # Posted, not awaited: this also runs when the call is cancelled.
             pod.aengine.post(lambda: exporter.close(run))
         logger.debug("served %s: %d of %d blocks asked, %d bytes", request.request_id or "-",
                      len(run.hashes), len(hashes), sent)
-
-    async def _read(self, run: ExportRun, lo: int, hi: int) -> list:
-        """The blocks run.hashes[lo:hi] in order, cut at the first tier block that is gone."""
-        media = run.media[lo:hi]
-        exporter = self.pod.engine.exporter
-        pool: list = []
-        below: list = []
-        if Medium.GPU in media:  # off the engine thread: a busy pod must not pace the pull
-            pool = list(await asyncio.to_thread(exporter.read_pool, run, lo, hi))
-        if any(m != Medium.GPU for m in media):
-            below = await asyncio.to_thread(exporter.read_below, run, lo, hi)
-        rows, p, b = [], iter(pool), iter(below)
-        for m in media:
-            row = next(p) if m == Medium.GPU else next(b, None)
-            if row is None:
-                break
-            rows.append(row)
-        return rows
-
-    def _pack(self, run: ExportRun, lo: int, rows: list, parent: bytes | None) -> list[bytes]:
-        layout = self.pod.engine.kv_layout
-        out = []
-        for i, row in enumerate(rows):
-            h = run.hashes[lo + i]
-            out.append(pack_block(layout, h, parent, row.numpy(), self.compress))
-            parent = h
-        return out
 
     def _count(self, run: ExportRun, lo: int, entries: list[bytes]) -> None:
         for m in run.media[lo : lo + len(entries)]:

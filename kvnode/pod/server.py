@@ -27,12 +27,12 @@ from pagekv.kvnode.engine.async_engine import AsyncEngine, QueueFull
 from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
 from pagekv.kvnode.engine.peer_pull import KvSource, PullResult
-from pagekv.kvnode.pod.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
+from pagekv.kvnode.index.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
+from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.kvnode.pod.kv_pull_client import PeerFetcher
 from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
 from pagekv.kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
 from pagekv.kvnode.pod.prom import EngineCollector, RequestMetricsExporter
-from pagekv.kvnode.pod.publisher import IndexPublisher
 from pagekv.proto.credentials import (
     TlsFiles,
 )

@@ -19,7 +19,7 @@ from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
 from pagekv.kvnode.pod.server import PodServer
 from pagekv.proto.hashing import hash_prompt
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
-from pagekv.tiers.peer_entries import unpack_chain
+from pagekv.tiers.peer_entries import pack_block, unpack_chain
 
 PROMPT = [(i * 7) % 250 for i in range(100)]  # 6 full blocks of 16 cached after one run
 CACHED = len(PROMPT) // 16
@@ -130,6 +130,28 @@ def test_serves_the_cached_chain_with_the_pool_bytes(aengine):
     assert pod.registry.get_sample_value("pagekv_kv_served_blocks_total",
                                          {**LABELS, "tier": "GPU"}) == CACHED
     assert active(pod) == 0
+
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("chunk_bytes", [1, 4 << 20])
+def test_entries_are_the_blocks_packed_in_the_entry_format(aengine, compress, chunk_bytes):
+    """The bytes on the wire: each entry is tiers.peer_entries' pack_block of the pool block,
+    its parent the block before (the one asked for first continues the request's parent),
+    whatever the message size; the pod sends what the engine's exporter packed."""
+    eng = aengine.engine
+    _, svc = make(aengine, compress=compress, chunk_bytes=chunk_bytes)
+    hashes = chain(PROMPT, eng)
+    for first in (0, 2):
+        parent = hashes[first - 1] if first else b""
+        chunks = asyncio.run(drain(svc.pull_blocks(
+            ask(eng, hashes[first:], parent_hash=parent), FakeContext())))
+        ids = aengine.call(lambda: [eng.kv_manager.block_pool.get_cached_block(h).block_id
+                                    for h in hashes])
+        rows = aengine.call(lambda ids=ids: eng.runner.read_blocks(ids).cpu().numpy())
+        want = [pack_block(eng.kv_layout, hashes[i], hashes[i - 1] if i else None, rows[i],
+                           compress) for i in range(first, CACHED)]
+        assert entries(chunks) == want
+    assert settled(aengine) == (0, 0)
 
 
 def test_concurrency_cap_refuses_then_frees_its_slot(aengine):

@@ -17,7 +17,6 @@ from pagekv.kvnode.engine.engine import Engine
 from pagekv.kvnode.engine.peer_pull import KvSource, PullFailed
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.proto.medium import PEER_SHARE, Medium
-from pagekv.tiers.peer_entries import pack_block
 
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [(i * 37) % 250 + 1 for i in range(200)]
@@ -44,21 +43,16 @@ def run(eng: Engine, prompt, source: KvSource | None = None, rid: str = "r"):
 
 
 def direct_fetch(src: Engine, seen_media: list | None = None):
-    """Entries of `src`'s blocks, read as the transfer service reads them."""
+    """Entries of `src`'s blocks, read and packed by its exporter as the transfer service
+    asks for them."""
     def fetch(source, ask, handle):
         exporter = src.exporter
-        run_ = exporter.open(ask.hashes)
+        run_ = exporter.open(ask.hashes, ask.parent)
         try:
             if seen_media is not None:
                 seen_media.extend(run_.media)
-            n = len(run_.hashes)
-            pool = iter(list(exporter.read_pool(run_, 0, n)))
-            below = iter(exporter.read_below(run_, 0, n))
-            entries, parent = [], ask.parent
-            for h, m in zip(run_.hashes, run_.media, strict=True):
-                row = next(pool) if m == Medium.GPU else next(below)
-                entries.append(pack_block(src.kv_layout, h, parent, row.numpy()))
-                parent = h
+            entries = exporter.read_entries(run_, 0, len(run_.hashes))
+            assert len(entries) == len(run_.hashes)
             yield from ([e] for e in entries)  # one block per message
         finally:
             exporter.close(run_)
