@@ -229,7 +229,7 @@ def ssd_damage(directory: str, prompts_n: int = 6, flips: int = 200, truncate: b
     again = LLM("pagekv-tiny", **kw)
     recovered = sum(m == "DISK" for m in again.engine.tiers.full_state().values())
     outs = [again.generate([p], params)[0] for p in work]
-    chain = again.engine.stats()["chain"]
+    chain = again.engine.stats().chain
     raw = again.engine.tiers.chain.stats()
     again.engine.close()
     return {"prompts": prompts_n, "flips": flips, "truncated": truncate,

@@ -13,11 +13,19 @@ import statistics
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
 
 from pagekv.kvnode.engine.config import EngineArgs
+from pagekv.kvnode.engine.engine_stats import (
+    EngineLoad,
+    EngineStats,
+    PeerPullStats,
+    PrefixCacheStats,
+    histogram_copy,
+)
 from pagekv.kvnode.engine.kv_export import KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
 from pagekv.kvnode.engine.outputs import (
@@ -26,7 +34,7 @@ from pagekv.kvnode.engine.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
-from pagekv.kvnode.engine.peer_pull import Fetch, KvSource, PeerPuller
+from pagekv.kvnode.engine.peer_pull import Fetch, KvSource, PeerPuller, PullResult
 from pagekv.kvnode.engine.sampler import make_generator, sample
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
@@ -41,9 +49,10 @@ from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
 from pagekv.kvnode.memory.request import Request
 from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem
+from pagekv.proto.hashing import HashConfig
 from pagekv.proto.medium import Medium
 from pagekv.proto.requests import EMPTY_PROMPT
-from pagekv.proto.tier_stats import ChainStats, TierStats
+from pagekv.proto.tier_stats import TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +154,22 @@ class Engine:
         if n >= 1:
             self.runner.execute([SeqBatchItem([0] * n, 0, list(range(-(-n // bs))))])
 
-    def enable_peer_pull(self, fetch: Fetch, max_concurrent: int = 4,
-                         deadline_s: float = 2.0) -> PeerPuller:
-        """Pull prefixes named by a request's kv_source from that peer (before serving)."""
+    def enable_peer_pull(self, fetch: Fetch, max_concurrent: int = 4, deadline_s: float = 2.0,
+                         observe: Callable[[PullResult], None] | None = None) -> PeerPuller:
+        """Pull prefixes named by a request's kv_source from that peer (before serving);
+        `observe` is called with each finished pull (on the engine thread)."""
         if not self.args.enable_prefix_caching:
             raise ValueError("cross-pod KV pull needs prefix caching (blocks are found by hash)")
         self.puller = PeerPuller(self.kv_manager, self.runner, self.kv_layout, fetch,
                                  max_concurrent=max_concurrent, deadline_s=deadline_s)
+        if observe is not None:
+            self.puller.observers.append(observe)
         return self.puller
+
+    @property
+    def hash_config(self) -> HashConfig:
+        """How this pod hashes its blocks (peers and the index must hash alike)."""
+        return self.kv_manager.hash_config
 
     def _load_prefix(self, req: Request, hit) -> bool:
         """The scheduler's hook: the tiers extend the pool hit, then a peer pull."""
@@ -415,26 +432,51 @@ class Engine:
         return True, n
 
     # -- stats ----------------------------------------------------------------------------
-    def stats(self) -> dict:
-        """The pod's figures. `tiers` has a `TierStats` per medium (the pool, then the chain's
-        own records, passed on as they are), `chain` the chain's whole record (None without
-        tiers)."""
+    def load(self) -> EngineLoad:
+        """How busy the pod is: four integer reads (the index lease reads it each renewal)."""
+        mgr = self.kv_manager
+        return EngineLoad(len(self.scheduler.waiting), len(self.scheduler.running),
+                          mgr.get_num_free_blocks(), mgr.num_blocks)
+
+    def stats(self) -> EngineStats:
+        """The pod's figures, copied now (any thread: a scrape, the Stats call)."""
         mgr = self.kv_manager
         block_bytes = self.runner.block_bytes
         pool = TierStats(Medium.GPU, int(mgr.usage * mgr.num_blocks) * block_bytes,
                          mgr.num_blocks * block_bytes, len(mgr.cached_hashes()))
-        chain: ChainStats | None = self.tiers.tier_stats() if self.tiers is not None else None
-        return {
-            "num_blocks": mgr.num_blocks,
-            "num_free_blocks": mgr.get_num_free_blocks(),
-            "usage": mgr.usage,
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_hit_rate": self.metrics.hit_rate,
-            "tiers": {Medium.GPU: pool, **(chain.tiers if chain is not None else {})},
-            "chain": chain,
-        }
+        m = self.metrics
+        prefix = PrefixCacheStats(
+            m.prefix_requests, m.prefix_queries_tokens, dict(m.prefix_hits_tokens_by_tier),
+            m.hit_rate, m.pool_too_small(), histogram_copy(m.block_lifetime_seconds),
+            histogram_copy(m.block_idle_before_evict_seconds),
+            histogram_copy(m.block_reuse_gap_seconds))
+        peer = None
+        if self.puller is not None:
+            p = self.puller.stats
+            peer = PeerPullStats(p.pulls, p.blocks, p.bytes, dict(p.fallbacks), p.s_per_token())
+        return EngineStats(
+            load=self.load(),
+            usage=mgr.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            pool=pool,
+            chain=self.tiers.tier_stats() if self.tiers is not None else None,
+            prefix_cache=prefix,
+            peer_pull=peer,
+        )
+
+    def tier_costs(self) -> dict[str, float]:
+        """Measured seconds per token, published to the router: "prefill" (recompute), each
+        tier reloaded from so far, and "peer" (complete pulls, landing included); a figure
+        not measured yet is absent."""
+        costs: dict[str, float] = {}
+        if self.prefill_s_per_token is not None:
+            costs["prefill"] = self.prefill_s_per_token
+        if self.tiers is not None:
+            costs.update(self.tiers.reload_s_per_token(self.runner.kv_bytes_per_token))
+        peer = self.puller.stats.s_per_token() if self.puller is not None else None
+        if peer is not None:
+            costs["peer"] = peer
+        return costs
 
     def close(self) -> None:
         """Flush and close the tiers (the SSD tier's manifest must be consistent on exit)."""

@@ -1,7 +1,8 @@
 """Prometheus export of a pod: the engine's plain-Python statistics, read at scrape time.
 
-The engine thread owns the statistics; a scrape reads ints and floats (atomic under the GIL)
-and copies small dicts, so it never takes a lock on the step loop. Request-level latencies
+The engine thread owns the statistics; a scrape reads them through `Engine.stats()` alone
+(one typed `EngineStats`: ints and floats, atomic under the GIL, and copies of small dicts
+and histograms), so it never takes a lock on the step loop. Request-level latencies
 (TTFT, inter-token, queue time) are real `prometheus_client` histograms observed by the
 server when a request finishes.
 """
@@ -9,6 +10,7 @@ server when a request finishes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -20,6 +22,10 @@ from prometheus_client.registry import Collector
 
 from pagekv.kvnode.memory.metrics import Histogram as PlainHistogram
 from pagekv.proto.tier_stats import ChainStats
+
+if TYPE_CHECKING:
+    from pagekv.kvnode.engine.engine import Engine
+    from pagekv.kvnode.engine.engine_stats import PeerPullStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Monotonic index-publisher statistics (exported as counters; the rest are gauges).
@@ -44,7 +50,8 @@ def _histogram_family(name: str, doc: str, h: PlainHistogram, label_names: list[
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine, labels: dict[str, str], extra: Callable[[], dict] | None = None,
+    def __init__(self, engine: Engine, labels: dict[str, str],
+                 extra: Callable[[], dict] | None = None,
                  publish_lag: Callable[[], PlainHistogram] | None = None):
         self.engine = engine
         self.label_names = list(labels)
@@ -62,7 +69,7 @@ class EngineCollector(Collector):
         c.add_metric(self.label_values, value)
         return c
 
-    def _pull_metrics(self, st) -> Iterable:
+    def _pull_metrics(self, st: PeerPullStats) -> Iterable:
         yield self._counter("pagekv_kv_pulls", "Cross-pod KV pulls finished (any outcome)",
                             st.pulls)
         yield self._counter("pagekv_kv_pulled_blocks", "KV blocks pulled from peers and landed "
@@ -72,37 +79,35 @@ class EngineCollector(Collector):
         fallbacks = CounterMetricFamily(
             "pagekv_kv_pull_fallbacks", "Pulls that fell back to recompute (for the rest of "
             "the prefix), by reason", labels=[*self.label_names, "reason"])
-        for reason, n in dict(st.fallbacks).items():
+        for reason, n in st.fallbacks.items():
             fallbacks.add_metric([*self.label_values, reason], n)
         yield fallbacks
 
     def collect(self) -> Iterable:
-        eng = self.engine
-        m = eng.metrics
-        mgr = eng.kv_manager
+        st = self.engine.stats()
+        m = st.prefix_cache
+        load = st.load
         yield self._counter("pagekv_prefix_cache_queries_tokens",
                             "Prompt tokens looked up in the prefix cache, at admission",
-                            m.prefix_queries_tokens)
+                            m.queries_tokens)
         hits = CounterMetricFamily(
             "pagekv_prefix_cache_hits_tokens",
             "Prompt tokens served from cache instead of prefill, by tier (GPU=pool, CPU=DRAM, DISK=SSD)",
             labels=[*self.label_names, "tier"],
         )
-        for tier, v in dict(m.prefix_hits_tokens_by_tier).items():
+        for tier, v in m.hits_tokens_by_tier.items():
             hits.add_metric([*self.label_values, tier], v)
         yield hits
-        yield self._counter("pagekv_prefix_cache_requests", "Requests admitted", m.prefix_requests)
-        yield self._gauge("pagekv_kv_cache_usage_ratio", "Fraction of pool blocks in use", mgr.usage)
-        yield self._gauge("pagekv_kv_cache_blocks", "Blocks in the pool", mgr.num_blocks)
+        yield self._counter("pagekv_prefix_cache_requests", "Requests admitted", m.requests)
+        yield self._gauge("pagekv_kv_cache_usage_ratio", "Fraction of pool blocks in use", st.usage)
+        yield self._gauge("pagekv_kv_cache_blocks", "Blocks in the pool", load.num_blocks)
         yield self._gauge("pagekv_kv_cache_free_blocks", "Free blocks (incl. cached ones)",
-                          mgr.get_num_free_blocks())
-        yield self._gauge("pagekv_num_requests_waiting", "Sequences waiting",
-                          len(eng.scheduler.waiting))
-        yield self._gauge("pagekv_num_requests_running", "Sequences running",
-                          len(eng.scheduler.running))
+                          load.free_blocks)
+        yield self._gauge("pagekv_num_requests_waiting", "Sequences waiting", load.waiting)
+        yield self._gauge("pagekv_num_requests_running", "Sequences running", load.running)
         yield self._counter("pagekv_num_preemptions", "Sequences preempted (recompute)",
-                            eng.scheduler.num_preemptions)
-        pool_small = m.pool_too_small()
+                            st.num_preemptions)
+        pool_small = m.pool_too_small
         yield self._gauge("pagekv_kv_pool_too_small",
                           "1 when P90 reuse gap > P50 idle-before-evict (reuses arrive too late)",
                           float(pool_small) if pool_small is not None else 0.0)
@@ -115,11 +120,10 @@ class EngineCollector(Collector):
              m.block_reuse_gap_seconds),
         ):
             yield _histogram_family(name, doc, h, self.label_names, self.label_values)
-        chain = eng.stats()["chain"]
-        if chain is not None:
-            yield from self._tier_metrics(chain)
-        if eng.puller is not None:
-            yield from self._pull_metrics(eng.puller.stats)
+        if st.chain is not None:
+            yield from self._tier_metrics(st.chain)
+        if st.peer_pull is not None:
+            yield from self._pull_metrics(st.peer_pull)
         if self.publish_lag is not None:
             yield _histogram_family("pagekv_index_publish_lag_seconds",
                                     "Index publisher: submit to visible in Redis, per batch",

@@ -251,41 +251,31 @@ class PodServer:
                 **self.metric_labels, route=route, status=str(status)).inc())
 
     def load(self) -> dict[str, float]:
-        eng = self.engine
-        return {"waiting": len(eng.scheduler.waiting), "running": len(eng.scheduler.running),
-                "free_blocks": eng.kv_manager.get_num_free_blocks(),
-                "num_blocks": eng.kv_manager.num_blocks}
+        """The load the index lease carries (Engine.load: no full stats per renewal)."""
+        return self.engine.load().as_fields()
 
     def tier_costs(self) -> dict[str, float]:
-        eng = self.engine
-        costs = {}
-        if eng.prefill_s_per_token is not None:
-            costs["prefill"] = eng.prefill_s_per_token
-        if eng.tiers is not None:
-            costs.update(eng.tiers.reload_s_per_token(eng.runner.kv_bytes_per_token))
-        peer = eng.puller.stats.s_per_token() if eng.puller is not None else None
-        if peer is not None:
-            costs["peer"] = peer  # measured pulls, landing included: the router's pull cost
-        return costs
+        """Measured seconds per token (prefill, each tier's reload, a peer pull)."""
+        return self.engine.tier_costs()
 
     def wire_hash_config(self, namespace: str = "") -> pb.HashConfig:
         """This pod's hash configuration as the contract carries it (Stats, a pull's ask)."""
         a = self.args
         return pb.HashConfig(algo=a.hash_algo, block_size=a.block_size,
-                             seed_fingerprint=self.engine.kv_manager.hash_config.fingerprint(),
+                             seed_fingerprint=self.engine.hash_config.fingerprint(),
                              namespace=namespace)
 
     def stats_response(self) -> pb.StatsResponse:
-        eng = self.engine
-        st = eng.stats()
+        st = self.engine.stats()
         a = self.args
         tiers = [pb.TierStats(tier=t.medium, used_bytes=t.used_bytes,
                               capacity_bytes=t.capacity_bytes, entries=t.entries)
-                 for t in st["tiers"].values()]  # the pool, then the chain's tiers
+                 for t in st.tiers.values()]  # the pool, then the chain's tiers
+        load = st.load
         return pb.StatsResponse(
             pod_id=self.pod_id, model=a.model, block_size=a.block_size,
-            num_blocks=st["num_blocks"], num_free_blocks=st["num_free_blocks"], usage=st["usage"],
-            tiers=tiers, num_waiting=st["waiting"], num_running=st["running"],
+            num_blocks=load.num_blocks, num_free_blocks=load.free_blocks, usage=st.usage,
+            tiers=tiers, num_waiting=load.waiting, num_running=load.running,
             hash_config=self.wire_hash_config(
                 namespace=self.schema.namespace if self.schema else ""),
             epoch=(self.publisher.epoch or "") if self.publisher else "",
@@ -346,14 +336,13 @@ class PodServer:
             return
         self.fetcher = PeerFetcher(self.wire_hash_config(), engine.kv_layout, self.tls,
                                    cfg.peer_token or self.api_token)
-        puller = engine.enable_peer_pull(self.fetcher, cfg.pull_max_concurrent,
-                                         cfg.pull_deadline_s)
         labels = self.metric_labels
 
         def observe(result: PullResult) -> None:
             self.pull_seconds.labels(**labels).observe(result.seconds)
 
-        puller.observers.append(observe)
+        engine.enable_peer_pull(self.fetcher, cfg.pull_max_concurrent, cfg.pull_deadline_s,
+                                observe)
         logger.info("cross-pod KV pull: on (%d at once, %.1fs deadline); serving peers: %d at "
                     "once, %d MiB per call", cfg.pull_max_concurrent, cfg.pull_deadline_s,
                     cfg.serve_max_concurrent, cfg.serve_max_bytes >> 20)

@@ -128,7 +128,7 @@ def test_corrupted_ssd_entry_is_a_miss_not_wrong_output(tmp_path, cold_tokens):
     restarted = small_llm(**kw)
     out = restarted.generate([TARGET], P)[0]
     assert out.outputs[0].token_ids == cold_tokens
-    stats = restarted.engine.stats()["chain"]
+    stats = restarted.engine.stats().chain
     raw = restarted.engine.tiers.chain.stats()
     assert stats.checksum_failures + raw.get("ssd_torn_entries", 0) > 0
     restarted.engine.close()

@@ -37,9 +37,9 @@ def test_exporters_read_the_chains_record_unchanged(tmp_path):
     eng = llm.engine
     assert eng.tiers.chain.ssd.flush(timeout=30)  # nothing moves while the exporters read
     st = eng.stats()
-    chain = st["chain"]
-    assert st["tiers"][Medium.CPU] is chain.tiers[Medium.CPU]  # passed on, not rebuilt
-    assert list(st["tiers"]) == [Medium.GPU, *OFFLOAD_MEDIUMS]
+    chain = st.chain
+    assert st.tiers[Medium.CPU] is chain.tiers[Medium.CPU]  # passed on, not rebuilt
+    assert list(st.tiers) == [Medium.GPU, *OFFLOAD_MEDIUMS]
     cpu, disk = chain.tiers[Medium.CPU], chain.tiers[Medium.DISK]
     assert cpu.hits_tokens > 0 and cpu.entries > 0 and disk.used_bytes > 0  # real traffic
 
@@ -66,8 +66,8 @@ def test_exporters_read_the_chains_record_unchanged(tmp_path):
     pod.engine = eng
     resp = pod.stats_response()
     assert [(t.tier, t.used_bytes, t.capacity_bytes, t.entries) for t in resp.tiers] == [
-        (t.medium, t.used_bytes, t.capacity_bytes, t.entries) for t in st["tiers"].values()]
-    pool = st["tiers"][Medium.GPU]
+        (t.medium, t.used_bytes, t.capacity_bytes, t.entries) for t in st.tiers.values()]
+    pool = st.tiers[Medium.GPU]
     assert pool.entries == len(eng.kv_manager.cached_hashes())
     assert pool.capacity_bytes == eng.kv_manager.num_blocks * eng.runner.block_bytes
     eng.close()

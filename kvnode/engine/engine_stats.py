@@ -1,0 +1,82 @@
+"""The engine's figures as typed records: what the pod reads of its engine, and nothing more.
+
+`Engine.stats()` builds one `EngineStats` (the pod's gRPC `StatsResponse` and its Prometheus
+page read it); `Engine.load()` builds only the `EngineLoad`, which the index lease reads every
+renewal and which costs four integer reads. Every record is a copy taken on the reading
+thread (ints, floats and small dicts, atomic under the GIL): a reader never holds a reference
+into the scheduler, the pool or the puller, and never takes a lock of the step loop. The
+per-tier records are the chain's own (proto/tier_stats.py), passed on unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagekv.kvnode.memory.metrics import Histogram
+from pagekv.proto.medium import Medium
+from pagekv.proto.tier_stats import ChainStats, TierStats
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """How busy the pod is (published with its index lease; the router weighs it)."""
+
+    waiting: int
+    running: int
+    free_blocks: int
+    num_blocks: int
+
+    def as_fields(self) -> dict[str, float]:
+        """The lease's `load.<name>` figures, by the names the index carries."""
+        return {"waiting": self.waiting, "running": self.running,
+                "free_blocks": self.free_blocks, "num_blocks": self.num_blocks}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """The pool's prefix cache: admissions, tokens looked up and found (by tier), and the
+    sampled block-lifecycle histograms (copies)."""
+
+    requests: int
+    queries_tokens: int
+    hits_tokens_by_tier: dict[Medium, int]
+    hit_rate: float
+    pool_too_small: bool | None  # None until both histograms it compares have samples
+    block_lifetime_seconds: Histogram
+    block_idle_before_evict_seconds: Histogram
+    block_reuse_gap_seconds: Histogram
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPullStats:
+    """Cross-pod KV pulls so far (cumulative), with the fallbacks by reason."""
+
+    pulls: int
+    blocks: int
+    bytes: int
+    fallbacks: dict[str, int]
+    s_per_token: float | None  # median of recent complete pulls; None before the first
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One reading of the engine. `pool` is the pool's `TierStats`, `chain` the tier chain's
+    whole record (None without tiers), `peer_pull` None unless cross-pod pull is on."""
+
+    load: EngineLoad
+    usage: float  # fraction of pool blocks in use
+    num_preemptions: int
+    pool: TierStats
+    chain: ChainStats | None
+    prefix_cache: PrefixCacheStats
+    peer_pull: PeerPullStats | None
+
+    @property
+    def tiers(self) -> dict[Medium, TierStats]:
+        """A `TierStats` per medium: the pool, then the chain's own records as they are."""
+        return {Medium.GPU: self.pool, **(self.chain.tiers if self.chain is not None else {})}
+
+
+def histogram_copy(h: Histogram) -> Histogram:
+    """The buckets of `h` as they are now (its window of raw samples is left behind)."""
+    return Histogram(h.buckets, list(h.counts), h.total, h.count)
