@@ -3,53 +3,53 @@
 A block lives in exactly one place. The pool demotes an evicted hashed block into DRAM (or
 straight to SSD without DRAM); DRAM's LRU victims move to SSD; SSD's victims are dropped.
 A lookup that continues past the pool asks `match_prefix`, and `promote` takes a block out of
-its tier for the pool to load (the block leaves the chain: it is the pool's again).
+its tier for the pool to load (the block leaves the chain: it is the pool's again). A peer's
+pull is served by `media_below` / `read_run`, which copy blocks and leave them where they are.
 
 Orphans: once a block has left every level, its descendants below the pool can never be
-reached by a prefix lookup again, so the chain drops its whole subtree (`orphans_dropped`; the
-tree and its KV events are `tiers.chain_tree`'s). Promotion is not a drop: the block is back
-in the pool. Nor is a promotion that fails its checksum: the caller recomputes that block.
+reached by a prefix lookup again, so the chain drops its whole subtree (`orphans_dropped`).
+Promotion is not a drop: the block is back in the pool. Nor is a promotion that fails its
+checksum: the caller recomputes that block.
+
+The chain owns two parts with their own state: the tree of every block below the pool, which
+also writes the KV events the index reads (`BlockTree`, tiers.chain_tree), and the counters
+its figures are built from (`ChainCounters`, tiers.chain_stats). Every decision about where a
+block goes is the chain's own, here.
 
 Threads: the engine thread calls demote / match_prefix / promote; a loader thread may run
-promote_many; the SSD tier writes (and evicts) in its own thread. Chain state is under one
-lock, which promote_many releases while it reads the SSD, so a demote never waits for a disk
-read. The SSD tier reports the blocks it lost on its own through `take_dropped()`, drained
-under the chain lock at the start of each call, so no tier ever calls back into the chain
-(no lock-order cycles). With the pool on CUDA the data moves on a copy stream and the chain
-only keeps the books (demote_into_dram, hold_dram_run / end_hold: tiers.chain_copies).
+promote_many; a peer's pull reads from its own thread; the SSD tier writes (and evicts) in
+its own thread. Chain state is under one lock, which promote_many releases while it reads the
+SSD, so a demote never waits for a disk read. The SSD tier reports the blocks it lost on its
+own through `take_dropped()`, drained under the chain lock at the start of each call, so no
+tier ever calls back into the chain (no lock-order cycles).
+
+With the pool on CUDA the data moves on a copy stream (tiers.copy_stream) straight between
+pool blocks and the DRAM tier's slab slots, and the chain only decides and keeps the books:
+`demote_into_dram` reserves slots that the caller's copy fills, `hold_dram_run` / `end_hold`
+take a run of DRAM blocks out for a copy into the pool and settle what the pool took.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.medium import Medium
-from pagekv.proto.tier_stats import MOVES, ChainStats, move_name
+from pagekv.proto.tier_stats import ChainStats
 from pagekv.tiers.base import BlockData, Tier, as_uint8_tensor
-from pagekv.tiers.chain_copies import (
-    CopyIn,
-    demote_into_dram_locked,
-    end_hold_locked,
-    hold_dram_run_locked,
-)
-from pagekv.tiers.chain_persist import PoolBatches, persist_locked
-from pagekv.tiers.chain_stats import flat_stats_locked, tier_stats_locked
+from pagekv.tiers.chain_stats import ChainCounters
 from pagekv.tiers.chain_tree import BlockTree, Node
 from pagekv.tiers.copy_stream import CopyEvent
+from pagekv.tiers.dram import DramTier
 
-_COUNTERS = (
-    "demotions", "lookups", "dram_queries", "dram_hits", "ssd_queries", "ssd_hits",
-    "promotions_dram", "promotions_ssd", "promote_misses",
-    "promote_failures",  # found but unreadable (checksum failure, I/O error)
-    "drops",  # blocks that left the bottom of the chain (nowhere to go, SSD eviction or loss)
-    "orphans_dropped",
-    *(f"{move_name(*move)}_{unit}" for move in MOVES for unit in ("bytes", "seconds")),
-)  # fmt: skip
+# copy_in(indices into the batch, their slots, ascending) -> the event of the submitted copy
+CopyIn = Callable[[list[int], list[int]], CopyEvent]
+# What a pool batch yields: (block hash, parent hash, row of block_bytes), LRU first.
+PoolBatches = Iterable[Sequence[tuple[bytes, bytes | None, torch.Tensor]]]
 
 
 class TierChain:
@@ -63,7 +63,7 @@ class TierChain:
         self._lock = threading.Lock()
         self._tree = BlockTree(block_size)  # every block below the pool, and the events
         self._promoting: set[bytes] = set()  # SSD blocks being read by promote_many
-        self._c: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self._counters = ChainCounters()
         if ssd is not None:
             # Warm restart: what the SSD still holds is below the pool again; tell the index.
             for rec in ssd.take_recovered():
@@ -82,7 +82,7 @@ class TierChain:
             medium = self._refresh_locked(block_hash)
             if medium is not None:
                 return medium
-            self._c["demotions"] += 1
+            self._counters.add("demotions")
             node = Node(parent_hash, tuple(token_ids), lora_id, Medium.CPU)
             return self._place_locked(block_hash, node, data)
 
@@ -103,15 +103,15 @@ class TierChain:
             self._make_dram_room_locked(len(fresh))
             if dram.num_free_slots < len(fresh):  # slots held by copies: one at a time
                 for i in fresh:
-                    self._c["demotions"] += 1
+                    self._counters.add("demotions")
                     node = Node(parent_hashes[i], (), None, Medium.CPU)
                     self._place_locked(block_hashes[i], node, rows[i])
                 return
             t0 = time.perf_counter()
             src = rows if len(fresh) == len(block_hashes) else rows[fresh]
             dram.put_rows([block_hashes[i] for i in fresh], src)
-            self._count_move("pool_to_dram", src.numel(), t0)
-            self._c["demotions"] += len(fresh)
+            self._counters.count_move("pool_to_dram", src.numel(), t0)
+            self._counters.add("demotions", len(fresh))
             for i in fresh:
                 self._tree.add(block_hashes[i], Node(parent_hashes[i], (), None, Medium.CPU))
 
@@ -120,7 +120,7 @@ class TierChain:
         out: list[Medium] = []
         with self._lock:
             self._sync_ssd_locked()
-            self._c["lookups"] += 1
+            self._counters.add("lookups")
             for block_hash in block_hashes[start:]:
                 medium = self._find_locked(block_hash, count=True)
                 if medium is None:
@@ -150,14 +150,14 @@ class TierChain:
                 if medium is None:
                     break
                 run.append(medium)
-            self._c["promote_misses"] += n - len(run)
+            self._counters.add("promote_misses", n - len(run))
             if run and Medium.DISK not in run:
                 # All in DRAM (the common reload): one gather, no lock release in between.
                 assert self.dram is not None
                 t0 = time.perf_counter()
                 rows = self.dram.pop_many(block_hashes[: len(run)])
-                self._count_move("dram_to_pool", len(rows) * self.dram.block_bytes, t0)
-                self._c["promotions_dram"] += len(run)
+                self._counters.count_move("dram_to_pool", len(rows) * self.dram.block_bytes, t0)
+                self._counters.add("promotions_dram", len(run))
                 for i, row in enumerate(rows):
                     out[i] = row
                     self._tree.left(block_hashes[i], Medium.CPU)
@@ -180,7 +180,7 @@ class TierChain:
             ssd_seconds = time.perf_counter() - t0
         with self._lock:
             self._promoting.difference_update(block_hashes[i] for i in disk)
-            self._c["ssd_to_pool_seconds"] += ssd_seconds
+            self._counters.add("ssd_to_pool_seconds", ssd_seconds)
             cut = False
             for i in range(len(run)):
                 block_hash = block_hashes[i]
@@ -195,52 +195,123 @@ class TierChain:
                     cut = True
                     if medium == Medium.DISK and block_hash in self._tree and not self._ssd_has(block_hash):
                         # Corrupt or unreadable: the SSD dropped it; the caller recomputes it.
-                        self._c["promote_failures"] += 1
+                        self._counters.add("promote_failures")
                         self._tree.left(block_hash, Medium.DISK)
                     continue
                 if cut:
                     self._put_back_ssd_locked(block_hash, data)  # read, but past the gap
                     continue
                 out[i] = data
-                self._c["promotions_dram" if medium == Medium.CPU else "promotions_ssd"] += 1
-                self._c["dram_to_pool_bytes" if medium == Medium.CPU else "ssd_to_pool_bytes"] += data.numel()
+                dram = medium == Medium.CPU
+                self._counters.add("promotions_dram" if dram else "promotions_ssd")
+                self._counters.add("dram_to_pool_bytes" if dram else "ssd_to_pool_bytes",
+                                   data.numel())
                 self._tree.left(block_hash, medium)
         return out
 
-    # --- the pool's side, copying through a stream (tiers.chain_copies) ------------------------
+    # --- the pool's side, copying through a stream (the pool on CUDA) --------------------------
+    @property
+    def async_dram(self) -> DramTier | None:
+        """The DRAM tier if it copies through a stream, else None (no stream copies here)."""
+        dram = self.dram
+        if isinstance(dram, DramTier) and dram.copy_stream is not None:
+            return dram
+        return None
+
     def demote_into_dram(self, block_hashes: Sequence[bytes], parent_hashes: Sequence[bytes | None],
                          copy_in: CopyIn) -> bool:
-        """`demote_many` where the caller copies into reserved DRAM slots; False: not done."""
+        """`demote_many` where the caller copies into reserved DRAM slots: the chain picks the
+        blocks that are new below the pool, makes room, reserves a slot for each and calls
+        `copy_in(batch indices, slots)`, which submits the copies and returns their event;
+        the slots are guarded by it (the CPU waits before touching them). False (and nothing
+        done) when DRAM cannot take the whole batch: the caller demotes synchronously."""
         with self._lock:
-            return demote_into_dram_locked(self, block_hashes, parent_hashes, copy_in)
+            dram = self.async_dram
+            if dram is None or len(block_hashes) > dram.num_slots - dram.num_held:
+                return False
+            self._sync_ssd_locked()
+            fresh = [i for i, h in enumerate(block_hashes) if self._refresh_locked(h) is None]
+            if not fresh:
+                return True
+            self._make_dram_room_locked(len(fresh))
+            if dram.num_free_slots < len(fresh):
+                return False  # (only with slots held meanwhile; nothing was reserved)
+            t0 = time.perf_counter()
+            slots = dram.reserve([block_hashes[i] for i in fresh])
+            dram.guard(slots, copy_in(fresh, slots))
+            self._counters.count_move("pool_to_dram", len(fresh) * dram.block_bytes, t0)  # the submission
+            self._counters.add("demotions", len(fresh))
+            for i in fresh:
+                self._tree.add(block_hashes[i], Node(parent_hashes[i], (), None, Medium.CPU))
+            return True
 
     def hold_dram_run(self, block_hashes: Sequence[bytes]) -> list[int] | None:
-        """Slots of a run of DRAM blocks, taken out for a copy into the pool (or None)."""
+        """Take consecutive DRAM blocks out of the chain (as a promotion does) for a copy into
+        the pool, keeping their slots aside: the slots, or None (nothing taken) unless every
+        one is in DRAM."""
         with self._lock:
-            return hold_dram_run_locked(self, block_hashes)
+            dram = self.async_dram
+            if dram is None or not block_hashes:
+                return None
+            self._sync_ssd_locked()
+            if not all(dram.contains(h) and h in self._tree for h in block_hashes):
+                return None
+            return dram.hold(block_hashes)
 
     def end_hold(self, block_hashes: Sequence[bytes], slots: Sequence[int], loaded: int,
                  event: CopyEvent | None) -> None:
-        """The first `loaded` held blocks went to the pool (copy `event`); the rest come back."""
+        """The first `loaded` held blocks were copied into the pool by the copy `event`: they
+        leave the chain and their slots are freed behind the copy. The rest go back to DRAM
+        where they were, with no copy at all."""
         with self._lock:
-            end_hold_locked(self, block_hashes, slots, loaded, event)
+            dram = self.async_dram
+            assert dram is not None
+            dram.release(slots[:loaded], event)
+            for h in block_hashes[:loaded]:
+                if h in self._tree:  # (its subtree may have been dropped meanwhile)
+                    self._tree.left(h, Medium.CPU)
+            self._counters.add("promotions_dram", loaded)
+            self._counters.add("dram_to_pool_bytes", loaded * dram.block_bytes)
+            back = [(h, s) for h, s in zip(block_hashes[loaded:], slots[loaded:], strict=True)]
+            kept = [(h, s) for h, s in back if h in self._tree]
+            dram.unhold([h for h, _ in kept], [s for _, s in kept])
+            dropped = [s for h, s in back if h not in self._tree]
+            if dropped:  # orphaned while held: nothing below the pool refers to them any more
+                dram.release(dropped, None)
 
     def add_move_seconds(self, direction: str, seconds: float) -> None:
         """Time a stream copy took, measured once it completed (e.g. "dram_to_pool")."""
         with self._lock:
-            self._c[f"{direction}_seconds"] += seconds
+            self._counters.add(f"{direction}_seconds", seconds)
 
-    def clear(self) -> int:
-        """Drop every block below the pool (files go in the background). Returns how many."""
+    # --- a peer's side: copies of blocks that stay where they are ------------------------------
+    def media_below(self, block_hashes: Sequence[bytes]) -> list[Medium | None]:
+        """Where each block is below the pool (None: not there); not counted as a lookup."""
         with self._lock:
             self._sync_ssd_locked()
-            dropped = len(self._tree)
-            tiers = [tier for tier in (self.dram, self.ssd) if tier is not None]
-            for tier in tiers:
-                tier.clear()
-                tier.take_dropped()  # cleared, not lost: nothing more to publish
-            self._tree.cleared(tuple(tier.medium for tier in tiers))
-            return dropped
+            return [self._find_locked(h) for h in block_hashes]
+
+    def read_run(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor]:
+        """Copies of the leading run of `block_hashes` held in DRAM or on SSD; it ends at the
+        first block that is in neither (evicted meanwhile) or cannot be read.
+
+        A reload moves a block up (promote); serving a peer copies it, so it stays for this
+        pod's own next hit. No chain lock: DRAM copies are taken under the tier's own lock,
+        so an eviction cannot tear one, and SSD reads are checksum-verified like every one.
+        """
+        found: list[torch.Tensor | None] = [
+            self.dram.get(h) if self.dram is not None else None for h in block_hashes]
+        missing = [i for i, data in enumerate(found) if data is None]
+        if missing and self.ssd is not None:
+            for i, data in zip(missing, self.ssd.get_many([block_hashes[i] for i in missing]),
+                               strict=True):
+                found[i] = data
+        out: list[torch.Tensor] = []
+        for data in found:
+            if data is None:
+                break
+            out.append(data)
+        return out
 
     # --- the index's side ----------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
@@ -259,11 +330,12 @@ class TierChain:
                     state.update(dict.fromkeys(tier.keys(), tier.medium))
             return state
 
+    # --- figures (tiers.chain_stats) -----------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Every raw counter and size, flat, for diagnostics (tiers.chain_stats)."""
+        """Every raw counter and size, flat, for diagnostics."""
         with self._lock:
             self._sync_ssd_locked()
-            return flat_stats_locked(self)
+            return self._counters.flat(len(self._tree), self.dram, self.ssd)
 
     def tier_stats(self) -> ChainStats:
         """The typed per-tier record the engine, Prometheus and the StatsResponse all read."""
@@ -271,19 +343,55 @@ class TierChain:
             raise ValueError("tier_stats() counts tokens: build the chain with its block_size")
         with self._lock:
             self._sync_ssd_locked()
-            return tier_stats_locked(self, self.block_size)
+            return self._counters.tier_stats(self.dram, self.ssd, self.block_size)
+
+    # --- clearing, shutdown --------------------------------------------------------------------
+    def clear(self) -> int:
+        """Drop every block below the pool (files go in the background). Returns how many."""
+        with self._lock:
+            self._sync_ssd_locked()
+            dropped = len(self._tree)
+            tiers = [tier for tier in (self.dram, self.ssd) if tier is not None]
+            for tier in tiers:
+                tier.clear()
+                tier.take_dropped()  # cleared, not lost: nothing more to publish
+            self._tree.cleared(tuple(tier.medium for tier in tiers))
+            return dropped
 
     def persist(self, pool_batches: PoolBatches) -> dict[Medium, int]:
         """Shutdown: write DRAM (LRU first) and then the pool's cached blocks to the SSD, so a
-        restarted pod finds its hottest prefixes (see tiers.chain_persist). `pool_batches`
-        yield (hash, parent hash, row), least recently used first. Returns the blocks written
-        per source tier."""
+        restarted pod finds its hottest prefixes. `pool_batches` yield (hash, parent hash,
+        row), least recently used first. Returns the blocks written per source tier.
+
+        Only the SSD survives a restart, and the hottest prefixes are the ones still in the
+        pool or in DRAM; without this a restarted pod's lookup misses on a prefix's first
+        block and never reaches the rest of it on disk. DRAM's blocks move (the index hears
+        CPU -> DISK); the pool's stay the pool's until it is gone, so they are not published.
+        The SSD's backlog is waited for when full: at shutdown, nothing else is.
+        """
         ssd = self.ssd
+        written = {Medium.GPU: 0, Medium.CPU: 0}
         if ssd is None or ssd.disabled:
-            return {Medium.GPU: 0, Medium.CPU: 0}
+            return written
         with self._lock:
             self._sync_ssd_locked()
-            written = persist_locked(ssd, self.dram, self._tree, pool_batches)
+            dram = self.dram
+            for block_hash in dram.keys() if dram is not None else ():
+                assert dram is not None
+                node = self._tree.get(block_hash)
+                data = dram.get(block_hash) if node is not None else None
+                if node is None or data is None or not _put_waiting(
+                        ssd, block_hash, data, node.parent_hash):
+                    continue
+                dram.remove(block_hash)
+                self._tree.moved(block_hash, node, Medium.DISK)
+                written[Medium.CPU] += 1
+            for batch in pool_batches:
+                for block_hash, parent_hash, row in batch:
+                    if block_hash in self._tree:
+                        continue  # already below the pool: one copy is enough
+                    if _put_waiting(ssd, block_hash, row, parent_hash):
+                        written[Medium.GPU] += 1
         ssd.flush()
         return written
 
@@ -299,10 +407,10 @@ class TierChain:
             if tier is None:
                 continue
             if count:
-                self._c[f"{name}_queries"] += 1
+                self._counters.add(f"{name}_queries")
             if tier.contains(block_hash):
                 if count:
-                    self._c[f"{name}_hits"] += 1
+                    self._counters.add(f"{name}_hits")
                 return tier.medium
         return None
 
@@ -323,14 +431,14 @@ class TierChain:
             self._make_dram_room_locked(1)
             t0 = time.perf_counter()
             if self.dram.put(block_hash, src):  # (refused only while copies hold every slot)
-                self._count_move("pool_to_dram", src.numel(), t0)
+                self._counters.count_move("pool_to_dram", src.numel(), t0)
                 node.medium = Medium.CPU
                 self._tree.add(block_hash, node)
                 return Medium.CPU
         if self.ssd is not None:
             t0 = time.perf_counter()
             if self.ssd.put(block_hash, data, node.parent_hash, node.token_ids):
-                self._count_move("pool_to_ssd", self.ssd.block_bytes, t0)
+                self._counters.count_move("pool_to_ssd", self.ssd.block_bytes, t0)
                 node.medium = Medium.DISK
                 self._tree.add(block_hash, node)
                 return Medium.DISK
@@ -354,15 +462,10 @@ class TierChain:
         if self.ssd is not None:
             t0 = time.perf_counter()
             if self.ssd.put(block_hash, data, node.parent_hash, node.token_ids):
-                self._count_move("dram_to_ssd", data.numel(), t0)
+                self._counters.count_move("dram_to_ssd", data.numel(), t0)
                 self._tree.moved(block_hash, node, Medium.DISK)
                 return
         self._lost_locked(block_hash, Medium.CPU)
-
-    def _count_move(self, direction: str, nbytes: int, t0: float) -> None:
-        """Count a copy between levels that started at `t0` (perf_counter)."""
-        self._c[f"{direction}_seconds"] += time.perf_counter() - t0
-        self._c[f"{direction}_bytes"] += nbytes
 
     def _lost_locked(self, block_hash: bytes, medium: Medium | None) -> None:
         """A block left every level (nowhere to go, or lost by its tier): publish its removal
@@ -370,23 +473,23 @@ class TierChain:
         below the pool, which no prefix lookup can reach now."""
         if medium is not None:
             self._tree.left(block_hash, medium)
-        self._c["drops"] += 1
+        self._counters.add("drops")
         for child, child_medium in self._tree.drop_descendants(block_hash):
             tier = self.dram if child_medium == Medium.CPU else self.ssd
             if tier is not None:
                 tier.remove(child)
-            self._c["orphans_dropped"] += 1
+            self._counters.add("orphans_dropped")
 
     def _pop_dram_locked(self, block_hash: bytes) -> tuple[torch.Tensor | None, Medium]:
         """Take a block found in DRAM by the lookup; it may have moved to the SSD since."""
         t0 = time.perf_counter()
         data = self.dram.pop(block_hash) if self.dram is not None else None
-        self._c["dram_to_pool_seconds"] += time.perf_counter() - t0
+        self._counters.add("dram_to_pool_seconds", time.perf_counter() - t0)
         if data is None and self._ssd_has(block_hash):
             assert self.ssd is not None
             t0 = time.perf_counter()
             data = self.ssd.pop(block_hash)  # the DRAM victim is still in the SSD's write-behind
-            self._c["ssd_to_pool_seconds"] += time.perf_counter() - t0
+            self._counters.add("ssd_to_pool_seconds", time.perf_counter() - t0)
             return data, Medium.DISK
         return data, Medium.CPU
 
@@ -413,3 +516,11 @@ class TierChain:
             if block_hash in self._promoting:
                 continue  # a promotion in flight reads it; it handles the outcome
             self._lost_locked(block_hash, Medium.DISK)
+
+
+def _put_waiting(ssd: Tier, block_hash: bytes, data: BlockData, parent_hash: bytes | None) -> bool:
+    """`ssd.put`, waiting for the writer once when its backlog is full (persist, at shutdown)."""
+    if ssd.put(block_hash, data, parent_hash):
+        return True
+    ssd.flush()
+    return ssd.put(block_hash, data, parent_hash)

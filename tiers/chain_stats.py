@@ -1,53 +1,80 @@
-"""The chain's figures: every raw counter flat (`TierChain.stats`), and the typed per-tier
-record the engine, Prometheus and the StatsResponse read (`TierChain.tier_stats`).
+"""The chain's counters, and the figures built from them: every raw counter flat
+(`TierChain.stats`), and the typed per-tier record the engine, Prometheus and the
+StatsResponse read (`TierChain.tier_stats`).
 
-Both run with the chain's lock held, after its SSD reports were applied.
+The tiers' sizes are not counted here: they are read from the tiers when a figure is built.
+Not thread-safe: the chain's lock guards every call.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
 
 from pagekv.proto.medium import Medium
 from pagekv.proto.tier_stats import MOVES, ChainStats, TierMove, TierStats, move_name
+from pagekv.tiers.base import Tier
 
-if TYPE_CHECKING:
-    from pagekv.tiers.chain import TierChain
+COUNTERS = (
+    "demotions", "lookups", "dram_queries", "dram_hits", "ssd_queries", "ssd_hits",
+    "promotions_dram", "promotions_ssd", "promote_misses",
+    "promote_failures",  # found but unreadable (checksum failure, I/O error)
+    "drops",  # blocks that left the bottom of the chain (nowhere to go, SSD eviction or loss)
+    "orphans_dropped",
+    *(f"{move_name(*move)}_{unit}" for move in MOVES for unit in ("bytes", "seconds")),
+)  # fmt: skip
 
 _SSD_KEYS = ("checksum_failures", "torn_entries", "read_errors", "evictions", "put_drops",
              "pending_bytes", "bytes_written", "write_seconds", "bytes_read", "read_seconds",
              "disabled")
 
 
-def flat_stats_locked(chain: TierChain) -> dict[str, float]:
-    out = dict(chain._c)
-    out["blocks_below_pool"] = len(chain._tree)
-    for prefix, tier in (("dram", chain.dram), ("ssd", chain.ssd)):
-        out[f"{prefix}_used_bytes"] = tier.used_bytes if tier is not None else 0
-        out[f"{prefix}_capacity_bytes"] = tier.capacity_bytes if tier is not None else 0
-        out[f"{prefix}_entries"] = tier.num_entries if tier is not None else 0
-    if chain.ssd is not None:
-        ssd = chain.ssd.stats()
-        for key in _SSD_KEYS:
-            out[f"ssd_{key}"] = ssd[key]
-    out["checksum_failures"] = out.get("ssd_checksum_failures", 0)
-    return out
+class ChainCounters:
+    """What the chain did, by name (COUNTERS): an unknown name is a KeyError, not a new
+    counter."""
 
+    def __init__(self) -> None:
+        self._c: dict[str, float] = dict.fromkeys(COUNTERS, 0)
 
-def tier_stats_locked(chain: TierChain, block_size: int) -> ChainStats:
-    c = chain._c
-    tiers = {}
-    for medium, prefix, tier in ((Medium.CPU, "dram", chain.dram),
-                                 (Medium.DISK, "ssd", chain.ssd)):
-        tiers[medium] = TierStats(
-            medium,
-            tier.used_bytes if tier is not None else 0,
-            tier.capacity_bytes if tier is not None else 0,
-            tier.num_entries if tier is not None else 0,
-            c[f"{prefix}_hits"] * block_size,
-            c[f"{prefix}_queries"] * block_size,
-        )
-    moves = tuple(TierMove(src, dst, c[f"{move_name(src, dst)}_bytes"],
-                           c[f"{move_name(src, dst)}_seconds"]) for src, dst in MOVES)
-    failures = chain.ssd.stats()["checksum_failures"] if chain.ssd is not None else 0
-    return ChainStats(tiers, moves, c["orphans_dropped"], failures)
+    def add(self, name: str, n: float = 1) -> None:
+        self._c[name] += n
+
+    def count_move(self, direction: str, nbytes: int, t0: float) -> None:
+        """A copy between levels (e.g. "pool_to_dram") of `nbytes` that started at `t0`
+        (perf_counter) and ended now."""
+        self._c[f"{direction}_seconds"] += time.perf_counter() - t0
+        self._c[f"{direction}_bytes"] += nbytes
+
+    def flat(self, blocks_below_pool: int, dram: Tier | None, ssd: Tier | None
+             ) -> dict[str, float]:
+        """Every counter, the tiers' sizes and the SSD's own counters (`ssd_...`), flat."""
+        out = dict(self._c)
+        out["blocks_below_pool"] = blocks_below_pool
+        for prefix, tier in (("dram", dram), ("ssd", ssd)):
+            out[f"{prefix}_used_bytes"] = tier.used_bytes if tier is not None else 0
+            out[f"{prefix}_capacity_bytes"] = tier.capacity_bytes if tier is not None else 0
+            out[f"{prefix}_entries"] = tier.num_entries if tier is not None else 0
+        if ssd is not None:
+            ssd_stats = ssd.stats()
+            for key in _SSD_KEYS:
+                out[f"ssd_{key}"] = ssd_stats[key]
+        out["checksum_failures"] = out.get("ssd_checksum_failures", 0)
+        return out
+
+    def tier_stats(self, dram: Tier | None, ssd: Tier | None, block_size: int) -> ChainStats:
+        """The typed record: per tier what it holds and its lookups in tokens (`block_size`
+        per block), per direction the bytes moved and the seconds it took."""
+        c = self._c
+        tiers = {}
+        for medium, prefix, tier in ((Medium.CPU, "dram", dram), (Medium.DISK, "ssd", ssd)):
+            tiers[medium] = TierStats(
+                medium,
+                tier.used_bytes if tier is not None else 0,
+                tier.capacity_bytes if tier is not None else 0,
+                tier.num_entries if tier is not None else 0,
+                c[f"{prefix}_hits"] * block_size,
+                c[f"{prefix}_queries"] * block_size,
+            )
+        moves = tuple(TierMove(src, dst, c[f"{move_name(src, dst)}_bytes"],
+                               c[f"{move_name(src, dst)}_seconds"]) for src, dst in MOVES)
+        failures = ssd.stats()["checksum_failures"] if ssd is not None else 0
+        return ChainStats(tiers, moves, c["orphans_dropped"], failures)

@@ -6,7 +6,7 @@ each, as a request's would, so no eviction can hand them out for reuse while a p
 them; `close` gives the references back (tail first, as a request frees). Rows are read off
 the engine thread: a pinned pool block is never written (its content is fixed by its hash
 and no one can be handed it for reuse), so `read_pool` may gather it while a step runs; tier
-blocks are copied where they lie (tiers.chain_reads). `read_entries` packs the rows as the
+blocks are copied where they lie (TierChain.read_run). `read_entries` packs the rows as the
 entries a peer receives (tiers.peer_entries, whose `unpack_block` the puller,
 kvnode.engine.peer_pull, checks them with): the pod's transfer service only sends bytes.
 """
@@ -22,7 +22,6 @@ from pagekv.kvnode.memory.block_pool import KVCacheBlock
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
 from pagekv.proto.medium import Medium
 from pagekv.tiers.chain import TierChain
-from pagekv.tiers.chain_reads import media_below, read_run
 from pagekv.tiers.peer_entries import KvLayout, pack_block
 
 
@@ -56,7 +55,7 @@ class KvExporter:
         asked for continues `parent_hash` (None: it starts at the root)."""
         cached = self.manager.block_pool.get_cached_block
         blocks = [cached(h) for h in block_hashes]
-        below = (media_below(self.chain, block_hashes) if self.chain is not None
+        below = (self.chain.media_below(block_hashes) if self.chain is not None
                  else [None] * len(block_hashes))
         run = ExportRun([], [], parent=parent_hash)
         for h, block, medium in zip(block_hashes, blocks, below, strict=True):
@@ -83,7 +82,7 @@ class KvExporter:
             return []
         hashes = [h for h, m in zip(run.hashes[lo:hi], run.media[lo:hi], strict=True)
                   if m != Medium.GPU]
-        return read_run(self.chain, hashes)
+        return self.chain.read_run(hashes)
 
     def read_entries(self, run: ExportRun, lo: int, hi: int, compress: bool = False
                      ) -> list[bytes]:

@@ -33,7 +33,6 @@ from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.medium import OFFLOAD_MEDIUMS, Medium
 from pagekv.proto.tier_stats import ChainStats
 from pagekv.tiers.chain import TierChain
-from pagekv.tiers.chain_copies import async_dram
 from pagekv.tiers.codec import elem_size_of
 from pagekv.tiers.dram import DramTier
 from pagekv.tiers.peer_entries import KvLayout
@@ -121,7 +120,7 @@ class TierEvictor:
         self.chain = chain
         self.runner = runner
         self._buf: torch.Tensor | None = None
-        dram = async_dram(chain)
+        dram = chain.async_dram
         self.transfer = transfer_for(runner) if dram is not None else None
 
     def __call__(self, blocks: list[KVCacheBlock]) -> None:
@@ -247,7 +246,7 @@ class TierConnector:
         """A DRAM run copied on the stream from its slab slots straight into the pool (the
         blocks leave DRAM only for what the pool took). False: not possible, do it the
         synchronous way."""
-        dram = async_dram(self.chain)
+        dram = self.chain.async_dram
         if self._copies is None or dram is None or dram.copy_stream is not self._transfer.stream:
             return False
         slots = self.chain.hold_dram_run(todo)
