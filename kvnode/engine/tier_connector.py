@@ -56,15 +56,15 @@ def _as_rows(datas: list[torch.Tensor]) -> torch.Tensor:
     of one tensor (a DRAM reload), else one stacking copy (numpy: a plain memcpy per block,
     no intra-op thread pool, see tiers.base.copy_block)."""
     first = datas[0]
-    base = first._base if first._base is not None else None
-    if (
-        base is not None and base.dim() == 2 and base.is_contiguous()
-        and base.shape[0] >= len(datas) and first.data_ptr() == base.data_ptr()
-        and all(d._base is base for d in datas)
-    ):
-        row = base.shape[1]
-        if all(d.data_ptr() == base.data_ptr() + i * row for i, d in enumerate(datas)):
-            return base[: len(datas)]
+    row = first.numel()
+    nbytes = row * first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    if all(
+        d.dim() == 1 and d.is_contiguous() and d.dtype == first.dtype and d.numel() == row
+        and d.untyped_storage().data_ptr() == storage
+        and d.data_ptr() == first.data_ptr() + i * nbytes for i, d in enumerate(datas)
+    ):  # (one storage, so the view of the n rows from `first` on stays inside it)
+        return first.as_strided((len(datas), row), (row, 1))
     import numpy as np  # (only here: a DRAM-only CUDA bench host may have no numpy)
 
     return torch.from_numpy(np.stack([d.numpy() for d in datas]))
