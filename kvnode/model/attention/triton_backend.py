@@ -28,8 +28,7 @@ def _interpreted() -> tuple[bool, bool]:
 
     from pagekv.kvnode.model.attention import triton_decode
 
-    return (isinstance(triton_decode._decode_split_kernel, InterpretedFunction),
-            isinstance(tl.cdiv, InterpretedFunction))
+    return triton_decode.interpreted(), isinstance(tl.cdiv, InterpretedFunction)
 
 
 def available(device: torch.device | str) -> tuple[bool, str]:

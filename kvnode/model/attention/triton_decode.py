@@ -237,4 +237,12 @@ def paged_decode(
     return out
 
 
-__all__ = ["auto_num_splits", "choose_num_splits", "paged_decode"]
+def interpreted() -> bool:
+    """Whether this module's kernels were decorated for Triton's interpreter (fixed at import,
+    by TRITON_INTERPRET at that moment)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_decode_split_kernel, InterpretedFunction)
+
+
+__all__ = ["auto_num_splits", "choose_num_splits", "interpreted", "paged_decode"]
