@@ -13,13 +13,10 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pagekv.kvnode.index.publish_stats import INDEX_COUNTERS, histogram_family
 from pagekv.kvnode.memory.metrics import Histogram as PlainHistogram
 from pagekv.proto.tier_stats import ChainStats
 
@@ -28,25 +25,7 @@ if TYPE_CHECKING:
     from pagekv.kvnode.engine.engine_stats import PeerPullStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# Monotonic index-publisher statistics (exported as counters; the rest are gauges).
-INDEX_COUNTERS = frozenset({
-    "events_submitted", "events_published", "events_dropped", "batches", "errors",
-    "reconnects", "republishes", "lease_renewals",
-})
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-def _histogram_family(name: str, doc: str, h: PlainHistogram, label_names: list[str],
-                      label_values: list[str]) -> HistogramMetricFamily:
-    cumulative = []
-    running = 0
-    for bound, count in zip(h.buckets, h.counts, strict=False):
-        running += count
-        cumulative.append((repr(float(bound)), running))
-    cumulative.append(("+Inf", running + h.counts[-1]))
-    fam = HistogramMetricFamily(name, doc, labels=label_names)
-    fam.add_metric(label_values, cumulative, h.total)
-    return fam
 
 
 class EngineCollector(Collector):
@@ -119,15 +98,15 @@ class EngineCollector(Collector):
             ("pagekv_kv_block_reuse_gap_seconds", "Block last free to prefix hit (sampled)",
              m.block_reuse_gap_seconds),
         ):
-            yield _histogram_family(name, doc, h, self.label_names, self.label_values)
+            yield histogram_family(name, doc, h, self.label_names, self.label_values)
         if st.chain is not None:
             yield from self._tier_metrics(st.chain)
         if st.peer_pull is not None:
             yield from self._pull_metrics(st.peer_pull)
         if self.publish_lag is not None:
-            yield _histogram_family("pagekv_index_publish_lag_seconds",
-                                    "Index publisher: submit to visible in Redis, per batch",
-                                    self.publish_lag(), self.label_names, self.label_values)
+            yield histogram_family("pagekv_index_publish_lag_seconds",
+                                   "Index publisher: submit to visible in Redis, per batch",
+                                   self.publish_lag(), self.label_names, self.label_values)
         if self.extra is not None:
             for key, value in self.extra().items():
                 if key.startswith("publish_lag_"):
