@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from typing import overload
 
 ADMIN_TOKEN_ENV = "PAGEKV_ADMIN_TOKEN"
 API_TOKEN_ENV = "PAGEKV_API_TOKEN"
@@ -128,6 +129,14 @@ def add_redis_tls_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "redis", "Redis over TLS (with a rediss:// URL)",
         "CA the Redis server's certificate must be signed by; --redis-cert/--redis-key: "
         "this process's certificate, for a Redis with tls-auth-clients yes")
+
+
+@overload
+def redis_url_from(args: argparse.Namespace, default_url: str) -> str: ...
+
+
+@overload
+def redis_url_from(args: argparse.Namespace, default_url: None = None) -> str | None: ...
 
 
 def redis_url_from(args: argparse.Namespace, default_url: str | None = None) -> str | None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, overload
 
 import grpc
 
@@ -33,6 +33,7 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     tls.require_identity()
     cert, key, ca = tls.read()
+    assert cert is not None and key is not None  # require_identity: a server has both
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                        require_client_auth=ca is not None)
 
@@ -50,24 +51,40 @@ def transport(tls: TlsFiles | None) -> str:
     return "mutual TLS: client certificates required" if tls.client_auth else "TLS"
 
 
-def bind(server: Any, address: str, tls: TlsFiles | None) -> int:
+def bind(server: grpc.Server | grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
     """Add `address` to a grpc (or grpc.aio) server; the bound port, 0 when it failed."""
     if tls is None:
         return server.add_insecure_port(address)
     return server.add_secure_port(address, server_credentials(tls))
 
 
+@overload
+def open_channel(address: str, tls: TlsFiles | None = None,
+                 options: Sequence[tuple[str, Any]] = (), *, aio: Literal[False] = False,
+                 credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel: ...
+
+
+@overload
+def open_channel(address: str, tls: TlsFiles | None = None,
+                 options: Sequence[tuple[str, Any]] = (), *, aio: Literal[True],
+                 credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel: ...
+
+
 def open_channel(address: str, tls: TlsFiles | None = None,
                  options: Sequence[tuple[str, Any]] = (), *, aio: bool = False,
-                 credentials: grpc.ChannelCredentials | None = None) -> Any:
+                 credentials: grpc.ChannelCredentials | None = None
+                 ) -> grpc.Channel | grpc.aio.Channel:
     """A channel to `address`: TLS when `tls` (or ready `credentials`) is given.
     `aio=True`: a grpc.aio channel."""
-    mod = grpc.aio if aio else grpc
     if credentials is None and tls is not None:
         credentials = channel_credentials(tls)
+    if aio:
+        if credentials is None:
+            return grpc.aio.insecure_channel(address, options=list(options))
+        return grpc.aio.secure_channel(address, credentials, options=list(options))
     if credentials is None:
-        return mod.insecure_channel(address, options=list(options))
-    return mod.secure_channel(address, credentials, options=list(options))
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, credentials, options=list(options))
 
 
 # -- bearer tokens ------------------------------------------------------------------------------
@@ -130,7 +147,12 @@ class TokenGuard(grpc.aio.ServerInterceptor):
                     "admin token")
         return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails],
+                               Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None  # no such method: UNIMPLEMENTED, as without the guard
@@ -140,11 +162,11 @@ class TokenGuard(grpc.aio.ServerInterceptor):
             return handler
         return self._refusing(handler, method, *refusal)
 
-    def _refusing(self, handler: grpc.RpcMethodHandler, method: str,
-                  code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    def _refusing(self, handler: grpc.RpcMethodHandler[Any, Any], method: str,
+                  code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler[Any, Any]:
         short = method.rsplit("/", 1)[-1]
 
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             if self.on_refused is not None:
                 self.on_refused(short, code.name)
             key = (short, code.name)

@@ -12,15 +12,16 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -31,10 +32,12 @@ logger = logging.getLogger(__name__)
 METRICS_PATH = "/metrics"
 
 
-class HealthServicer(health.aio.HealthServicer):
+# grpc_health has no stubs that know `List` (types-grpcio-health-checking predates it): Any.
+class HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]  # subclasses Any
     """grpc.health.v1 with `List` answered (grpcio's servicer leaves it UNIMPLEMENTED)."""
 
-    async def List(self, request: health_pb2.HealthListRequest, context
+    async def List(self, request: health_pb2.HealthListRequest,
+                   context: grpc.aio.ServicerContext[Any, Any]
                    ) -> health_pb2.HealthListResponse:
         statuses = {name: health_pb2.HealthCheckResponse(status=status)
                     for name, status in dict(self._server_status).items()}
@@ -50,11 +53,11 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _metrics_only(app):
+def _metrics_only(app: WSGIApplication) -> WSGIApplication:
     """The exposition on /metrics; every other path is a 404 that says where to look. HEAD
     is GET without the body (prometheus_client answers it 405 with a body, which strict
     clients such as aiohttp refuse: a benchmark tool's probe of the page then fails)."""
-    def wrapped(environ, start_response):
+    def wrapped(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         head = environ.get("REQUEST_METHOD") == "HEAD"
         if environ.get("PATH_INFO", "") != METRICS_PATH:
             start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
@@ -131,10 +134,10 @@ def _drop_frames(exc: BaseException) -> None:
         todo += (e.__cause__, e.__context__)
 
 
-def _tolerant(message_cls: Any) -> Callable[[bytes], Any]:
+def _tolerant(message_cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
     name = message_cls.DESCRIPTOR.full_name
 
-    def deserialize(data: bytes) -> Any:
+    def deserialize(data: bytes) -> Message | Undecodable:
         try:
             return message_cls.FromString(data)
         except DecodeError as exc:
@@ -150,7 +153,7 @@ def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: 
     when it ends (_drop_frames)."""
     warning = ThrottledWarning(logger, UNDECODABLE_LOG_S)
 
-    async def refuse(request: Undecodable, context: grpc.aio.ServicerContext,
+    async def refuse(request: Undecodable, context: grpc.aio.ServicerContext[Any, Any],
                      method: str) -> None:
         warning.warn("refused undecodable %s call from %s: %s", method, context.peer(),
                      request.details)
@@ -159,7 +162,7 @@ def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: 
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
 
     def unary(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             if isinstance(request, Undecodable):
                 await refuse(request, context, method)
             try:
@@ -171,7 +174,8 @@ def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: 
         return handle
 
     def streaming(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]
+                         ) -> AsyncIterator[Any]:
             if isinstance(request, Undecodable):
                 await refuse(request, context, method)
             try:
@@ -185,20 +189,21 @@ def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: 
                 raise
         return handle
 
-    handlers = {}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for m in service.methods:
         if m.client_streaming:
             raise ValueError(f"{m.full_name}: client streaming is not supported here")
-        kwargs = {"request_deserializer": _tolerant(message_factory.GetMessageClass(m.input_type)),
-                  "response_serializer":
-                      message_factory.GetMessageClass(m.output_type).SerializeToString}
+        deserialize = _tolerant(message_factory.GetMessageClass(m.input_type))
+        serialize = message_factory.GetMessageClass(m.output_type).SerializeToString
         behavior = getattr(servicer, m.name)
         if m.server_streaming:
             handlers[m.name] = grpc.unary_stream_rpc_method_handler(
-                streaming(m.full_name, behavior), **kwargs)
+                streaming(m.full_name, behavior), request_deserializer=deserialize,
+                response_serializer=serialize)
         else:
             handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-                unary(m.full_name, behavior), **kwargs)
+                unary(m.full_name, behavior), request_deserializer=deserialize,
+                response_serializer=serialize)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

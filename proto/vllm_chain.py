@@ -201,13 +201,15 @@ class VllmBlockBook:
         key = ev.parent_block_hash
         if key is not None and type(key) is not bytes:
             raise _Refused("bad_event", "digest block hashes with an int parent hash")
+        digests: list[bytes] = []
         for h in ev.block_hashes:
             if type(h) is not bytes or len(h) != self.digest_size:
                 raise _Refused("hash_length", f"a {self.hash_config.algo} block hash is "
                                               f"{self.digest_size} bytes, the event's is not")
+            digests.append(h)
         parent, bucket = self._parent(key)
         blocks: list[_Found] = []
-        for h in ev.block_hashes:
+        for h in digests:
             if bucket is None:
                 bucket = bucket_of(h)
             blocks.append((h, h, parent, bucket))

@@ -215,21 +215,25 @@ class _BadEvent(Exception):
     pass
 
 
-def _hash(value: Any, optional: bool = False) -> ExternalHash | None:
-    t = type(value)
+def _hash(value: Any) -> ExternalHash:
+    t = type(value)  # not isinstance: a bool is no hash
     if t is int:
-        return value & MASK64  # some producers send the 64 bits as a signed number
+        number: int = value
+        return number & MASK64  # some producers send the 64 bits as a signed number
     if t is bytes:
-        return value
-    if value is None and optional:
-        return None
+        digest: bytes = value
+        return digest
     raise _BadEvent
+
+
+def _opt_hash(value: Any) -> ExternalHash | None:
+    return None if value is None else _hash(value)
 
 
 def _hashes(value: Any) -> list[ExternalHash]:
     if type(value) is not list:
         raise _BadEvent
-    return [_hash(v) for v in value]  # type: ignore[misc]  (not optional: never None)
+    return [_hash(v) for v in value]
 
 
 def _opt(value: Any, kind: type) -> Any:
@@ -254,7 +258,7 @@ def _event(tag: str, f: dict[str, Any]) -> WireEvent:
         tokens = get("token_ids")
         extra = get("extra_keys")
         return WireBlockStored(
-            _hashes(get("block_hashes")), _hash(get("parent_block_hash"), True),
+            _hashes(get("block_hashes")), _opt_hash(get("parent_block_hash")),
             [] if tokens is None else _opt(tokens, list), _opt(get("block_size"), int) or 0,
             _opt(get("lora_id"), int), _opt(get("medium"), str), _opt(get("lora_name"), str),
             _opt(extra, list), _opt(get("group_idx"), int),

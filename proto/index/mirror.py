@@ -120,11 +120,12 @@ class PodClaims:
             else:
                 self.unplaced.discard(h)
         masks = self.mirror.masks
+        known = self.buckets.buckets  # every hash placed just now has its bucket there
         for h in placed:
             self.unplaced.discard(h)
             mask = masks.get(h, 0)
             if mask:
-                out.append((h, get(h), 0, mask))  # type: ignore[arg-type]  (placed: known)
+                out.append((h, known[h], 0, mask))
         if len(self.buckets) > 2 * len(masks) + COMPACT_SLACK:
             self.buckets.compact(masks)
         return out

@@ -41,7 +41,7 @@ class PodMatch:
     predicted: int = 0
 
     def tier_counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(MEDIUMS, 0)
+        counts: dict[str, int] = dict.fromkeys(MEDIUMS, 0)
         for tier in self.tiers:
             counts[tier] += 1
         return counts
@@ -198,7 +198,7 @@ def _parse_reap_bucket(reply: Any) -> tuple[int, bool] | None:
 
 def _parse_refused(reply: Any) -> bool:
     """True when the script went ahead, False when it refused (-1)."""
-    return reply != -1
+    return bool(reply != -1)
 
 
 # -- the calls -------------------------------------------------------------------------------

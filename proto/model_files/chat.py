@@ -14,9 +14,10 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pagekv.proto.model_files.tokenizer import Tokenizer
+if TYPE_CHECKING:
+    import jinja2
 
 Message = Mapping[str, Any]
 
@@ -37,7 +38,7 @@ def _tojson(value: Any, indent: int | None = None, separators: Any = None,
 
 
 @functools.lru_cache(maxsize=16)
-def _compile(template: str) -> Any:
+def _compile(template: str) -> jinja2.Template:
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -83,7 +84,20 @@ def render_chat(template: str, messages: Sequence[Message], *, add_generation_pr
         raise ChatTemplateError(f"the chat template failed: {exc}") from exc
 
 
-def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Message], *,
+class TemplateSource(Protocol):
+    """What a chat template needs of a tokenizer (a Tokenizer has it)."""
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    @property
+    def bos_token(self) -> str | None: ...
+
+    @property
+    def eos_token(self) -> str | None: ...
+
+
+def apply_chat_template(tokenizer: TemplateSource, messages: Sequence[Message], *,
                         chat_template: str | None = None, add_generation_prompt: bool = True,
                         **kwargs: Any) -> str:
     """``messages`` rendered with the model's template (or ``chat_template``)."""

@@ -102,7 +102,9 @@ class _Cursor:
             return [self.value(item_type, f"{what}[{i}]") for i in range(count)]
         if vtype not in _VALUE_TYPES:
             raise self.fail(f"{what} has unknown value type {vtype}")
-        return self.unpack(_VALUE_TYPES[vtype][1], what)
+        fmt = _VALUE_TYPES[vtype][1]
+        assert fmt is not None  # the two variable-sized types (string, array) returned above
+        return self.unpack(fmt, what)
 
 
 class GGUFFile:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as RustTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +70,12 @@ class HFTokenizer:
     """A ``tokenizers`` tokenizer: a ``tokenizer.json`` path, or one already built (from a
     GGUF file's vocabulary, kvnode.model.gguf_tokenizer)."""
 
-    def __init__(self, source: str | Path | Any, bos_token_id: int | None = None,
+    def __init__(self, source: str | Path | RustTokenizer, bos_token_id: int | None = None,
                  eos_token_id: int | None = None, chat_template: str | None = None) -> None:
         from tokenizers import Tokenizer as _RustTokenizer
 
-        is_path = isinstance(source, str | Path)
-        self._tok = _RustTokenizer.from_file(str(source)) if is_path else source
+        self._tok: RustTokenizer = (_RustTokenizer.from_file(str(source))
+                                    if isinstance(source, str | Path) else source)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id

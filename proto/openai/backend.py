@@ -8,9 +8,9 @@ failover — and the front end only translates OpenAI's JSON to the contract and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 
@@ -24,15 +24,30 @@ class CallAborted(Exception):
         self.details = details
 
 
+class HandlerContext(Protocol):
+    """The part of grpc.aio.ServicerContext the pods' and the router's GenerateStream
+    handlers use: a gRPC call's context has it, and so has a CallContext."""
+
+    async def abort(self, code: Any, details: str = "",
+                    trailing_metadata: Sequence[tuple[str, str | bytes]] = ()) -> NoReturn: ...
+
+    def time_remaining(self) -> float | None: ...
+
+    async def send_initial_metadata(self, metadata: Sequence[tuple[str, str]], /) -> None: ...
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]], /) -> None: ...
+
+
 class CallContext:
-    """The part of grpc.aio.ServicerContext the pods' and the router's handlers use."""
+    """A HandlerContext for a handler called in process (by the HTTP front end)."""
 
     def __init__(self, timeout_s: float | None = None) -> None:
         self.timeout_s = timeout_s
         self.initial_metadata: list[tuple[str, str]] = []
         self.trailing_metadata: list[tuple[str, str]] = []
 
-    async def abort(self, code: Any, details: str = "", trailing_metadata: Sequence = ()) -> None:
+    async def abort(self, code: Any, details: str = "",
+                    trailing_metadata: Sequence[tuple[str, str | bytes]] = ()) -> NoReturn:
         raise CallAborted(getattr(code, "name", str(code)), details)
 
     def time_remaining(self) -> float | None:
@@ -55,7 +70,8 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
-StreamHandler = Callable[[pb.GenerateRequest, CallContext], AsyncIterator[pb.GenerateChunk]]
+StreamHandler = Callable[[pb.GenerateRequest, HandlerContext],
+                         AsyncGenerator[pb.GenerateChunk, None]]
 
 
 @dataclass(slots=True)

@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.types import Receive, Scope, Send
 
 from pagekv.proto.openai.backend import Backend, CallAborted, CallContext
 from pagekv.proto.openai.errors import ApiError, from_grpc
@@ -24,7 +26,14 @@ from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-_DONE = object()
+T = TypeVar("T")
+
+
+class _Done:
+    """A prompt's stream has ended (what `_merged`'s pumps put last)."""
+
+
+_DONE = _Done()
 
 
 class ClientGone(Exception):
@@ -67,7 +76,7 @@ class Calls:
             raise from_grpc(exc.code, exc.details) from None
 
     async def _merged(self) -> AsyncIterator[tuple[int, pb.GenerateChunk]]:
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, pb.GenerateChunk] | Exception | _Done] = asyncio.Queue()
 
         async def pump(k: int) -> None:
             try:
@@ -85,7 +94,7 @@ class Calls:
             remaining = len(tasks)
             while remaining:
                 item = await queue.get()
-                if item is _DONE:
+                if isinstance(item, _Done):
                     remaining -= 1
                 elif isinstance(item, Exception):
                     raise item
@@ -97,7 +106,7 @@ class Calls:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+async def wait_disconnect(receive: Receive) -> None:
     """Returns once the client has gone (the ASGI server reports http.disconnect)."""
     while True:
         message = await receive()
@@ -105,7 +114,7 @@ async def wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
             return
 
 
-async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[Any]) -> Any:
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(wait_disconnect(receive))
     try:
@@ -129,7 +138,8 @@ class EventStream:
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[dict[str, Any] | None], first: list[dict[str, Any]],
+    def __init__(self, events: AsyncGenerator[dict[str, Any] | None, None],
+                 first: list[dict[str, Any]],
                  tail: Callable[[], list[dict[str, Any]]], headers: dict[str, str],
                  on_close: Callable[[bool], None] | None = None) -> None:
         self.events = events
@@ -139,7 +149,7 @@ class EventStream:
         self.on_close = on_close
         self.status_code = 200
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
@@ -157,19 +167,19 @@ class EventStream:
                     await producer
             watch.cancel()
             with contextlib.suppress(Exception):
-                await self.events.aclose()  # type: ignore[attr-defined]
+                await self.events.aclose()
             if self.on_close is not None:
                 self.on_close(completed)
         if completed:
             producer.result()
 
-    async def _produce(self, send: Callable) -> None:
+    async def _produce(self, send: Send) -> None:
         for event in self.first:
             await send({"type": "http.response.body", "body": sse(event), "more_body": True})
         try:
-            async for event in self.events:
-                if event is not None:
-                    await send({"type": "http.response.body", "body": sse(event),
+            async for item in self.events:
+                if item is not None:
+                    await send({"type": "http.response.body", "body": sse(item),
                                 "more_body": True})
             for event in self.tail():
                 await send({"type": "http.response.body", "body": sse(event), "more_body": True})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pagekv.proto.openai.errors import invalid
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
@@ -20,6 +20,8 @@ from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 UINT32_MAX = (1 << 32) - 1
 MAX_PROMPTS = 64  # prompts in one /v1/completions call (each is its own engine request)
 MAX_CHOICES = 256  # prompts x n
+
+T = TypeVar("T")
 
 
 def _is_false(v: Any) -> bool:
@@ -107,7 +109,8 @@ def _type_name(v: Any) -> str:
             type(None): "null"}.get(type(v), "number")
 
 
-def read_int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def read_int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None
+             ) -> int | None:
     v = body.get(name)
     if v is None:
         return None
@@ -122,7 +125,7 @@ def read_int(body: dict, name: str, lo: int | None = None, hi: int | None = None
     return v
 
 
-def read_number(body: dict, name: str) -> float | None:
+def read_number(body: dict[str, Any], name: str) -> float | None:
     v = body.get(name)
     if v is None:
         return None
@@ -133,23 +136,23 @@ def read_number(body: dict, name: str) -> float | None:
     return float(v)
 
 
-def _typed(body: dict, name: str, kind: type, what: str) -> Any:
+def _typed(body: dict[str, Any], name: str, kind: type[T], what: str) -> T | None:
     v = body.get(name)
     if v is not None and not isinstance(v, kind):
         raise invalid(f"{name} must be {what}, got {_type_name(v)} {_show(v)}", name)
     return v
 
 
-def read_bool(body: dict, name: str, default: bool = False) -> bool:
+def read_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
     v = _typed(body, name, bool, "a boolean")
     return default if v is None else v
 
 
-def read_str(body: dict, name: str) -> str | None:
+def read_str(body: dict[str, Any], name: str) -> str | None:
     return _typed(body, name, str, "a string")
 
 
-def _stop_strings(body: dict) -> list[str]:
+def _stop_strings(body: dict[str, Any]) -> list[str]:
     v = body.get("stop")
     if v is None:
         return []
@@ -160,7 +163,7 @@ def _stop_strings(body: dict) -> list[str]:
     return v
 
 
-def _token_ids(body: dict, name: str) -> list[int]:
+def _token_ids(body: dict[str, Any], name: str) -> list[int]:
     v = body.get(name)
     if v is None:
         return []
@@ -170,7 +173,7 @@ def _token_ids(body: dict, name: str) -> list[int]:
     return v
 
 
-def _check_fields(body: dict, known: set[str]) -> list[str]:
+def _check_fields(body: dict[str, Any], known: set[str]) -> list[str]:
     for name, harmless in REFUSED.items():
         if name in body and not harmless(body[name]):
             raise invalid(f"{name} is not supported by PageKV (README \"OpenAI API\" lists what "
@@ -178,7 +181,7 @@ def _check_fields(body: dict, known: set[str]) -> list[str]:
     return sorted(k for k in body if k not in known and k not in REFUSED)
 
 
-def parse_common(body: dict, *, chat: bool) -> Parsed:
+def parse_common(body: dict[str, Any], *, chat: bool) -> Parsed:
     """The fields completions and chat share; `sampling.logprobs` and max_tokens' default
     differ between them and are set here by kind."""
     ignored = _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
@@ -235,7 +238,7 @@ def parse_common(body: dict, *, chat: bool) -> Parsed:
                   token_ids=read_bool(body, "return_token_ids"), ignored=ignored)
 
 
-def parse_completion(body: dict) -> tuple[Parsed, list[str | list[int]]]:
+def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]]]:
     """A /v1/completions body: its parameters and its prompts (text or token ids each)."""
     parsed = parse_common(body, chat=False)
     logprobs = read_int(body, "logprobs", 0, UINT32_MAX)
@@ -270,7 +273,7 @@ def _prompts(v: Any) -> list[str | list[int]]:
     return prompts
 
 
-def parse_chat(body: dict) -> tuple[Parsed, list[dict[str, Any]], dict[str, Any]]:
+def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, Any]], dict[str, Any]]:
     """A /v1/chat/completions body: its parameters, its messages (text content only) and the
     template's extra variables."""
     parsed = parse_common(body, chat=True)

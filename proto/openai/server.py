@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import ssl
+from collections.abc import Generator
 
 import uvicorn
 
@@ -24,8 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class _Embedded(uvicorn.Server):
-    def capture_signals(self):  # the host process owns SIGTERM/SIGINT
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:  # the host owns SIGTERM/SIGINT
+        yield
 
 
 class HttpServer:
@@ -36,7 +38,7 @@ class HttpServer:
         self.port = port
         self.tls = tls
         self._server: _Embedded | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def scheme(self) -> str:
@@ -53,14 +55,15 @@ class HttpServer:
             raise RuntimeError(f"cannot bind the HTTP port {self.host}:{self.port} "
                                f"({exc.strerror}): choose another --http-port") from None
         self.port = sock.getsockname()[1]
-        kwargs = {}
-        if self.tls is not None and self.tls.cert:
-            kwargs = {"ssl_certfile": self.tls.cert, "ssl_keyfile": self.tls.key}
-            if self.tls.ca:  # mutual TLS, as on the gRPC port
-                kwargs |= {"ssl_ca_certs": self.tls.ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        tls = self.tls if self.tls is not None and self.tls.cert else None
+        mutual = tls is not None and bool(tls.ca)  # mutual TLS, as on the gRPC port
         config = uvicorn.Config(build_app(self.backend), http="httptools", lifespan="off",
                                 log_level="warning", access_log=False, timeout_keep_alive=30,
-                                timeout_graceful_shutdown=5, **kwargs)
+                                timeout_graceful_shutdown=5,
+                                ssl_certfile=tls.cert if tls is not None else None,
+                                ssl_keyfile=tls.key if tls is not None else None,
+                                ssl_ca_certs=tls.ca if tls is not None and mutual else None,
+                                ssl_cert_reqs=ssl.CERT_REQUIRED if mutual else ssl.CERT_NONE)
         self._server = _Embedded(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -76,7 +79,9 @@ class HttpServer:
         """Stop accepting, let in-flight responses finish for up to `drain_timeout_s`."""
         if self._server is None or self._task is None:
             return
-        self._server.config.timeout_graceful_shutdown = max(0.0, drain_timeout_s)
+        # uvicorn annotates it int, but only passes it to asyncio.wait_for: a float works.
+        grace = max(0.0, drain_timeout_s)
+        self._server.config.timeout_graceful_shutdown = grace  # type: ignore[assignment]
         self._server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._task, drain_timeout_s + 5)
