@@ -184,8 +184,9 @@ class StreamReader:
     def _chunk(self, choice: dict[str, Any]) -> pb.GenerateChunk | None:
         text = choice.get("text") or ""
         ids = [int(t) for t in choice.get("token_ids") or ()]
-        finish = FINISH_REASONS.get(choice.get("finish_reason"), pb.FINISH_REASON_STOP) \
-            if choice.get("finish_reason") else pb.FINISH_REASON_UNSPECIFIED
+        finished = choice.get("finish_reason")
+        finish = FINISH_REASONS.get(finished, pb.FINISH_REASON_STOP) if finished \
+            else pb.FINISH_REASON_UNSPECIFIED
         lp = choice.get("logprobs")
         if not (text or ids or finish or lp):
             return None  # e.g. the first event's prompt_token_ids alone

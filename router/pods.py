@@ -29,6 +29,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -37,7 +38,7 @@ from pagekv.proto.grpc_security import channel_credentials, open_channel
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, config_mismatch
 from pagekv.proto.index.queries import LivePods
 from pagekv.proto.index.schema import POD_KIND_VLLM
-from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc
+from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.openai_forward import VllmStub
 
@@ -64,10 +65,13 @@ class BearerStub:
         self._stub = stub
         self._metadata = bearer(token)
 
-    def Generate(self, request, **kwargs):  # noqa: N802 - the stub's method names
+    # The calls are Any: grpcio-tools generates the stub's module without types.
+    def Generate(self, request: pagekv_pb2.GenerateRequest, **kwargs: Any  # noqa: N802
+                 ) -> Any:  # (the stub's method names)
         return self._stub.Generate(request, metadata=self._metadata, **kwargs)
 
-    def GenerateStream(self, request, **kwargs):  # noqa: N802
+    def GenerateStream(self, request: pagekv_pb2.GenerateRequest, **kwargs: Any  # noqa: N802
+                       ) -> Any:
         return self._stub.GenerateStream(request, metadata=self._metadata, **kwargs)
 
 
@@ -85,7 +89,8 @@ class PodEntry:
 
     def recent(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
-        return self._recent * 0.5 ** ((now - self._recent_at) / _RECENT_HALF_LIFE_S)
+        decay: float = 0.5 ** ((now - self._recent_at) / _RECENT_HALF_LIFE_S)
+        return self._recent * decay
 
     def note_dispatch(self) -> None:
         now = time.monotonic()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagekv.proto.hashing import HashConfig, RequestBlockHasher, lora_key
+from pagekv.proto.hashing import HashConfig, RequestBlockHasher, lora_key, max_hit_blocks
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch, bucket_of
 from pagekv.proto.index.connect import is_cluster
 from pagekv.proto.index.schema import POD_KIND_VLLM
@@ -30,7 +30,6 @@ from pagekv.router.scoring import (
     REASON_ROUND_ROBIN,
     Candidate,
     Score,
-    max_hit_blocks,
     merge_prediction,
     order_least_loaded,
     order_random,

@@ -233,7 +233,7 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
     if not c.eligible:
         return s
     limit = max_hit_blocks(prompt_len, block_size)
-    counts = dict.fromkeys(MEDIUMS, 0)
+    counts: dict[str, int] = dict.fromkeys(MEDIUMS, 0)
     for tier in c.tiers[:limit]:
         counts[tier] += 1
     s.cached_gpu = counts[Medium.GPU] * block_size

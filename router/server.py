@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,7 +32,9 @@ from grpc_reflection.v1alpha import reflection
 
 from pagekv.proto.grpc_security import TokenGuard, bind, transport
 from pagekv.proto.index import REDIS_ERRORS, connect_async
+from pagekv.proto.model_files import Tokenizer
 from pagekv.proto.openai import Backend, HttpServer
+from pagekv.proto.openai.backend import HandlerContext
 from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import BadRequest, already_in_flight, check_request, prompt_is_large
@@ -48,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 OVERHEAD_METADATA_KEY = "pagekv-router-overhead-us"
 STOP_STEP_TIMEOUT_S = 5.0  # each clean-up step of stop(): the process exits regardless
+_STOP_STEP_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *REDIS_ERRORS)
 SERVICE_NAME = "pagekv.v1.Generation"
 
 
@@ -80,7 +83,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         self.inflight_ids: set[str] = set()
 
     async def _claim_id(self, request: pagekv_pb2.GenerateRequest,
-                        context: grpc.aio.ServicerContext) -> str:
+                        context: HandlerContext) -> str:
         """Reserve the request's id (release it with `inflight_ids.discard`); '' when the
         client left it empty (the pod generates one)."""
         rid = request.request_id
@@ -94,7 +97,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
 
     # -- shared steps ----------------------------------------------------------------------
     async def _route(self, request: pagekv_pb2.GenerateRequest,
-                     context: grpc.aio.ServicerContext) -> tuple[Prepared, Decision]:
+                     context: HandlerContext) -> tuple[Prepared, Decision]:
         try:
             check_request(request, self.router.config.prompt_limits)  # before any real work
             if prompt_is_large(request):  # milliseconds of tokenizing and hashing: not here
@@ -167,14 +170,14 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         self.router.registry.mark_unavailable(score.pod_id,
                                               self.router.config.unavailable_cooldown_s)
 
-    async def _fail(self, context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpcError) -> None:
+    async def _fail(self, context: HandlerContext, exc: grpc.aio.AioRpcError) -> None:
         code = exc.code()
         self.metrics.failures.labels(code=code.name).inc()
         # The pod's trailing metadata too: rich error details travel there.
         trailing = tuple((k, v) for k, v in (exc.trailing_metadata() or ()))
         await context.abort(code, exc.details() or "", trailing)
 
-    def _finish(self, context: grpc.aio.ServicerContext, prepared: Prepared,
+    def _finish(self, context: HandlerContext, prepared: Prepared,
                 decision: Decision, score: Score, usage: pagekv_pb2.Usage,
                 overhead_s: float, hinted: bool) -> None:
         # The pod's usage counts pulled tokens as cached: so does the prediction here.
@@ -185,7 +188,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
 
     # -- unary -----------------------------------------------------------------------------
     async def Generate(self, request: pagekv_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> pagekv_pb2.GenerateResponse:
+                       context: HandlerContext) -> pagekv_pb2.GenerateResponse:
         t0 = time.perf_counter()
         prepared, decision = await self._route(request, context)
         rid = await self._claim_id(request, context)
@@ -194,7 +197,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         finally:
             self.inflight_ids.discard(rid)
 
-    async def _generate(self, context: grpc.aio.ServicerContext, prepared: Prepared,
+    async def _generate(self, context: HandlerContext, prepared: Prepared,
                         decision: Decision, t0: float) -> pagekv_pb2.GenerateResponse:
         attempts = decision.order[:self.router.config.max_attempts]
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
@@ -232,8 +235,8 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
 
     # -- streaming -------------------------------------------------------------------------
     async def GenerateStream(self, request: pagekv_pb2.GenerateRequest,
-                             context: grpc.aio.ServicerContext
-                             ) -> AsyncIterator[pagekv_pb2.GenerateChunk]:
+                             context: HandlerContext
+                             ) -> AsyncGenerator[pagekv_pb2.GenerateChunk, None]:
         t0 = time.perf_counter()
         prepared, decision = await self._route(request, context)
         rid = await self._claim_id(request, context)
@@ -246,9 +249,9 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         finally:
             self.inflight_ids.discard(rid)
 
-    async def _generate_stream(self, context: grpc.aio.ServicerContext, prepared: Prepared,
+    async def _generate_stream(self, context: HandlerContext, prepared: Prepared,
                                decision: Decision, t0: float
-                               ) -> AsyncIterator[pagekv_pb2.GenerateChunk]:
+                               ) -> AsyncGenerator[pagekv_pb2.GenerateChunk, None]:
         attempts = decision.order[:self.router.config.max_attempts]
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
         failed: set[str] = set()  # pods UNAVAILABLE for this request: no pull source either
@@ -297,7 +300,8 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
 
 
-def _decision_metadata(decision: Decision, score: Score, reason: str) -> tuple:
+def _decision_metadata(decision: Decision, score: Score, reason: str
+                       ) -> tuple[tuple[str, str], ...]:
     return (("pagekv-served-by", score.pod_id), ("pagekv-routing-reason", reason),
             ("pagekv-predicted-cached-tokens", str(decision.predicted.get(score.pod_id, 0))))
 
@@ -374,9 +378,9 @@ class RouterServer:
                     cfg.policy, cfg.burst_ttl_s)
         return self.port
 
-    def _http_backend(self, service: RouterService, tokenizer) -> Backend:
+    def _http_backend(self, service: RouterService, tokenizer: Tokenizer) -> Backend:
         cfg = self.config
-        registry = self.router.registry
+        registry = service.router.registry
         return Backend(
             kind="router", model_names=cfg.served_model_names or [cfg.model], root=cfg.model,
             tokenizer=lambda: tokenizer, generate_stream=service.GenerateStream,
@@ -414,7 +418,7 @@ class RouterServer:
                                   ("index client", self.router.index.aclose())):
                 try:
                     await asyncio.wait_for(closing, STOP_STEP_TIMEOUT_S)
-                except (TimeoutError, *REDIS_ERRORS) as exc:
+                except _STOP_STEP_ERRORS as exc:
                     logger.warning("router stop: closing the %s failed (%r); going on", what,
                                    exc)
 
