@@ -150,6 +150,23 @@ class OpenAIFrontend:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
+    # -- errors no route answered (the app's exception handlers) ---------------------------
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+        """No such route (404, 405) or another of Starlette's HTTP errors."""
+        status = exc.status_code
+        message = (f"no route {request.method} {request.url.path}" if status in (404, 405)
+                   else str(exc.detail))
+        return self._json(request.url.path if status != 404 else "other", status,
+                          ApiError(status, message, code="not_found" if status == 404
+                                   else None).body())
+
+    async def internal_error(self, request: Request, exc: Exception) -> Response:
+        """An exception that escaped a route: logged with its trace, a bare 500 for the client."""
+        logger.exception("HTTP %s %s failed", request.method, request.url.path)
+        return self._json("other", 500, ApiError(500, "internal error",
+                                                 code="internal_error").body())
+
+    # -- generation -------------------------------------------------------------------------
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         route = "/v1/chat/completions" if chat else "/v1/completions"
         try:
@@ -299,20 +316,6 @@ def _decision_headers(extension: dict[str, Any]) -> dict[str, str]:
 
 def build_app(backend: Backend) -> Starlette:
     front = OpenAIFrontend(backend)
-
-    async def not_found(request: Request, exc: HTTPException) -> Response:
-        status = exc.status_code
-        message = (f"no route {request.method} {request.url.path}" if status in (404, 405)
-                   else str(exc.detail))
-        return front._json(request.url.path if status != 404 else "other", status,
-                           ApiError(status, message, code="not_found" if status == 404
-                                    else None).body())
-
-    async def internal(request: Request, exc: Exception) -> Response:
-        logger.exception("HTTP %s %s failed", request.method, request.url.path)
-        return front._json("other", 500, ApiError(500, "internal error",
-                                                  code="internal_error").body())
-
     routes = [
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
@@ -320,5 +323,5 @@ def build_app(backend: Backend) -> Starlette:
         Route("/health", front.health, methods=["GET"]),
         Route("/version", front.version, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: not_found,
-                                                        Exception: internal})
+    return Starlette(routes=routes, exception_handlers={HTTPException: front.http_error,
+                                                        Exception: front.internal_error})
