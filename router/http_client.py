@@ -117,7 +117,7 @@ class Response:
     def release(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            self._origin._give_back(conn, self._complete)
+            self._origin.give_back(conn, self._complete)
 
     def abort(self) -> None:
         """Close the connection now: the client went away, the server sees the stream end."""
@@ -195,7 +195,9 @@ class HttpOrigin:
         names = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         return Response(self, conn, event.status_code, names)
 
-    def _give_back(self, conn: _Connection, complete: bool) -> None:
+    def give_back(self, conn: _Connection, complete: bool) -> None:
+        """A response is done with its connection: kept for the next request if the body
+        was read to the end (`complete`) and both sides can go on, else closed."""
         if complete and not self._closed and len(self._idle) < self.max_idle \
                 and conn.reusable():
             conn.h11.start_next_cycle()
