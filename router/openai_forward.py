@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import struct
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 import grpc
@@ -94,14 +95,17 @@ def completion_body(request: pb.GenerateRequest) -> dict[str, Any]:
 
 
 class _StreamCall:
-    """What GenerateStream returns: the chunks, and `cancel()`."""
+    """What GenerateStream returns: the chunks, and `cancel()`.
 
-    def __init__(self, stub: VllmStub, request: pb.GenerateRequest,
-                 timeout: float | None) -> None:
+    `chunks(call)` starts the stream of chunks, which sets `call.response` to the HTTP
+    response it reads and `call.done` when it ends."""
+
+    def __init__(self, chunks: Callable[[_StreamCall], AsyncIterator[pb.GenerateChunk]]
+                 ) -> None:
         self.response: Response | None = None
         self.done = False
         self._closing: asyncio.Task[None] | None = None
-        self._chunks = stub._chunks(request, timeout, self)
+        self._chunks = chunks(self)
 
     def __aiter__(self) -> AsyncIterator[pb.GenerateChunk]:
         return self._chunks
@@ -139,11 +143,11 @@ class VllmStub:
 
     def Generate(self, request: pb.GenerateRequest, timeout: float | None = None,  # noqa: N802
                  **_: Any) -> _UnaryCall:
-        return _UnaryCall(self, request, timeout)
+        return _UnaryCall(functools.partial(self._chunks, request, timeout))
 
     def GenerateStream(self, request: pb.GenerateRequest,  # noqa: N802 - the stub's names
                        timeout: float | None = None, **_: Any) -> _StreamCall:
-        return _StreamCall(self, request, timeout)
+        return _StreamCall(functools.partial(self._chunks, request, timeout))
 
     async def close(self) -> None:
         await self.origin.close()
