@@ -182,3 +182,165 @@ def test_grpc_in_the_contract_only_where_servers_share_it(tmp_path: Path) -> Non
     assert len(violations_in(f, "proto.hashing_probe")) == 2
     assert violations_in(f, "proto.serving") == []
     assert violations_in(f, "proto.pagekv.v1.pagekv_pb2_grpc") == []
+
+
+# Third-party internals the product has to touch: attribute -> (the modules that may, why).
+PRIVATE_ACCESS_ALLOWED: dict[str, tuple[tuple[str, ...], str]] = {
+    "_actions": (("pagekv.cli",), "argparse has no public list of a parser's arguments; "
+                 "--config FILE.yaml maps each of its keys to the flag that parses it"),
+    "_subparsers": (("pagekv.cli",), "argparse has no public way from a parser back to the "
+                    "action add_subparsers() made; --config needs the chosen subcommand's parser"),
+    "_group_actions": (("pagekv.cli",), "(the same) that action is in the subparsers group's "
+                       "_group_actions"),
+    "_get_help_string": (("pagekv.cli",), "HelpFormatter's only hook for one flag's help line "
+                         "(argparse calls the formatters' methods implementation details): the "
+                         "CLI's formatter overrides it and falls back to super()'s"),
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _class_members(cls: ast.ClassDef) -> set[str]:
+    """What a class defines itself: its methods and class attributes, and every attribute
+    its methods assign on self / cls (not what classes nested in it define)."""
+    names: set[str] = set()
+    for stmt in cls.body:
+        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(stmt.name)
+        elif isinstance(stmt, ast.Assign):
+            names.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            names.add(stmt.target.id)
+    stack: list[ast.AST] = list(cls.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.ClassDef):
+            continue
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def private_accesses(path: Path, mod: str) -> tuple[list[str], set[str]]:
+    """The accesses `x._name` in a module that reach into another object's private members,
+    and the PRIVATE_ACCESS_ALLOWED attributes the module uses.
+
+    `x._name` (one leading underscore or a mangled `__name`; dunders are public) is the
+    object's own business, and fine, when
+    - `x` is `self` or `cls`;
+    - the access is written inside a class of this module that defines `_name` itself (a
+      method, a class attribute or a `self._name =` in one of its methods): one instance of
+      a class may use another's members (`other._key` in `__eq__`);
+    - `_name` is defined by a private class of this module (`class _Pending`): such a class
+      is the module's own helper as a whole, not a face for anyone else;
+    - `x` is `super()` inside a class whose bases are all classes of this module: the base's
+      implementation is the module's own. (A base from elsewhere, argparse's formatter, is
+      another module's internals: allow-listed or not at all.)
+    Anything else, `triton_decode._decode_split_kernel` or `chain._tree` from a module that
+    is not the chain's, fails unless PRIVATE_ACCESS_ALLOWED lets this module touch that
+    attribute, with its reason: only third-party internals with no public way to them (an
+    underscored public API like a namedtuple's `_replace` would go there too). The check is
+    by name, not by type: the rule is what a reader sees in the module's text.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    members: dict[ast.ClassDef, set[str]] = {}
+    helpers: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            members[node] = _class_members(node)
+            if node.name.startswith("_"):
+                helpers |= members[node]
+    local_classes = {c.name for c in members}
+    bad: list[str] = []
+    listed: set[str] = set()
+
+    def own(access: ast.Attribute, classes: tuple[ast.ClassDef, ...]) -> bool:
+        value = access.value
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            return True
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                and value.func.id == "super"):
+            return bool(classes) and all(isinstance(b, ast.Name) and b.id in local_classes
+                                         for b in classes[-1].bases)
+        return any(access.attr in members[c] for c in classes) or access.attr in helpers
+
+    def visit(node: ast.AST, classes: tuple[ast.ClassDef, ...]) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = (*classes, child) if isinstance(child, ast.ClassDef) else classes
+            if isinstance(child, ast.Attribute) and _is_private(child.attr) \
+                    and not own(child, classes):
+                if mod in PRIVATE_ACCESS_ALLOWED.get(child.attr, ((), ""))[0]:
+                    listed.add(child.attr)
+                else:
+                    bad.append(f"{mod}:{child.lineno} {ast.unparse(child)}")
+            visit(child, inner)
+
+    visit(tree, ())
+    return bad, listed
+
+
+def test_no_module_touches_another_objects_privates() -> None:
+    """A leading underscore is its owner's business: a module uses another object's members
+    through its public face (see private_accesses for what counts as the module's own).
+    The product only: generated gRPC code (`*_pb2*.py`) is protobuf's, tests and bench may
+    look inside. Every allow-list entry is still needed."""
+    bad: list[str] = []
+    used: set[str] = set()
+    for path in source_files():
+        if "_pb2" in path.name:
+            continue
+        found, listed = private_accesses(path, module_name(path))
+        bad += found
+        used |= listed
+    assert not bad, "another object's private members touched:\n" + "\n".join(bad)
+    assert used == set(PRIVATE_ACCESS_ALLOWED), (
+        f"allow-listed but not used any more: {sorted(set(PRIVATE_ACCESS_ALLOWED) - used)}")
+
+
+def test_the_private_access_check_sees_violations(tmp_path: Path) -> None:
+    """Another module's `_x` fails; self/cls, a class's own members on another instance, a
+    private helper class's members, super() into this module's class and the allow-listed
+    argparse internals (in the CLI only) pass; super() into another module's class fails."""
+    f = tmp_path / "probe.py"
+    f.write_text(
+        "import argparse\nfrom pagekv.tiers import chain\n\n"
+        "class Pair:\n"
+        "    _shared = 0\n"
+        "    def __init__(self, other):\n"
+        "        self._key = other._key\n"  # same class, another instance: fine
+        "        self.n = cls._shared + type(self)._shared\n"
+        "    def __eq__(self, other):\n"
+        "        return self.__class__ is other.__class__ and other._probe()\n"
+        "    def _probe(self):\n"
+        "        return chain._tree\n"  # 1: another module's object
+        "\n"
+        "class _Pending:\n"
+        "    def __init__(self):\n"
+        "        self._future = None\n"
+        "\n"
+        "def land(p, q):\n"
+        "    return p._future, q._key\n"  # 2: _key is Pair's, and land is no method of Pair
+        "\n"
+        "class Sub(Pair):\n"
+        "    def _probe(self):\n"
+        "        return super()._probe()\n"  # the base is this module's: fine
+        "\n"
+        "class Help(argparse.HelpFormatter):\n"
+        "    def _get_help_string(self, action):\n"
+        "        return super()._get_help_string(action)\n"  # 3 (allowed in the CLI)
+        "\n"
+        "def flags(parser):\n"
+        "    return parser._actions, parser._subparsers._group_actions\n"  # 4, 5, 6
+    )
+    bad, listed = private_accesses(f, "tiers.probe")
+    assert [b.split(" ", 1)[1] for b in bad] == [
+        "chain._tree", "q._key", "super()._get_help_string", "parser._actions",
+        "parser._subparsers._group_actions", "parser._subparsers"]
+    assert listed == set()
+    bad, listed = private_accesses(f, "pagekv.cli")
+    assert [b.split(" ", 1)[1] for b in bad] == ["chain._tree", "q._key"]
+    assert listed == set(PRIVATE_ACCESS_ALLOWED)
