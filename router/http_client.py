@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import h11
 
@@ -57,11 +57,13 @@ class _Connection:
                 self.writer.write(data)
         await self.writer.drain()
 
-    async def next_event(self, deadline: float | None) -> h11.Event:
+    async def next_event(self, deadline: float | None) -> h11.Event | type[h11.PAUSED]:
         while True:
             event = self.h11.next_event()
-            if event is not h11.NEED_DATA:
+            if isinstance(event, h11.Event):
                 return event
+            if event is h11.PAUSED:  # the callers take it as "not what was expected"
+                return h11.PAUSED
             async with asyncio.timeout_at(deadline):
                 data = await self.reader.read(_READ_BYTES)
             self.h11.receive_data(data)  # b"": the peer closed
@@ -86,7 +88,7 @@ class Response:
         self.headers = headers
         self._complete = False
 
-    async def chunks(self, deadline: float | None) -> AsyncIterator[bytes]:
+    async def chunks(self, deadline: float | None) -> AsyncGenerator[bytes, None]:
         conn = self._conn
         assert conn is not None, "the response was released"
         while not self._complete:

@@ -25,7 +25,8 @@ import contextlib
 import functools
 import json
 import struct
-from collections.abc import AsyncIterator, Callable, Generator
+import types
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator
 from typing import Any
 
 import grpc
@@ -100,7 +101,7 @@ class _StreamCall:
     `chunks(call)` starts the stream of chunks, which sets `call.response` to the HTTP
     response it reads and `call.done` when it ends."""
 
-    def __init__(self, chunks: Callable[[_StreamCall], AsyncIterator[pb.GenerateChunk]]
+    def __init__(self, chunks: Callable[[_StreamCall], AsyncGenerator[pb.GenerateChunk, None]]
                  ) -> None:
         self.response: Response | None = None
         self.done = False
@@ -117,8 +118,10 @@ class _StreamCall:
         response, self.response = self.response, None
         if response is not None:
             response.abort()
-        if not self._chunks.ag_running:  # suspended at a chunk: its clean-up runs now
-            self._closing = asyncio.get_running_loop().create_task(self._chunks.aclose())
+        chunks = self._chunks
+        assert isinstance(chunks, types.AsyncGeneratorType)  # (ag_running is not in the ABC)
+        if not chunks.ag_running:  # suspended at a chunk: its clean-up runs now
+            self._closing = asyncio.get_running_loop().create_task(chunks.aclose())
         return True
 
 
@@ -156,7 +159,7 @@ class VllmStub:
         return rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM pod at {self.address}: {why}")
 
     async def _chunks(self, request: pb.GenerateRequest, timeout: float | None,
-                      call: _StreamCall) -> AsyncIterator[pb.GenerateChunk]:
+                      call: _StreamCall) -> AsyncGenerator[pb.GenerateChunk, None]:
         body = json.dumps(completion_body(request), separators=(",", ":")).encode()
         headers = [("Content-Type", "application/json"), ("Accept", "text/event-stream"),
                    ("User-Agent", "pagekv-router"), *self._auth]

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from importlib import metadata
 from typing import Any
 from urllib.parse import quote
@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagekv.proto.model_files.chat import ChatTemplateError, apply_chat_template
-from pagekv.proto.openai.backend import Backend
+from pagekv.proto.openai.backend import Backend, Tokenizer
 from pagekv.proto.openai.calls import Calls, ClientGone, EventStream, until_disconnect
 from pagekv.proto.openai.errors import ApiError, invalid
 from pagekv.proto.openai.params import Parsed, parse_chat, parse_completion
@@ -144,15 +144,16 @@ class OpenAIFrontend:
             cards.append(card)
         return self._json("/v1/models", 200, {"object": "list", "data": cards})
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response | EventStream:
         return await self._generate(request, chat=False)
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response | EventStream:
         return await self._generate(request, chat=True)
 
     # -- errors no route answered (the app's exception handlers) ---------------------------
-    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+    async def http_error(self, request: Request, exc: Exception) -> Response:
         """No such route (404, 405) or another of Starlette's HTTP errors."""
+        assert isinstance(exc, HTTPException)  # the handler of HTTPException only
         status = exc.status_code
         message = (f"no route {request.method} {request.url.path}" if status in (404, 405)
                    else str(exc.detail))
@@ -167,7 +168,7 @@ class OpenAIFrontend:
                                                  code="internal_error").body())
 
     # -- generation -------------------------------------------------------------------------
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
+    async def _generate(self, request: Request, *, chat: bool) -> Response | EventStream:
         route = "/v1/chat/completions" if chat else "/v1/completions"
         try:
             return await self._run(request, route, chat)
@@ -177,7 +178,7 @@ class OpenAIFrontend:
             self._count(route, CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
 
-    async def _run(self, request: Request, route: str, chat: bool) -> Response:
+    async def _run(self, request: Request, route: str, chat: bool) -> Response | EventStream:
         self._check_auth(request)
         body = await self._body(request)
         if chat:
@@ -211,7 +212,7 @@ class OpenAIFrontend:
         headers.update(_decision_headers(out["pagekv"]))
         return self._json(route, 200, out, headers)
 
-    async def _chat_prompt(self, tokenizer, messages: list[dict[str, Any]],
+    async def _chat_prompt(self, tokenizer: Tokenizer, messages: list[dict[str, Any]],
                            kwargs: dict[str, Any]) -> list[int]:
         """The conversation rendered with the model's template and tokenized as the pods
         would; the template writes its own special tokens, so no BOS is added (vLLM's rule)."""
@@ -244,8 +245,8 @@ class OpenAIFrontend:
             renderer.add(k, chunk)
 
     async def _stream(self, request: Request, route: str, calls: Calls, renderer: Renderer,
-                      headers: dict[str, str]) -> Response:
-        async def events() -> AsyncIterator[dict[str, Any] | None]:
+                      headers: dict[str, str]) -> EventStream:
+        async def events() -> AsyncGenerator[dict[str, Any] | None, None]:
             async for k, chunk in calls.events():
                 yield renderer.add(k, chunk)
 
