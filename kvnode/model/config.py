@@ -207,8 +207,8 @@ def _parse_rope(raw: dict[str, Any], max_pos: int) -> RopeConfig:
     factor = params.get("factor")
     # A top-level original_max_position_embeddings (Phi-3 style) wins, then the rope dict's,
     # then max_position_embeddings.
-    orig = raw.get("original_max_position_embeddings",
-                   params.get("original_max_position_embeddings") or max_pos)
+    orig_key = "original_max_position_embeddings"
+    orig = raw[orig_key] if orig_key in raw else params.get(orig_key) or max_pos
     rope.original_max_position_embeddings = int(orig)
     if factor is None and rope.rope_type == "yarn":
         factor = max_pos / rope.original_max_position_embeddings

@@ -152,7 +152,7 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf: GGUFFile) -> None:
     for info in gguf.tensors.values():
         name = hf_tensor_name(info.name)
         target = targets.get(name) if name else None
-        if target is None:
+        if name is None or target is None:
             unexpected.append(info.name)
             continue
         if tuple(info.shape) != tuple(target.shape):

@@ -114,6 +114,8 @@ class RotaryEmbedding(nn.Module):
     """Non-interleaved ("rotate half") RoPE; cos/sin computed once per step for the batch's
     positions and shared by all layers."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, head_dim: int, rope: RopeConfig, device: torch.device) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope).to(device), persistent=False)

@@ -41,12 +41,20 @@ class LlamaForCausalLM(nn.Module):
         attention is the same there, and every backend has it). True if one remains: then
         the attention backend must implement ``sliding_window`` (the torch reference does)."""
         remaining = False
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             attn = layer.self_attn
             if attn.sliding_window is not None and attn.sliding_window >= max_model_len:
                 attn.sliding_window = None
             remaining |= attn.sliding_window is not None
         return remaining
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers``, typed (an nn.ModuleList holds plain Modules)."""
+        out: list[DecoderLayer] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            out.append(layer)
+        return out
 
     @property
     def dtype(self) -> torch.dtype:

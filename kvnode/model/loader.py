@@ -125,7 +125,7 @@ def weight_targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     }
     if not cfg.tie_word_embeddings:
         targets["lm_head.weight"] = model.lm_head.data
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers()):
         pre = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         targets[pre + "input_layernorm.weight"] = layer.input_layernorm.weight.data

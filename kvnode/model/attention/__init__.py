@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagekv.kvnode.model.attention.paged import paged_attention, write_kv_cache
 from pagekv.kvnode.model.attention.phase_dispatch import (
@@ -31,6 +32,9 @@ from pagekv.kvnode.model.attention.phase_dispatch import (
     PORTABLE_LIMITS,
     phase_dispatched,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +47,7 @@ _TRITON_MODULE = "pagekv.kvnode.model.attention.triton_backend"
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
     name: str  # "torch", "cpp" or "triton"
-    paged_attention: Callable[..., object]
+    paged_attention: Callable[..., torch.Tensor]
     write_kv_cache: Callable[..., None]
     phases: str = ""  # what runs each phase, for the log line
 

@@ -18,6 +18,7 @@ which implements the window, so results equal the reference's for every row.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,7 +72,7 @@ def _token_index(rows: list[int], starts: list[int], device: torch.device) -> to
 def _run_rows(fn: PagedAttentionFn, rows: list[int], starts: list[int], out: torch.Tensor,
               query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-              k_scale: float, v_scale: float, **window: int) -> None:
+              k_scale: float, v_scale: float) -> None:
     """Attention for a subset of the batch's sequences, written into their rows of ``out``."""
     tok = _token_index(rows, starts, query.device)
     sel = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
@@ -81,7 +82,6 @@ def _run_rows(fn: PagedAttentionFn, rows: list[int], starts: list[int], out: tor
     out[tok] = fn(
         query[tok], key_cache, value_cache, block_tables[sel],
         seq_lens[sel.to(seq_lens.device)], qsl.to(seq_lens.device), scale, k_scale, v_scale,
-        **window,
     )
 
 
@@ -109,18 +109,18 @@ def phase_dispatched(kernel: PagedAttentionFn, limits: KernelLimits) -> PagedAtt
                           query_start_loc, scale, k_scale, v_scale)
         lens = seq_lens.tolist()
         to_kernel, to_reference = _kernel_rows(starts, lens, sliding_window, limits)
-        window = {} if sliding_window is None else {"sliding_window": sliding_window}
         args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                 scale, k_scale, v_scale)
         if not to_kernel:  # also a batch without new tokens: the reference handles it
-            return reference_attention(*args, **window)
+            return reference_attention(*args, sliding_window=sliding_window)
         if not to_reference:
             return kernel(*args)
         out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
         common = (starts, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                   k_scale, v_scale)
         _run_rows(kernel, to_kernel, *common)
-        _run_rows(reference_attention, to_reference, *common, **window)
+        _run_rows(functools.partial(reference_attention, sliding_window=sliding_window),
+                  to_reference, *common)
         return out
 
     paged_attention.__doc__ = phase_dispatched.__doc__

@@ -13,10 +13,20 @@ when their modules were imported), which is for tests: it is orders of magnitude
 from __future__ import annotations
 
 import os
+from typing import TypedDict
 
 import torch
 
 from pagekv.kvnode.model.attention import AttentionBackend
+
+
+class _Scales(TypedDict):
+    """The keyword arguments both kernels take alike."""
+
+    scale: float
+    k_scale: float
+    v_scale: float
+    sliding_window: int | None
 
 
 def _interpreted() -> tuple[bool, bool]:
@@ -100,7 +110,8 @@ def paged_attention(
     # longest decode context (the split-K choice; paged_decode then needs no sync).
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    decodes, others = [], []
+    decodes: list[int] = []
+    others: list[int] = []
     for i, ctx in enumerate(lens):
         qlen = starts[i + 1] - starts[i]
         if qlen <= 0:
@@ -108,7 +119,8 @@ def paged_attention(
         if ctx < qlen:
             raise ValueError(f"sequence {i}: seq_len {ctx} < query_len {qlen}")
         (decodes if qlen == 1 else others).append(i)
-    common = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
+    common = _Scales(scale=scale, k_scale=k_scale, v_scale=v_scale,
+                     sliding_window=sliding_window)
     if decodes:
         splits = auto_num_splits(query.device, len(decodes), key_cache.shape[2],
                                  max(lens[i] for i in decodes), sliding_window)
