@@ -113,6 +113,11 @@ class Tier(ABC):
     def get(self, block_hash: bytes) -> torch.Tensor | None:
         """The block's data (a copy the caller owns), or None on a miss; the block stays."""
 
+    def get_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """`get` for several blocks (a peer's pull reads the SSD's in one batch); they stay.
+        The SSD tier reads adjacent entries together; any other tier asks one at a time."""
+        return [self.get(h) for h in block_hashes]
+
     @abstractmethod
     def pop(self, block_hash: bytes) -> torch.Tensor | None:
         """Remove the block and return its data (a copy the caller owns), or None on a miss."""

@@ -180,20 +180,20 @@ class TierChain:
             ssd_seconds = time.perf_counter() - t0
         with self._lock:
             self._promoting.difference_update(block_hashes[i] for i in disk)
-            self._counters.add("ssd_to_pool_seconds", ssd_seconds)
+            self._counters.add_seconds("ssd_to_pool_seconds", ssd_seconds)
             cut = False
             for i in range(len(run)):
                 block_hash = block_hashes[i]
-                medium: Medium
+                source: Medium
                 if i in read:
-                    data, medium = read[i], Medium.DISK
+                    data, source = read[i], Medium.DISK
                 else:
                     if cut:
                         continue  # untouched: stays in DRAM
-                    data, medium = self._pop_dram_locked(block_hash)
+                    data, source = self._pop_dram_locked(block_hash)
                 if data is None:
                     cut = True
-                    if medium == Medium.DISK and block_hash in self._tree and not self._ssd_has(block_hash):
+                    if source == Medium.DISK and block_hash in self._tree and not self._ssd_has(block_hash):
                         # Corrupt or unreadable: the SSD dropped it; the caller recomputes it.
                         self._counters.add("promote_failures")
                         self._tree.left(block_hash, Medium.DISK)
@@ -202,11 +202,11 @@ class TierChain:
                     self._put_back_ssd_locked(block_hash, data)  # read, but past the gap
                     continue
                 out[i] = data
-                dram = medium == Medium.CPU
+                dram = source == Medium.CPU
                 self._counters.add("promotions_dram" if dram else "promotions_ssd")
                 self._counters.add("dram_to_pool_bytes" if dram else "ssd_to_pool_bytes",
                                    data.numel())
-                self._tree.left(block_hash, medium)
+                self._tree.left(block_hash, source)
         return out
 
     # --- the pool's side, copying through a stream (the pool on CUDA) --------------------------
@@ -282,7 +282,7 @@ class TierChain:
     def add_move_seconds(self, direction: str, seconds: float) -> None:
         """Time a stream copy took, measured once it completed (e.g. "dram_to_pool")."""
         with self._lock:
-            self._counters.add(f"{direction}_seconds", seconds)
+            self._counters.add_seconds(f"{direction}_seconds", seconds)
 
     # --- a peer's side: copies of blocks that stay where they are ------------------------------
     def media_below(self, block_hashes: Sequence[bytes]) -> list[Medium | None]:
@@ -484,12 +484,12 @@ class TierChain:
         """Take a block found in DRAM by the lookup; it may have moved to the SSD since."""
         t0 = time.perf_counter()
         data = self.dram.pop(block_hash) if self.dram is not None else None
-        self._counters.add("dram_to_pool_seconds", time.perf_counter() - t0)
+        self._counters.add_seconds("dram_to_pool_seconds", time.perf_counter() - t0)
         if data is None and self._ssd_has(block_hash):
             assert self.ssd is not None
             t0 = time.perf_counter()
             data = self.ssd.pop(block_hash)  # the DRAM victim is still in the SSD's write-behind
-            self._counters.add("ssd_to_pool_seconds", time.perf_counter() - t0)
+            self._counters.add_seconds("ssd_to_pool_seconds", time.perf_counter() - t0)
             return data, Medium.DISK
         return data, Medium.CPU
 

@@ -30,24 +30,32 @@ _SSD_KEYS = ("checksum_failures", "torn_entries", "read_errors", "evictions", "p
 
 class ChainCounters:
     """What the chain did, by name (COUNTERS): an unknown name is a KeyError, not a new
-    counter."""
+    counter. Counts (blocks, lookups, bytes) are ints; the `..._seconds` counters are the
+    only floats, and each kind is added to by its own call."""
 
     def __init__(self) -> None:
-        self._c: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self._n: dict[str, int] = dict.fromkeys(
+            (name for name in COUNTERS if not name.endswith("_seconds")), 0)
+        self._s: dict[str, float] = dict.fromkeys(
+            (name for name in COUNTERS if name.endswith("_seconds")), 0)
 
-    def add(self, name: str, n: float = 1) -> None:
-        self._c[name] += n
+    def add(self, name: str, n: int = 1) -> None:
+        self._n[name] += n
+
+    def add_seconds(self, name: str, seconds: float) -> None:
+        self._s[name] += seconds
 
     def count_move(self, direction: str, nbytes: int, t0: float) -> None:
         """A copy between levels (e.g. "pool_to_dram") of `nbytes` that started at `t0`
         (perf_counter) and ended now."""
-        self._c[f"{direction}_seconds"] += time.perf_counter() - t0
-        self._c[f"{direction}_bytes"] += nbytes
+        self._s[f"{direction}_seconds"] += time.perf_counter() - t0
+        self._n[f"{direction}_bytes"] += nbytes
 
     def flat(self, blocks_below_pool: int, dram: Tier | None, ssd: Tier | None
              ) -> dict[str, float]:
         """Every counter, the tiers' sizes and the SSD's own counters (`ssd_...`), flat."""
-        out = dict(self._c)
+        out: dict[str, float] = {
+            name: self._s[name] if name in self._s else self._n[name] for name in COUNTERS}
         out["blocks_below_pool"] = blocks_below_pool
         for prefix, tier in (("dram", dram), ("ssd", ssd)):
             out[f"{prefix}_used_bytes"] = tier.used_bytes if tier is not None else 0
@@ -63,7 +71,7 @@ class ChainCounters:
     def tier_stats(self, dram: Tier | None, ssd: Tier | None, block_size: int) -> ChainStats:
         """The typed record: per tier what it holds and its lookups in tokens (`block_size`
         per block), per direction the bytes moved and the seconds it took."""
-        c = self._c
+        n, s = self._n, self._s
         tiers = {}
         for medium, prefix, tier in ((Medium.CPU, "dram", dram), (Medium.DISK, "ssd", ssd)):
             tiers[medium] = TierStats(
@@ -71,10 +79,12 @@ class ChainCounters:
                 tier.used_bytes if tier is not None else 0,
                 tier.capacity_bytes if tier is not None else 0,
                 tier.num_entries if tier is not None else 0,
-                c[f"{prefix}_hits"] * block_size,
-                c[f"{prefix}_queries"] * block_size,
+                n[f"{prefix}_hits"] * block_size,
+                n[f"{prefix}_queries"] * block_size,
             )
-        moves = tuple(TierMove(src, dst, c[f"{move_name(src, dst)}_bytes"],
-                               c[f"{move_name(src, dst)}_seconds"]) for src, dst in MOVES)
-        failures = ssd.stats()["checksum_failures"] if ssd is not None else 0
-        return ChainStats(tiers, moves, c["orphans_dropped"], failures)
+        moves = tuple(TierMove(src, dst, n[f"{move_name(src, dst)}_bytes"],
+                               s[f"{move_name(src, dst)}_seconds"]) for src, dst in MOVES)
+        # A tier's stats() are floats by type (sizes, counts and seconds in one dict); this
+        # one is a count.
+        failures = int(ssd.stats()["checksum_failures"]) if ssd is not None else 0
+        return ChainStats(tiers, moves, n["orphans_dropped"], failures)

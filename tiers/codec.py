@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import lz4.block
 import numpy as np
+from numpy.typing import NDArray
 
 CODEC_RAW = 0
 CODEC_LZ4_SHUFFLE = 1  # byte planes by element size, then lz4.block (size not stored inline)
@@ -69,17 +70,19 @@ def elem_size_of(name: str) -> int:
     return _DTYPES[canonical_dtype(name)][1]
 
 
-Buffer = bytes | bytearray | memoryview | np.ndarray
+U8Array = NDArray[np.uint8]  # a block's bytes, flat
+# What a codec call reads: any contiguous buffer; an array of any dtype is read as its bytes.
+Buffer = bytes | bytearray | memoryview | NDArray[np.generic]
 
 
-def _u8(data: Buffer) -> np.ndarray:
+def _u8(data: Buffer) -> U8Array:
     """A flat uint8 view of any contiguous buffer (no copy)."""
     if isinstance(data, np.ndarray):
         return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def shuffle(data: Buffer, elem_size: int) -> np.ndarray:
+def shuffle(data: Buffer, elem_size: int) -> U8Array:
     """Byte planes of `data`: plane i holds byte i of every element; a ragged tail stays last."""
     src = _u8(data)
     if elem_size <= 1:
@@ -94,7 +97,7 @@ def shuffle(data: Buffer, elem_size: int) -> np.ndarray:
     return out
 
 
-def unshuffle(data: Buffer, elem_size: int) -> np.ndarray:
+def unshuffle(data: Buffer, elem_size: int) -> U8Array:
     """Inverse of `shuffle`; returns a new writable array."""
     src = _u8(data)
     if elem_size <= 1:
@@ -123,7 +126,7 @@ def encode(
     sample decides like the whole block would, at a small fraction of the CPU.
     """
     src = _u8(data)
-    raw = memoryview(src)
+    raw = src.data  # memoryview(src): numpy types its buffer protocol for Python 3.12+ only
     if src.size == 0:
         return CODEC_RAW, raw
     if 0 < probe_bytes and 4 * probe_bytes <= src.size and _probe_ratio(src, elem_size, probe_bytes) < min_ratio:
@@ -134,14 +137,14 @@ def encode(
     return CODEC_LZ4_SHUFFLE, packed
 
 
-def _probe_ratio(src: np.ndarray, elem_size: int, probe_bytes: int) -> float:
+def _probe_ratio(src: U8Array, elem_size: int, probe_bytes: int) -> float:
     step = max(elem_size, elem_size * (probe_bytes // 4 // elem_size))
     stride = (src.size // 4) // elem_size * elem_size
     sample = np.concatenate([src[k * stride : k * stride + step] for k in range(4)])
     return sample.size / max(1, len(lz4.block.compress(shuffle(sample, elem_size), store_size=False)))
 
 
-def decode_array(codec_id: int, payload: Buffer, raw_len: int, elem_size: int) -> np.ndarray:
+def decode_array(codec_id: int, payload: Buffer, raw_len: int, elem_size: int) -> U8Array:
     """Decode to a uint8 array. Raw payloads are returned as a view (no copy) of `payload`."""
     if codec_id == CODEC_RAW:
         arr = _u8(payload)

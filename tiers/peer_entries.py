@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from pagekv.tiers.codec import CODEC_RAW, decode_array, dtype_code, encode
+from pagekv.tiers.codec import CODEC_RAW, U8Array, decode_array, dtype_code, encode
 from pagekv.tiers.ssd_format import (
     FormatError,
     canonical_layout,
@@ -51,20 +53,20 @@ class KvLayout:
     block_bytes: int
 
     @classmethod
-    def of(cls, layout: dict, elem_size: int, block_bytes: int) -> KvLayout:
+    def of(cls, layout: dict[str, Any], elem_size: int, block_bytes: int) -> KvLayout:
         data = canonical_layout(layout)
         return cls(data.decode(), layout_id_of(data), str(layout["dtype"]), elem_size,
                    block_bytes)
 
 
 def pack_block(layout: KvLayout, block_hash: bytes, parent_hash: bytes | None,
-               data: np.ndarray, compress: bool = False) -> bytes:
+               data: NDArray[np.generic], compress: bool = False) -> bytes:
     """One block as one entry (header + payload). `compress`: LZ4 over byte planes when it
     shrinks the block enough (tiers.codec's rule); raw otherwise (cheapest on a fast link)."""
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if raw.size != layout.block_bytes:
         raise ValueError(f"block is {raw.size} bytes, the layout's blocks {layout.block_bytes}")
-    codec, payload = encode(raw, layout.elem_size) if compress else (CODEC_RAW, memoryview(raw))
+    codec, payload = encode(raw, layout.elem_size) if compress else (CODEC_RAW, raw.data)
     header = pack_entry_header(block_hash=block_hash, parent_hash=parent_hash, token_ids=(),
                                layout_id=layout.layout_id, dtype_code=dtype_code(layout.dtype),
                                codec=codec, raw_len=raw.size, payload=payload)
@@ -72,7 +74,7 @@ def pack_block(layout: KvLayout, block_hash: bytes, parent_hash: bytes | None,
 
 
 def unpack_block(layout: KvLayout, entry: bytes | memoryview, block_hash: bytes,
-                 parent_hash: bytes | None) -> np.ndarray:
+                 parent_hash: bytes | None) -> U8Array:
     """The block in `entry`, as a uint8 array of the layout's block size; EntryRejected
     (with its reason) unless the entry is intact, of this layout, and exactly that block."""
     mv = memoryview(entry)
@@ -100,7 +102,7 @@ def unpack_block(layout: KvLayout, entry: bytes | memoryview, block_hash: bytes,
 
 
 def unpack_chain(layout: KvLayout, entries: Sequence[bytes], hashes: Sequence[bytes],
-                 parent_hash: bytes | None) -> list[np.ndarray]:
+                 parent_hash: bytes | None) -> list[U8Array]:
     """Consecutive entries for `hashes[0], hashes[1], ...` continuing `parent_hash`."""
     out = []
     parent = parent_hash

@@ -29,10 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import xxhash
 
-from pagekv.tiers.codec import CODEC_RAW, decode_array
+from pagekv.tiers.codec import CODEC_RAW, U8Array, decode_array
 
 SEG_MAGIC = b"PKVS"
 ENTRY_MAGIC = b"PKVB"
@@ -243,7 +242,7 @@ def is_torn(chunk: bytes, remaining: int) -> bool:
 
 def decode_entry(
     entry: memoryview, block_hash: bytes, layout_id: int, raw_len: int, elem_size: int
-) -> np.ndarray | None:
+) -> U8Array | None:
     """The block stored in one whole entry, in memory of its own; None unless the entry is
     intact (both checksums) and is that block of that layout and size."""
     try:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pagekv.proto.loop_thread import LoopThread
+from pagekv.tiers.codec import U8Array
 from pagekv.tiers.ssd_files import ReadHandle, SegmentFiles
 from pagekv.tiers.ssd_format import align_up, decode_entry
 from pagekv.tiers.ssd_index import Loc, SsdIndex
@@ -36,7 +37,7 @@ from pagekv.tiers.ssd_ring import PendingRing
 logger = logging.getLogger(__name__)
 
 CORRUPT = "corrupt"  # a read's result: the bytes arrived but failed verification
-ReadResult = np.ndarray | str | None  # the block, CORRUPT, or None (could not be read)
+ReadResult = U8Array | str | None  # the block, CORRUPT, or None (could not be read)
 
 
 class SsdReader:

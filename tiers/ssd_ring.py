@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagekv.tiers.codec import U8Array
 from pagekv.tiers.ssd_format import align_up
 
 
@@ -26,7 +27,7 @@ from pagekv.tiers.ssd_format import align_up
 class Chunk:
     """One slice of the ring (or a writer's output buffer): entries laid out as on disk."""
 
-    arr: np.ndarray  # uint8 view of the slice
+    arr: U8Array  # uint8 view of the slice
     view: memoryview  # the same bytes, page-aligned, for the write call
     fill: int = 0  # bytes reserved (aligned)
     entries: list[Pending] = field(default_factory=list)
@@ -48,7 +49,7 @@ class Pending:
     header_len: int
     nbytes: int
 
-    def payload(self) -> np.ndarray:
+    def payload(self) -> U8Array:
         start = self.offset + self.header_len
         return self.chunk.arr[start : start + self.nbytes]
 
@@ -93,7 +94,7 @@ class PendingRing:
         parent_hash: bytes | None,
         token_ids: tuple[int, ...],
         header_len: int,
-        data: np.ndarray,
+        data: U8Array,
     ) -> Pending | None:
         """Copy a block into the ring behind room for its header; None if the ring is full."""
         footprint = align_up(header_len + len(data))

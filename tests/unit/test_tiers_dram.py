@@ -152,3 +152,16 @@ def test_dram_loses_nothing_on_its_own_and_keeps_nothing_across_restarts() -> No
     assert tier.flush() and not tier.disabled
     assert tier.stats() == {"entries": 1, "used_bytes": BB, "capacity_bytes": BB * 2}
     tier.close()
+
+
+def test_get_many_copies_each_block_and_leaves_it() -> None:
+    """Tier.get_many (a peer's pull through TierChain.read_run) on a tier that does not batch
+    its reads: one `get` per block, a miss is None, nothing leaves the tier."""
+    tier = DramTier(BB * 4, BB)
+    tier.put(h(1), block(1))
+    tier.put(h(2), block(2))
+    got = tier.get_many([h(2), h(9), h(1)])
+    assert got[1] is None
+    assert got[0] is not None and torch.equal(got[0], block(2))
+    assert got[2] is not None and torch.equal(got[2], block(1))
+    assert tier.num_entries == 2
