@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[RequestOutput | BaseException]  # deltas, or the step's failure
 
 
 class QueueFull(RuntimeError):
@@ -39,7 +39,8 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int = 1024) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # Run on the loop thread, in order; what a command returns is dropped.
+        self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stop = False
@@ -198,9 +199,9 @@ class AsyncEngine:
                 self._wake.wait(0.002)
                 self._wake.clear()
             for d in deltas:
-                stream = self._streams.get(d.request_id)
-                if stream is not None:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, d)
+                listener = self._streams.get(d.request_id)
+                if listener is not None:
+                    listener.loop.call_soon_threadsafe(listener.queue.put_nowait, d)
             for hook in self.step_hooks:
                 hook()
 

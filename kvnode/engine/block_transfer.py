@@ -22,6 +22,7 @@ stand-in for the CUDA stream.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,9 +67,9 @@ class BlockTransfer:
         start = stream.record()
         for chunk in self._chunks(pairs):
             ids = [b for _, b in chunk]
-            stream.submit(lambda ids=ids: self._gather(ids))
+            stream.submit(functools.partial(self._gather, ids))
             gathered = stream.record()
-            stream.submit(lambda chunk=chunk: self._runs_to_host(chunk, host))
+            stream.submit(functools.partial(self._runs_to_host, chunk, host))
             stream.order_compute(gathered)  # the pool may overwrite these blocks after this
         return Copy(start, stream.record(), len(pairs) * self.block_bytes)
 
@@ -81,7 +82,7 @@ class BlockTransfer:
         stream.wait_compute()
         start = stream.record()
         for chunk in self._chunks(pairs):
-            stream.submit(lambda chunk=chunk: self._runs_from_host(chunk, host))
+            stream.submit(functools.partial(self._runs_from_host, chunk, host))
         return Copy(start, stream.record(), len(pairs) * self.block_bytes)
 
     def upload(self, block_ids: Sequence[int], rows: torch.Tensor) -> Copy:

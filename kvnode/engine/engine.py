@@ -414,7 +414,7 @@ class Engine:
         return statistics.median(self._prefill_samples)
 
     # -- cache state ----------------------------------------------------------------------
-    def full_state(self) -> dict[bytes, str]:
+    def full_state(self) -> dict[bytes, Medium]:
         """Every block hash this pod can serve, with its tier (the index republishes this)."""
         state = dict.fromkeys(self.kv_manager.cached_hashes(), Medium.GPU)
         if self.tiers is not None:
@@ -472,7 +472,8 @@ class Engine:
         if self.prefill_s_per_token is not None:
             costs["prefill"] = self.prefill_s_per_token
         if self.tiers is not None:
-            costs.update(self.tiers.reload_s_per_token(self.runner.kv_bytes_per_token))
+            # (keyed by medium: a Medium is the str it names, as a key of this dict of str)
+            costs.update(self.tiers.reload_s_per_token(self.runner.kv_bytes_per_token).items())
         peer = self.puller.stats.s_per_token() if self.puller is not None else None
         if peer is not None:
             costs["peer"] = peer

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.engine.engine import Engine
 from pagekv.kvnode.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.kvnode.engine.sampling_params import SamplingParams
-from pagekv.proto.model_files.chat import apply_chat_template
+from pagekv.proto.model_files.chat import Message, apply_chat_template
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # (typing's own from Python 3.13)
 
 logger = logging.getLogger(__name__)
+
+
+def _one_conversation(messages: Sequence[Message] | Sequence[Sequence[Message]]
+                      ) -> TypeIs[Sequence[Message]]:
+    """True for one conversation (its first item is a message); False for a list of them,
+    or for no conversation at all (an empty list, which is both)."""
+    return bool(messages) and isinstance(messages[0], Mapping)
 
 
 class LLM:
@@ -33,14 +43,13 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, together as one continuous batch."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        batch: Sequence[str | Sequence[int]] = [prompts] if isinstance(prompts, str) else prompts
         params = sampling_params or SamplingParams()
-        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(per_prompt) != len(batch):
             raise ValueError("need one SamplingParams per prompt, or a single one for all")
         ids = []
-        for prompt, p in zip(prompts, per_prompt, strict=True):
+        for prompt, p in zip(batch, per_prompt, strict=True):
             tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self._counter += 1
             ids.append(self.engine.add_request(str(self._counter), tokens, p, cache_salt=cache_salt))
@@ -52,7 +61,7 @@ class LLM:
 
     def chat(
         self,
-        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat_template: str | None = None,
@@ -63,7 +72,7 @@ class LLM:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or
         several, each rendered with the model's chat template and generated together. The
         template writes its own special tokens, so no BOS is added (as vLLM does)."""
-        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        convs = [messages] if _one_conversation(messages) else list(messages)
         prompts = [
             self.tokenizer.encode(
                 apply_chat_template(self.tokenizer, conv, chat_template=chat_template,

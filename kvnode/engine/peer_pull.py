@@ -298,10 +298,12 @@ class PeerPuller:
         pulled = min(self._landed.get(rid, 0), hit.num_tokens)
         if not pulled:
             return
-        by_tier = dict(hit.by_tier())
+        by_tier: dict[str, int] = dict(hit.by_tier().items())  # the media, and PEER_SHARE
         by_tier[Medium.GPU] = by_tier.get(Medium.GPU, 0) - pulled
         by_tier[PEER_SHARE] = pulled
-        hit.tokens_by_tier = by_tier
+        # PrefixHit.tokens_by_tier (kvnode/memory) is annotated dict[Medium, int], but a key
+        # may be PEER_SHARE, which is no Medium: its annotation should be dict[str, int].
+        hit.tokens_by_tier = by_tier  # type: ignore[assignment]
 
     # -- the engine's bookkeeping -----------------------------------------------------------
     def finish_pulls(self) -> None:

@@ -52,15 +52,16 @@ def sample(
 ) -> SamplerOutput:
     """One token per row of `logits` [num_seqs, vocab] (float32). `histories` (one per row)
     is needed when any row has penalties or min_tokens; `eos_token_ids` for min_tokens."""
-    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    # Row -> how many top logprobs it asked for (besides its sampled token's), ascending rows.
+    asked = {i: p.logprobs for i, p in enumerate(params) if p.logprobs is not None}
     # Before anything changes the logits: the model's own distribution.
-    raw = logits[asked].log_softmax(-1) if asked else None
+    raw = logits[list(asked)].log_softmax(-1) if asked else None
     if histories is not None:
         logits = process_logits(logits, params, histories, eos_token_ids)
     tokens = _draw(logits, params, generators)
     if raw is None:
         return SamplerOutput(tokens)
-    return SamplerOutput(tokens, _gather_logprobs(raw, asked, params, tokens))
+    return SamplerOutput(tokens, _gather_logprobs(raw, asked, len(params), tokens))
 
 
 def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -78,21 +79,20 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
-def _gather_logprobs(logprobs: torch.Tensor, asked: list[int], params: Sequence[SamplingParams],
+def _gather_logprobs(logprobs: torch.Tensor, asked: dict[int, int], num_rows: int,
                      tokens: list[int]) -> list[TokenLogprobs | None]:
-    """`logprobs` [len(asked), vocab]: each asking row's sampled token and top k, with one
-    gather and one topk for all of them."""
+    """`logprobs` [len(asked), vocab]: each asking row's sampled token and top k (`asked`:
+    row -> k), with one gather and one topk for all of them."""
     picked = torch.tensor([tokens[i] for i in asked], device=logprobs.device)
     sampled = logprobs.gather(1, picked[:, None])[:, 0].tolist()
-    k = min(max(params[i].logprobs for i in asked), logprobs.shape[-1])
+    k = min(max(asked.values()), logprobs.shape[-1])
     top_vals: list[list[float]] = [[] for _ in asked]
     top_ids: list[list[int]] = [[] for _ in asked]
     if k:
         vals, ids = logprobs.topk(k, -1)  # sorted, best first
         top_vals, top_ids = vals.tolist(), ids.tolist()
-    out: list[TokenLogprobs | None] = [None] * len(params)
-    for j, i in enumerate(asked):
-        n = params[i].logprobs
+    out: list[TokenLogprobs | None] = [None] * num_rows
+    for j, (i, n) in enumerate(asked.items()):
         out[i] = TokenLogprobs(tokens[i], sampled[j], list(zip(top_ids[j][:n], top_vals[j][:n],
                                                                strict=True)))
     return out

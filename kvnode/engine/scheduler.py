@@ -184,5 +184,5 @@ class Scheduler:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
                 group.num_cached_tokens = num_hit
-                group.cached_tokens_by_tier = {**group.cached_tokens_by_tier, **hit.by_tier()}
+                group.cached_tokens_by_tier = group.cached_tokens_by_tier | hit.by_tier()
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -124,12 +125,15 @@ class TierEvictor:
         self.transfer = transfer_for(runner) if dram is not None else None
 
     def __call__(self, blocks: list[KVCacheBlock]) -> None:
-        hashes = [b.block_hash for b in blocks]
+        hashes = [b.block_hash for b in blocks if b.block_hash is not None]
+        if len(hashes) != len(blocks):
+            raise ValueError("the pool evicts only blocks that carry a hash")
         parents = [b.parent_hash for b in blocks]
         ids = [b.block_id for b in blocks]
         transfer = self.transfer
-        if transfer is not None:  # a copy on the stream straight into reserved DRAM slots
-            slab = self.chain.dram.slab  # type: ignore[union-attr]
+        dram = self.chain.async_dram  # (not None when there is a transfer: see __init__)
+        if transfer is not None and dram is not None:  # a copy on the stream into DRAM slots
+            slab = dram.slab
 
             def copy_in(indices: list[int], slots: list[int]):
                 return transfer.to_host([ids[i] for i in indices], slab, slots).done
@@ -247,12 +251,13 @@ class TierConnector:
         blocks leave DRAM only for what the pool took). False: not possible, do it the
         synchronous way."""
         dram = self.chain.async_dram
-        if self._copies is None or dram is None or dram.copy_stream is not self._transfer.stream:
+        transfer = self._transfer  # (not None when there are copies: see __init__)
+        if (self._copies is None or transfer is None or dram is None
+                or dram.copy_stream is not transfer.stream):
             return False
         slots = self.chain.hold_dram_run(todo)
         if slots is None:
             return False
-        transfer = self._transfer
         copies: list[Copy] = []
         targets: list[int] = []
 
@@ -354,7 +359,7 @@ class TierConnector:
         if pending is not None:
             self.manager.unpin(pending.pinned)
             pending.pinned = []
-            pending.future.add_done_callback(lambda f, p=pending: self._put_back(p, f))
+            pending.future.add_done_callback(functools.partial(self._put_back, pending))
 
     def _put_back(self, pending: _PendingLoad, future: Future) -> None:
         try:
@@ -369,7 +374,7 @@ class TierConnector:
     def take_events(self) -> list[KVEvent]:
         return self.chain.take_events()
 
-    def full_state(self) -> dict[bytes, str]:
+    def full_state(self) -> dict[bytes, Medium]:
         return self.chain.full_state()
 
     def clear(self) -> int:
@@ -390,7 +395,7 @@ class TierConnector:
             self.persist()
         self.chain.close()
 
-    def persist(self, batch: int = 64) -> dict[str, int]:
+    def persist(self, batch: int = 64) -> dict[Medium, int]:
         """Write the pool's cached blocks that no request holds, and DRAM, down to the SSD."""
         t0 = time.perf_counter()
         cached = self.manager.idle_cached_blocks()  # least recently used first
