@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine
 from pagekv.kvnode.engine.outputs import RequestOutput
@@ -23,6 +24,8 @@ from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.proto.requests import already_in_flight
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -97,26 +100,26 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return len(self._streams)
 
-    def call(self, fn: Callable[[], object], timeout: float = 30.0) -> object:
+    def call(self, fn: Callable[[], _T], timeout: float = 30.0) -> _T:
         """Run fn on the loop thread and return its result (for stats, cache resets)."""
         done = threading.Event()
-        box: list = []
+        result: list[_T] = []
+        failure: list[Exception] = []
 
         def wrapper() -> None:
             try:
-                box.append((True, fn()))
+                result.append(fn())
             except Exception as e:  # handed back to the caller
-                box.append((False, e))
+                failure.append(e)
             done.set()
 
         self._commands.put(wrapper)
         self._wake.set()
         if not done.wait(timeout):
             raise TimeoutError("engine loop did not answer")
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
+        if failure:
+            raise failure[0]
+        return result[0]
 
     def post(self, fn: Callable[[], object]) -> None:
         """Run fn on the loop thread soon, without waiting (releases that must happen even

@@ -3,7 +3,7 @@ completions and usage out, the same for Generate and GenerateStream."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from pagekv.kvnode.engine.outputs import TokenLogprobs
 from pagekv.kvnode.engine.sampling_params import SamplingParams
@@ -59,7 +59,14 @@ def token_logprobs(lp: TokenLogprobs) -> pb.TokenLogprobs:
                             top=[pb.Logprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
-def stop_reason_fields(reason: str | int | None) -> dict[str, str | int]:
+class StopReasonFields(TypedDict, total=False):
+    """The `stop_reason` oneof of a Completion or GenerateChunk: at most one of the two."""
+
+    stop_string: str
+    stop_token_id: int
+
+
+def stop_reason_fields(reason: str | int | None) -> StopReasonFields:
     """The `stop_reason` oneof of a Completion or GenerateChunk, as keyword arguments."""
     if isinstance(reason, str):
         return {"stop_string": reason}
@@ -76,9 +83,9 @@ class Completions:
     def __init__(self) -> None:
         self.tokens: dict[int, list[int]] = {}
         self.texts: dict[int, list[str]] = {}
-        self.finish: dict[int, int] = {}
+        self.finish: dict[int, pb.FinishReason] = {}
         self.logprobs: dict[int, list[pb.TokenLogprobs]] = {}
-        self.stop: dict[int, dict[str, str | int]] = {}  # stop_reason_fields, once finished
+        self.stop: dict[int, StopReasonFields] = {}  # once finished
 
     def pieces(self, delta) -> list[dict[str, Any]]:
         """For each completion that moved, the fields of its GenerateChunk but request_id:

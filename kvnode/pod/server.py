@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -59,12 +60,16 @@ logger = logging.getLogger(__name__)
 ADMIN_METHODS = (f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/ResetPrefixCache",)
 
 
+class PodStarting(RuntimeError):
+    """The pod listens while its model loads: there is no engine to ask yet."""
+
+
 class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
     def __init__(self, pod: PodServer) -> None:
         self.pod = pod
 
     async def _parse(self, request: pb.GenerateRequest):
-        eng = self.pod.engine
+        eng = self.pod.built_engine()  # (_stream answered "starting" before the engine)
         limits = self.pod.prompt_limits
         check_request(request, limits)  # before any work that grows with the request
         if prompt_is_large(request):  # milliseconds of tokenizing: not on the event loop
@@ -154,9 +159,13 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
                 yield chunk
 
     async def Stats(self, request, context):
+        if self.pod.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is starting")
         return await asyncio.to_thread(self.pod.stats_response)
 
     async def ResetPrefixCache(self, request, context):
+        if self.pod.aengine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is starting")
         eng = self.pod.engine
         ok, n = await asyncio.to_thread(
             self.pod.aengine.call, lambda: eng.reset_prefix_cache(request.include_tiers)
@@ -204,12 +213,12 @@ class PodServer:
         self.aengine: AsyncEngine | None = None
         self.publisher: IndexPublisher | None = None
         self.server: grpc.aio.Server | None = None
-        self.health = None  # made in start(): the aio servicer needs the running loop
+        self.health: HealthServicer | None = None  # made in start(): it needs the running loop
         self.registry = CollectorRegistry()
         # model_name as vLLM labels its pod metrics, so dashboards can select by model.
         self.metric_labels = {"pod": pod_id, "model_name": engine_args.model}
         self.request_metrics = RequestMetricsExporter(self.registry, self.metric_labels)
-        self.metrics_server = None
+        self.metrics_server: WSGIServer | None = None
         self.schema: IndexSchema | None = None
         self.http_port = http_port
         self.http: HttpServer | None = None
@@ -239,12 +248,21 @@ class PodServer:
             "pagekv_http_requests", "OpenAI API (HTTP) responses by route and status",
             [*self.metric_labels, "route", "status"], registry=self.registry)
 
+    def built_engine(self) -> Engine:
+        """The engine, once start() has built it (the pod listens first); PodStarting before.
+        What can be asked while the model loads checks first: the gRPC calls answer
+        UNAVAILABLE, the HTTP API 503."""
+        if self.engine is None:
+            raise PodStarting(f"pod {self.pod_id} is starting: its engine is not built yet")
+        return self.engine
+
     def http_backend(self, servicer: PodServicer) -> Backend:
         """The pod as the HTTP front end sees it: its own GenerateStream handler."""
         return Backend(
             kind="pod", model_names=self.served_model_names, root=self.args.model,
-            tokenizer=lambda: self.engine.tokenizer, generate_stream=servicer.GenerateStream,
-            ready=lambda: self.serving, max_model_len=lambda: self.engine.max_model_len,
+            tokenizer=lambda: self.built_engine().tokenizer,
+            generate_stream=servicer.GenerateStream, ready=lambda: self.serving,
+            max_model_len=lambda: self.built_engine().max_model_len,
             api_token=self.api_token, max_body_bytes=8 * self.prompt_limits.max_message_bytes,
             headers={"x-pagekv-served-by": self.pod_id},
             on_response=lambda route, status: self.http_responses.labels(
@@ -252,21 +270,21 @@ class PodServer:
 
     def load(self) -> dict[str, float]:
         """The load the index lease carries (Engine.load: no full stats per renewal)."""
-        return self.engine.load().as_fields()
+        return self.built_engine().load().as_fields()
 
     def tier_costs(self) -> dict[str, float]:
         """Measured seconds per token (prefill, each tier's reload, a peer pull)."""
-        return self.engine.tier_costs()
+        return self.built_engine().tier_costs()
 
     def wire_hash_config(self, namespace: str = "") -> pb.HashConfig:
         """This pod's hash configuration as the contract carries it (Stats, a pull's ask)."""
         a = self.args
         return pb.HashConfig(algo=a.hash_algo, block_size=a.block_size,
-                             seed_fingerprint=self.engine.hash_config.fingerprint(),
+                             seed_fingerprint=self.built_engine().hash_config.fingerprint(),
                              namespace=namespace)
 
     def stats_response(self) -> pb.StatsResponse:
-        st = self.engine.stats()
+        st = self.built_engine().stats()
         a = self.args
         tiers = [pb.TierStats(tier=t.medium, used_bytes=t.used_bytes,
                               capacity_bytes=t.capacity_bytes, entries=t.entries)
@@ -293,8 +311,8 @@ class PodServer:
         for service in ("Generation", "KVNode"):
             add_servicer(self.server, pb.DESCRIPTOR.services_by_name[service], servicer)
         logger.info("limits: %s", self.prompt_limits.describe())
-        self.health = HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health = pod_health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(pod_health, self.server)
         names = (
             pb.DESCRIPTOR.services_by_name["Generation"].full_name,
             pb.DESCRIPTOR.services_by_name["KVNode"].full_name,
@@ -309,7 +327,7 @@ class PodServer:
         if self.advertise_address is None:
             self.address = f"{self.host}:{self.port}"
         for name in ("", *names[:2]):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await pod_health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         try:
             if self.http_port is not None:  # listening already: 503 while the model loads
@@ -324,7 +342,7 @@ class PodServer:
         # The overall status ("") last: a client that sees it SERVING finds start() done,
         # so a SIGTERM from then on takes the draining path, not the stopped-while-starting one.
         for name in (*names[:2], ""):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await pod_health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("pod %s serving gRPC on %s:%d (%s); %s", self.pod_id, self.host, self.port,
                     transport(self.tls), self.guard.describe())
 
@@ -378,8 +396,9 @@ class PodServer:
             ))
             if self.kv_events is not None:
                 self.registry.register(self.kv_events.collector(self.metric_labels))
-            self.metrics_server = serve_metrics(self.registry, self.host, self.metrics_port)
-            self.metrics_port = self.metrics_server.server_port
+            self.metrics_server = metrics = serve_metrics(self.registry, self.host,
+                                                          self.metrics_port)
+            self.metrics_port = metrics.server_port
             logger.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)
         if self.publisher is not None and not await asyncio.to_thread(self.publisher.start):
             logger.warning("Redis index at %s unreachable; serving anyway, will retry",

@@ -53,6 +53,7 @@ class FakePod:
     def args(self):
         return self.engine.args
 
+    built_engine = PodServer.built_engine
     wire_hash_config = PodServer.wire_hash_config
 
 
