@@ -162,7 +162,7 @@ class VllmEventPublisher:
         return pub, replay
 
     def _run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         try:
             pub, replay = self._bind(ctx)
         except zmq.ZMQError as exc:

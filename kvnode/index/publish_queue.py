@@ -14,12 +14,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from pagekv.proto.index.mirror import BucketChange
 from pagekv.proto.kv_events import BlockStored, KVEvent
 
-Queued = tuple[int, float, KVEvent]  # (sequence number, monotonic submit time, event)
+# What an owner submits: a pod's KV events; the vLLM ingester, which places every block
+# itself (IndexPublisher(placed=True)), one list of claim changes per tick instead.
+Publishable = KVEvent | Sequence[BucketChange]
+Queued = tuple[int, float, Publishable]  # (sequence number, monotonic submit time, item)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,13 +41,13 @@ class EventQueue:
         self.max_pending = max_pending
         self._lock = threading.Lock()
         self._queue: deque[Queued] = deque()
-        self._placement_log: deque[KVEvent] = deque(maxlen=max_pending)
+        self._placement_log: deque[BlockStored] = deque(maxlen=max_pending)
         self._seq = 0
         self._discarding = True  # until the first full sync, the snapshot covers everything
         self._dropped = 0
         self._submitted = 0
 
-    def submit(self, events: Iterable[KVEvent]) -> bool:
+    def submit(self, events: Iterable[Publishable]) -> bool:
         """Queue events in order. True when this overflowed `max_pending`: the queue was
         dropped and is discarding until the next full republish."""
         now = time.monotonic()
@@ -85,7 +89,7 @@ class EventQueue:
             self._queue.clear()
         return batch
 
-    def reopen(self) -> tuple[int, list[KVEvent]]:
+    def reopen(self) -> tuple[int, list[BlockStored]]:
         """Start queueing again, for a full republish: the last sequence number the full
         state must cover, and the stored runs dropped since the last one (the log empties)."""
         with self._lock:
@@ -95,7 +99,7 @@ class EventQueue:
             self._placement_log.clear()
             return self._seq, runs
 
-    def queued_events(self) -> list[KVEvent]:
+    def queued_events(self) -> list[Publishable]:
         """The events queued now, left in place (a full state read meanwhile may reflect
         them: their placements are needed for it)."""
         with self._lock:

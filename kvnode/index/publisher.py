@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from pagekv.kvnode.index.publish_queue import EventQueue
+from pagekv.kvnode.index.publish_queue import EventQueue, Publishable
 from pagekv.kvnode.index.publish_stats import PublishCounters
 from pagekv.kvnode.memory.metrics import Histogram
 from pagekv.proto.credentials import TlsFiles
@@ -39,7 +39,6 @@ from pagekv.proto.index.connect import REDIS_ERRORS, check_tls_url, connect, dro
 from pagekv.proto.index.handshake import config_mismatch
 from pagekv.proto.index.mirror import PlacedClaims, PodClaims
 from pagekv.proto.index.schema import IndexSchema, claim_values, new_epoch
-from pagekv.proto.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +119,9 @@ class IndexPublisher:
         self._events = EventQueue(max_pending)  # shared with submit()
 
         # Owned by the publisher thread.
+        # What `placed` decides twice: what the owner submits (KV events; lists of claim
+        # changes when placed) and the claims that read it. The two calls that hand the
+        # queued items to the claims are unchecked for it (the ignores below).
         self._claims: PodClaims | PlacedClaims = PlacedClaims() if placed else PodClaims()
         self._listed: set[int] = set()  # the pod's bucket list as written
         self._values: list[str] = []
@@ -152,8 +154,9 @@ class IndexPublisher:
         self._counters = PublishCounters()
 
     # -- engine side ---------------------------------------------------------------------
-    def submit(self, events: Iterable[KVEvent]) -> None:
-        """Queue events for publication, in order. Never blocks on Redis."""
+    def submit(self, events: Iterable[Publishable]) -> None:
+        """Queue events (placed: lists of claim changes) for publication, in order. Never
+        blocks on Redis."""
         if self._events.submit(events):
             logger.warning("index publisher %s: more than %d events pending; dropping them "
                            "and republishing the full state", self.pod_id, self.max_pending)
@@ -429,7 +432,8 @@ class IndexPublisher:
         claims = self._claims
         claims.learn(dropped_runs)
         state = self._full_state_fn()
-        claims.learn(self._events.queued_events())  # the state may reflect these already
+        # (the state may reflect these already) Items of this publisher's kind: see _claims.
+        claims.learn(self._events.queued_events())  # type: ignore[arg-type]
         wanted = claims.reset(state)
         self._listed = writes.write_all_claims(self._client, self.schema, self.pod_id, wanted,
                                                self._values)
@@ -481,7 +485,8 @@ class IndexPublisher:
                            self.pod_id, batch[0][0], self._applied_seq)
             self._drop_pending()
             return
-        changes = self._claims.apply([ev for _, _, ev in batch])
+        items = [ev for _, _, ev in batch]  # of this publisher's kind: see _claims
+        changes = self._claims.apply(items)  # type: ignore[arg-type]
         writes.write_claim_changes(self._client, self.schema, self.pod_id, changes,
                                    self._values, self._listed)
         last_seq = batch[-1][0]

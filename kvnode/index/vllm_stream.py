@@ -41,7 +41,7 @@ class VllmEventStream:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -100,9 +100,10 @@ class VllmEventStream:
         The answer ends with the publisher's end marker; if it does not within `timeout_s`
         the socket is replaced (a late answer must not be read as the next one's) and
         ReplayFailed raised."""
-        if not self.replay_endpoint:
+        endpoint = self.replay_endpoint
+        if not endpoint:
             raise ReplayFailed("no replay endpoint configured")
-        sock = self._replay_socket()
+        sock = self._replay_socket(endpoint)
         sock.send_multipart((b"", seq_to_bytes(start_seq)))
         deadline = time.monotonic() + timeout_s
         got: list[Frame] = []
@@ -130,11 +131,11 @@ class VllmEventStream:
                 return got
             got.append(Frame(seq, frames[1]))
 
-    def _replay_socket(self) -> zmq.Socket:
+    def _replay_socket(self, endpoint: str) -> zmq.Socket:
         if self._replay is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.replay_endpoint)
+            sock.connect(endpoint)
             self._replay = sock
         return self._replay
 
