@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 GUARD = textwrap.dedent("""
@@ -51,6 +53,7 @@ GUARD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.workload
 def test_the_cuda_benchmark_imports_only_torch_and_the_project():
     out = subprocess.run(
         [sys.executable, "-c", GUARD, str(ROOT), "--device", "cuda", "--cpu-smoke",

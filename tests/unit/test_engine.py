@@ -145,6 +145,7 @@ def test_finished_sample_is_reported_once():
     assert staggered, "no seed finished the two samples at different steps"
 
 
+@pytest.mark.workload
 def test_soak_random_requests_small_pool():
     rng = random.Random(1)
     eng = Engine(model="pagekv-tiny", num_gpu_blocks=48, block_size=8, max_model_len=256,

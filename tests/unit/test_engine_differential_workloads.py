@@ -34,6 +34,7 @@ import random
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,6 +51,8 @@ from tests.unit.engine_diff_harness import (
     drive,
     make_engine,
 )
+
+pytestmark = pytest.mark.workload
 
 STOP_CANDIDATES = (19, 27, 109, 113, 193, 228)  # tokens the tiny model often produces
 REF_BLOCKS = 512

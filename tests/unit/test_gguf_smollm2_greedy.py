@@ -35,7 +35,7 @@ FILLER = ("Paged attention stores keys and values in fixed-size blocks, and a bl
 
 # One torch thread: on a busy 2-core machine a second thread mostly waits at barriers (15 s
 # against 1 s for a short generation, measured); the conftest fixture restores the count.
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.workload]
 needs_cpp = pytest.mark.skipif(not cpu_kernel.available(),
                                reason="C++ paged attention extension could not be built")
 

@@ -9,6 +9,7 @@ import random
 import pytest
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.workload
 
 from pagekv.proto.model_files.chat import apply_chat_template  # noqa: E402
 from pagekv.proto.model_files.gguf import GGUFFile  # noqa: E402

@@ -171,6 +171,7 @@ def test_ssd_reload_lands_through_the_stream(streams, cold, tmp_path):
 @settings(max_examples=int(os.environ.get("PAGEKV_DIFF_EXAMPLES", "6")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
+@pytest.mark.workload
 @given(w=workloads())
 def test_offloaded_workloads_through_the_stream_match_a_cold_run(streams, w):
     ref_eng = make_engine(w, num_gpu_blocks=REF_BLOCKS, enable_prefix_caching=False,

@@ -257,6 +257,7 @@ def first_eos_prompt(llm: LLM) -> tuple[list[int], int]:
     raise AssertionError("no greedy run reached EOS")
 
 
+@pytest.mark.workload
 def test_min_tokens_masks_eos(tiny):
     llm, ref = tiny
     prompt, n = first_eos_prompt(llm)

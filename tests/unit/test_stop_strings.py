@@ -173,6 +173,7 @@ def test_stop_string_spanning_tokens_is_cut_and_ends_the_run(tiny):
     assert (offline.text, offline.token_ids, offline.stop_reason) == (want, tokens[:k], stop)
 
 
+@pytest.mark.workload
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_streamed_text_is_the_reference_for_random_stop_strings(tiny, data):
