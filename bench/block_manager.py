@@ -328,9 +328,11 @@ def print_replay(rows: dict[str, dict], ours: str) -> dict:
                      for n in others]
         print(f"| {op} ({rows[ours][op]['calls']:,} calls) | " + " | ".join(cells)
               + "".join(f" | {r}" for r in op_ratios) + " |")
-    print("| **total** | " + " | ".join(f" | | **{rows[n]['total_manager_s']:.3f}**"
-                                        for n in names)
-          + "".join(f" | **{ratios[n]:.2f}x**" for n in others) + " |")
+    total = ["**total**"]
+    for n in names:
+        total += ["", "", f"**{rows[n]['total_manager_s']:.3f}**"]
+    total += [f"**{ratios[n]:.2f}x**" for n in others]
+    print("| " + " | ".join(total) + " |")
     print()
     for n in names:
         rt = ", ".join(f"{t:.3f}" for t in rows[n]["round_totals_s"])
@@ -340,8 +342,8 @@ def print_replay(rows: dict[str, dict], ours: str) -> dict:
     for n in others:
         print(f"- {n} / {ours}, round by round: "
               + ", ".join(f"{x:.2f}x" for x in per_round[n]))
-    hits = {tuple(rows[n]["hit_tokens"]) for n in names}
-    same = len(hits) == 1 and len(next(iter(hits))) == 1
+    distinct = {tuple(rows[n]["hit_tokens"]) for n in names}  # over managers and rounds
+    same = len(distinct) == 1 and len(next(iter(distinct))) == 1
     print(f"- identical hit tokens: {'yes' if same else 'NO'}")
     return {"ratios_vs_ours": ratios, "identical_hit_tokens": same}
 
@@ -366,6 +368,10 @@ class DequeFreeQueue:
 
     def remove(self, b):
         self.q.remove(b)
+
+    def remove_n(self, blocks):
+        for b in blocks:
+            self.q.remove(b)
 
     def append(self, b):
         self.q.append(b)

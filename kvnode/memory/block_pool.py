@@ -83,6 +83,17 @@ class FreeKVCacheBlockQueue:
             raise ValueError(f"{block} is not in the free queue")
         self._unlink(block)
 
+    def remove_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """`remove` each block (the free blocks of a prefix hit), in one call."""
+        for block in blocks:
+            prev, nxt = block.prev_free_block, block.next_free_block
+            if prev is None:
+                raise ValueError(f"{block} is not in the free queue")
+            prev.next_free_block = nxt
+            nxt.prev_free_block = prev
+            block.prev_free_block = block.next_free_block = None
+            self.num_free_blocks -= 1
+
     def _unlink(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
         prev.next_free_block = nxt
@@ -209,11 +220,7 @@ class BlockPool:
             parent = block_hashes[first - 1] if first > 0 else None
             # From the block after that parent, as vLLM's events: the tokens and the parent
             # recompute the run's hashes (the vLLM ingester checks them that way).
-            toks = (
-                list(token_ids[first * bs : num_full_blocks * bs])
-                if token_ids is not None
-                else []
-            )
+            toks = list(token_ids[first * bs : num_full_blocks * bs]) if token_ids is not None else []
             self._events.append(BlockStored(stored, parent, toks, bs, lora_id, Medium.GPU))
 
     # -- allocation ---------------------------------------------------------------------
@@ -253,15 +260,18 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix hits; a free one leaves the free queue (not evicted)."""
-        queue = self.free_block_queue
-        metrics = self.metrics
-        now = time.monotonic() if metrics is not None else 0.0
+        revived = []
         for block in blocks:
             if block.ref_cnt == 0:
-                queue.remove(block)
-                if metrics is not None:
-                    metrics.observe_reuse(now - block.free_time)
+                revived.append(block)
             block.ref_cnt += 1
+        if revived:
+            self.free_block_queue.remove_n(revived)
+            metrics = self.metrics
+            if metrics is not None:
+                now = time.monotonic()
+                for block in revived:
+                    metrics.observe_reuse(now - block.free_time)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching zero go back to the free queue.

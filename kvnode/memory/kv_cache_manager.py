@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import cast
 
 from pagekv.kvnode.memory.block_pool import BlockPool, EvictHook, EvictManyHook, KVCacheBlock
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
@@ -32,6 +34,7 @@ from pagekv.proto.medium import Medium
 logger = logging.getLogger(__name__)
 
 VALID_BLOCK_SIZES = (8, 16, 32, 64, 128)
+_ref_cnt = attrgetter("ref_cnt")
 
 
 @dataclass(slots=True, eq=False)
@@ -100,7 +103,10 @@ class KVCacheManager:
         """The request's block hashes, attaching this pool's hasher on first sight (or when the
         request was hashed for another block size or hash configuration)."""
         h = request.hasher
-        if h is None or h.block_size != self.block_size or h.config != self.hash_config:
+        # Identity first: comparing two HashConfigs field by field costs more than the rest.
+        if h is None or h.block_size != self.block_size or (
+            h.config is not self.hash_config and h.config != self.hash_config
+        ):
             lora = lora_key(request.lora_id, request.lora_path)
             request.hasher = RequestBlockHasher(
                 self.hash_config, self.block_size, request.cache_salt, lora, request.mm_inputs
@@ -131,13 +137,15 @@ class KVCacheManager:
     def _continue_lookup(self, hit: PrefixHit, hashes: Sequence[bytes]) -> None:
         """Walk on from the hit's last block: what a fresh lookup would add, given that the
         blocks already in the hit are still cached (referenced, or nothing evicted since)."""
-        cached = self.block_pool.cached_block_hash_to_block.get
         blocks = hit.blocks
-        for i in range(len(blocks), hit.max_blocks):
-            block = cached(hashes[i])
-            if block is None:
-                break
-            blocks.append(block)
+        # Every candidate is looked up in one C-level pass (dict reads, no side effects), then
+        # cut at the first miss: cheaper than stopping early in a Python loop.
+        found: list[KVCacheBlock | None] = list(map(
+            self.block_pool.cached_block_hash_to_block.get, hashes[len(blocks):hit.max_blocks]
+        ))
+        if None in found:
+            del found[found.index(None):]
+        blocks.extend(cast("list[KVCacheBlock]", found))  # no None left
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(
@@ -155,75 +163,99 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        rid = request.request_id
-        bs = self.block_size
-        pool = self.block_pool
-        req_blocks = self.req_to_blocks.get(rid)
-        admitting = req_blocks is None
-        hits = hit.blocks if hit is not None else ()
-        if hits and not admitting:
-            raise ValueError(f"request {rid} already holds blocks; hits are only for admission")
-        num_computed = request.num_computed_tokens + len(hits) * bs
-        total = num_computed + num_new_tokens
-        if total > request.num_tokens + 1:
-            # One token past the known ones is allowed: a speculative slot for the next step.
-            raise ValueError(
-                f"request {rid}: {total} tokens requested but only {request.num_tokens} known"
-            )
-        num_held = 0 if admitting else len(req_blocks)
-        num_required = -(-total // bs)
-        num_new_blocks = max(0, num_required - num_held - len(hits))
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is None:
+            return self._admit(request, num_new_tokens, hit)
+        if hit is not None and hit.blocks:
+            raise ValueError(f"request {request.request_id} already holds blocks; "
+                             "hits are only for admission")
 
+        # A running request: a decode step or a later prefill chunk. This runs once per
+        # decoded token of every request, so it is written out here rather than in helpers.
+        bs = self.block_size
+        num_computed = request.num_computed_tokens
+        total = num_computed + num_new_tokens
+        if total > len(request.all_token_ids) + 1:
+            self._too_many(request, total)
+        num_new_blocks = -(-total // bs) - len(req_blocks)
         # The block about to receive token `num_computed` is shared and partly filled: the
         # writer gets a private copy (full blocks are never written, so never copied).
+        idx = num_computed // bs
         cow_block = None
-        if not admitting and num_computed % bs and num_computed // bs < num_held:
-            last = req_blocks[num_computed // bs]
-            if last.ref_cnt > 1:
-                cow_block = last
+        if num_computed % bs and idx < len(req_blocks) and req_blocks[idx].ref_cnt > 1:
+            cow_block = req_blocks[idx]
+        if num_new_blocks <= 0 and cow_block is None:
+            new_blocks = []  # the common decode step: the token fits the last block
+        else:
+            pool = self.block_pool
+            num_new_blocks = max(0, num_new_blocks)
+            if num_new_blocks + (cow_block is not None) > pool.free_block_queue.num_free_blocks:
+                return None
+            if cow_block is not None:
+                fresh = pool.get_new_blocks(1)[0]
+                req_blocks[idx] = fresh
+                pool.free_blocks((cow_block,))
+                self._block_copies.append((cow_block.block_id, fresh.block_id))
+            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+            req_blocks.extend(new_blocks)
+        # Only a step that fills a block has anything to cache.
+        if self.enable_caching and total // bs > self.num_cached_blocks[request.request_id]:
+            self._cache_full_blocks(request, req_blocks, total)
+        return new_blocks
 
-        num_free = pool.free_block_queue.num_free_blocks
-        num_revived = 0
-        for b in hits:  # hits sitting in the free queue stop counting as free once touched
-            if b.ref_cnt == 0:
-                num_revived += 1
+    def _admit(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit | None
+    ) -> list[KVCacheBlock] | None:
+        """`allocate_slots` for a request holding no blocks yet: its hits, then new blocks."""
+        bs = self.block_size
+        pool = self.block_pool
+        hits = hit.blocks if hit is not None else []
+        total = request.num_computed_tokens + len(hits) * bs + num_new_tokens
+        if total > len(request.all_token_ids) + 1:
+            self._too_many(request, total)
+        num_new_blocks = max(0, -(-total // bs) - len(hits))
+        # Hits sitting in the free queue stop counting as free once touched.
+        num_revived = list(map(_ref_cnt, hits)).count(0)
         # The reserve protects running requests; with none running it would only stall.
-        reserve = self.watermark_blocks if admitting and self.req_to_blocks else 0
-        if num_new_blocks + (cow_block is not None) + num_revived > num_free - reserve:
+        reserve = self.watermark_blocks if self.req_to_blocks else 0
+        if num_new_blocks + num_revived > pool.free_block_queue.num_free_blocks - reserve:
             return None
 
-        if admitting:
-            req_blocks = self.req_to_blocks[rid] = []
-            self.num_cached_blocks[rid] = 0
-            if not request.prefix_stats_recorded:
-                request.prefix_stats_recorded = True
-                self.metrics.record_admission(
-                    request.num_tokens, hit.by_tier() if hit is not None else {Medium.GPU: 0}
-                )
+        rid = request.request_id
+        if not request.prefix_stats_recorded:
+            request.prefix_stats_recorded = True
+            self.metrics.record_admission(
+                request.num_tokens, hit.by_tier() if hit is not None else {Medium.GPU: 0}
+            )
         if hits:
             pool.touch(hits)
-            req_blocks.extend(hits)
-            self.num_cached_blocks[rid] = len(hits)
-        if cow_block is not None:
-            fresh = pool.get_new_blocks(1)[0]
-            idx = num_computed // bs
-            req_blocks[idx] = fresh
-            pool.free_blocks((cow_block,))
-            self._block_copies.append((cow_block.block_id, fresh.block_id))
+        req_blocks = self.req_to_blocks[rid] = list(hits)
+        self.num_cached_blocks[rid] = len(hits)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        if new_blocks:
-            req_blocks.extend(new_blocks)
-
+        req_blocks.extend(new_blocks)
         if self.enable_caching:
-            hashes = self._hashes(request)
-            num_full = min(total // bs, len(hashes))
-            num_cached = self.num_cached_blocks[rid]
-            if num_full > num_cached:
-                pool.cache_full_blocks(
-                    req_blocks, hashes, num_cached, num_full, request.all_token_ids
-                )
-                self.num_cached_blocks[rid] = num_full
+            self._cache_full_blocks(request, req_blocks, total)
         return new_blocks
+
+    @staticmethod
+    def _too_many(request: Request, total: int) -> None:
+        # One token past the known ones is allowed: a speculative slot for the next step.
+        raise ValueError(f"request {request.request_id}: {total} tokens requested but "
+                         f"only {request.num_tokens} known")
+
+    def _cache_full_blocks(
+        self, request: Request, req_blocks: list[KVCacheBlock], total: int
+    ) -> None:
+        """Register the request's full blocks (of its first `total` tokens) not cached yet."""
+        rid = request.request_id
+        hashes = self._hashes(request)
+        num_full = min(total // self.block_size, len(hashes))
+        num_cached = self.num_cached_blocks[rid]
+        if num_full > num_cached:
+            self.block_pool.cache_full_blocks(
+                req_blocks, hashes, num_cached, num_full, request.all_token_ids
+            )
+            self.num_cached_blocks[rid] = num_full
 
     def load_cached_blocks(
         self,

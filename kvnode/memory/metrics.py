@@ -77,16 +77,14 @@ class KVCacheMetrics:
             self.prefix_hits_tokens += hits
             self.prefix_hits_tokens_by_tier[tier] = self.prefix_hits_tokens_by_tier.get(tier, 0) + hits
 
-    def _sampled(self) -> bool:
-        return self.sample_rate >= 1.0 or self._rng.random() < self.sample_rate
-
+    # Called per evicted or revived block: the sampling test is written out in each (no call).
     def observe_eviction(self, lifetime_s: float, idle_s: float) -> None:
-        if self._sampled():
+        if self.sample_rate >= 1.0 or self._rng.random() < self.sample_rate:
             self.block_lifetime_seconds.observe(lifetime_s)
             self.block_idle_before_evict_seconds.observe(idle_s)
 
     def observe_reuse(self, gap_s: float) -> None:
-        if self._sampled():
+        if self.sample_rate >= 1.0 or self._rng.random() < self.sample_rate:
             self.block_reuse_gap_seconds.observe(gap_s)
 
     @property

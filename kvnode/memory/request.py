@@ -77,12 +77,21 @@ class Request:
         return len(self.prompt_token_ids)
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        new = [token_ids] if isinstance(token_ids, int) else token_ids
-        new = _check_token_ids(new, "output token ids")
-        self.output_token_ids.extend(new)
-        self.all_token_ids.extend(new)
-        if self.hasher is not None:
-            self.hasher.extend(self.all_token_ids, self.block_hashes)
+        if type(token_ids) is int and token_ids >= 0:  # a decode step's one token
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            new = [token_ids] if isinstance(token_ids, int) else token_ids
+            new = _check_token_ids(new, "output token ids")
+            self.output_token_ids.extend(new)
+            self.all_token_ids.extend(new)
+        hasher = self.hasher
+        # Hash only when a block became full: the test `extend` starts with, without its
+        # call on every decoded token.
+        if hasher is not None and len(self.all_token_ids) // hasher.block_size > len(
+            self.block_hashes
+        ):
+            hasher.extend(self.all_token_ids, self.block_hashes)
 
     def __repr__(self) -> str:
         return (
