@@ -168,3 +168,25 @@ def test_usage():
 def test_bad_num_blocks():
     with pytest.raises(ValueError):
         BlockPool(0)
+
+
+def test_touch_revives_each_free_block_once_and_keeps_the_queue_linked():
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks, [b"a", b"b", b"c"], 0, 3)
+    pool.free_blocks(blocks)
+    pool.touch([blocks[0], blocks[2], blocks[2]])  # block 2 twice: unlinked once, two refs
+    assert [b.ref_cnt for b in blocks] == [1, 0, 2]
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [3, 4, 1]
+    assert pool.get_num_free_blocks() == 3
+    pool.free_blocks([blocks[2], blocks[2], blocks[0]])
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [3, 4, 1, 2, 0]
+
+
+def test_queue_remove_n_refuses_a_block_not_in_it():
+    blocks, q = make_queue(3)
+    q.remove_n([blocks[1], blocks[0]])
+    assert ids(q.get_all_free_blocks()) == [2] and q.num_free_blocks == 1
+    with pytest.raises(ValueError, match="not in the free queue"):
+        q.remove_n([blocks[2], blocks[0]])
+    assert q.num_free_blocks == 0  # block 2 was unlinked before block 0 was refused

@@ -4,6 +4,7 @@ import pytest
 
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
 from pagekv.kvnode.memory.request import Request
+from tests.kv_invariants import check_manager
 
 BS = 16
 
@@ -283,3 +284,67 @@ def test_loaded_blocks_extend_the_hit_as_a_fresh_lookup_would():
     assert hit.num_tokens == 48 and hit.blocks[2] is blocks[2]
     assert hit.blocks == mgr.lookup(Request("a3", tokens)).blocks
     assert mgr.get_num_free_blocks() == 8  # the load pinned the prefix only while it ran
+
+
+def test_lookup_stops_at_the_first_miss_though_later_blocks_are_cached():
+    mgr = KVCacheManager(8, BS, watermark=0)
+    a = Request("a", list(range(3 * BS + 1)))  # blocks 0..2 full, block 3 partial
+    admit(mgr, a)
+    mgr.free(a)  # free queue: [block 3 (unhashed), 4 never used, blocks 2, 1, 0 (hashed)]
+    hit = mgr.lookup(Request("a2", list(range(3 * BS + 1))))
+    assert hit.num_tokens == 3 * BS
+    pinned = hit.blocks[2:]
+    mgr.pin(pinned)  # block 2 stays cached while the pool makes room
+    filler = Request("f", list(range(1000, 1000 + 6 * BS)))
+    assert mgr.allocate_slots(filler, filler.num_tokens) is not None  # 5 free + block 1 evicted
+    again = Request("a3", list(range(3 * BS + 1)))
+    hit = mgr.lookup(again)
+    assert again.block_hashes[2] in mgr.cached_hashes()  # block 2 is cached...
+    assert again.block_hashes[1] not in mgr.cached_hashes()
+    assert hit.num_tokens == BS  # ...but a hit is a prefix: it ends at block 1's miss
+    mgr.unpin(pinned)
+    check_manager(mgr)
+
+
+def test_running_request_caches_each_block_as_it_fills_and_only_then():
+    mgr = KVCacheManager(8, BS, watermark=0)
+    a = Request("a", list(range(BS - 2)))
+    admit(mgr, a)
+    for t in range(3 * BS):
+        decode(mgr, a, 100 + t)
+        full = a.num_computed_tokens // BS
+        assert len(a.block_hashes) == a.num_tokens // BS
+        assert mgr.num_cached_blocks["a"] == full
+        assert [b.block_hash for b in mgr.get_blocks("a")[:full]] == a.block_hashes[:full]
+    stored = [e for e in mgr.take_events() if e.block_hashes]
+    assert [e.block_hashes for e in stored] == [[h] for h in a.block_hashes[:3]]
+
+
+def test_a_later_prefill_chunk_caches_the_blocks_it_fills():
+    mgr = KVCacheManager(8, BS, watermark=0)
+    a = Request("a", list(range(3 * BS + 5)))
+    hit = mgr.lookup(a)
+    assert mgr.allocate_slots(a, BS + 3, hit) == mgr.get_blocks("a")  # first chunk: 2 blocks
+    a.num_computed_tokens = BS + 3
+    assert mgr.num_cached_blocks["a"] == 1
+    assert len(mgr.allocate_slots(a, 2 * BS)) == 2  # up to token 51: blocks 2 and 3
+    assert mgr.num_cached_blocks["a"] == 3
+    assert mgr.cached_hashes() >= set(a.block_hashes[:3])
+
+
+def test_output_tokens_are_checked_and_hashed_as_blocks_fill():
+    mgr = KVCacheManager(8, BS, watermark=0)
+    a = Request("a", list(range(BS - 1)))
+    admit(mgr, a)
+    for bad in (True, -1, [1, -1], [2.0], [False]):
+        with pytest.raises(ValueError, match="non-negative ints"):
+            a.append_output_token_ids(bad)
+    assert a.num_tokens == BS - 1 and a.output_token_ids == []
+    a.append_output_token_ids(5)  # completes block 0
+    assert len(a.block_hashes) == 1
+    a.append_output_token_ids(list(range(2 * BS)))  # a list that fills two more
+    assert len(a.block_hashes) == 3
+    assert a.output_token_ids == [5, *range(2 * BS)]
+    fresh = Request("b", a.all_token_ids)
+    mgr.lookup(fresh)  # the same tokens hashed from scratch
+    assert fresh.block_hashes == a.block_hashes
