@@ -79,7 +79,7 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if "default" in text or action.default in (None, argparse.SUPPRESS):
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""  # (typeshed: str | None; it is a str)
 
 
 def _common() -> argparse.ArgumentParser:
@@ -128,7 +128,11 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser, selected: str 
     path = getattr(ns, "config", None)
     if path is None:
         return argv
-    subparser = parser._subparsers._group_actions[0].choices[selected]
+    subparsers = parser._subparsers  # the group of the action add_subparsers() made
+    assert subparsers is not None, "build_parser adds the subcommands"
+    choices = subparsers._group_actions[0].choices  # subcommand name -> its parser
+    assert isinstance(choices, dict)
+    subparser = choices[selected]
     at = argv.index(selected) + 1
     return argv[:at] + config_tokens(path, subparser) + argv[at:]
 
