@@ -2,16 +2,20 @@
 
 Prints, side by side in one run:
 1. the replay of a held-out trace through PageKV's manager and vLLM 0.33's own
-   `vllm.v1.core.kv_cache_manager.KVCacheManager` (fetched by bench/vllm_reference.py),
-   alternating in this process: µs per admit / decode token / finish (median, p99, total),
-   total manager time, the ratio, and the prefix-hit tokens of each (they must be equal);
-   `--baseline PATH` adds another checkout's manager (e.g. a worktree of 27bf799) to the rounds;
+   `vllm.v1.core.kv_cache_manager.KVCacheManager` (fetched by bench/vllm_reference.py; with
+   KV events and prefix stats on, as PageKV, and again "lean", both off), alternating in this
+   process: µs per admit / decode token / finish (median, p99, total), total manager time,
+   the ratios, and the prefix-hit tokens of each (they must be equal); `--baseline PATH` adds
+   another checkout's manager (e.g. a worktree of 27bf799) to the rounds;
 2. per-operation cost at pool sizes 10^3..10^6 blocks, against a deque.remove free list;
 3. chained hashing cost per block for the four algorithms (bench/hashing_cost.py);
 4. KV memory waste and peak concurrency, paged vs. contiguous max_model_len reservation.
 
     python -m bench.block_manager [--quick] [--json PATH] [--seed N] [--rounds N]
-                                  [--no-fetch] [--baseline PATH ...]
+        [--replay-only] [--no-fetch] [--no-vllm] [--no-lean] [--baseline PATH ...]
+
+Without vLLM (no network for the first fetch, an import failure) the replay says so and
+runs PageKV alone: there is no stored vLLM figure to fall back on.
 """
 
 from __future__ import annotations
@@ -125,17 +129,19 @@ class VllmFace:
     """vLLM 0.33's manager as its scheduler drives it: `get_computed_blocks` →
     `allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks)`
     and `record_prefix_cache_stats` per admission, `allocate_slots(request, 1)` per decode
-    token, `free`. Prefix caching, KV events and stats on (PageKV's manager always makes
-    all three), block size 16, the same usable pool, watermark and hash.
+    token, `free`. Prefix caching on, block size 16, the same usable pool, watermark and
+    hash; KV events and prefix stats on, as PageKV's manager always makes both (`lean`:
+    both off, vLLM's cheapest configuration, to show the comparison does not hinge on them).
 
     vLLM hashes in its Request (`update_block_hashes`: `block_hashes.extend(block_hasher(req))`)
     at creation and after each append. Requests are made here without the hasher and that same
     call is made inside the timed admission and decode, so vLLM's hashing is counted in vLLM's
     time and its Request construction is not (as PageKV's is not)."""
 
-    def __init__(self, v, num_blocks: int = NUM_BLOCKS) -> None:
-        self.name = f"vLLM {v.version}"
+    def __init__(self, v, num_blocks: int = NUM_BLOCKS, lean: bool = False) -> None:
+        self.name = f"vLLM {v.version}" + (" lean" if lean else "")
         self.v = v
+        self.lean = lean
         self.num_blocks = num_blocks
         hash_fn = v.hash_fns[HASH_ALGO]
         v.init_none_hash(hash_fn)  # the chain's root, from vLLM's default seed
@@ -151,7 +157,7 @@ class VllmFace:
                                  kv_cache_groups=[self.group])
         self.mgr = v.KVCacheManager(
             config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=BS, hash_block_size=BS,
-            enable_caching=True, log_stats=True, enable_kv_cache_events=True,
+            enable_caching=True, log_stats=not self.lean, enable_kv_cache_events=not self.lean,
             watermark=WATERMARK,
         )
         self.running = v.RequestStatus.RUNNING
@@ -168,7 +174,7 @@ class VllmFace:
         blocks, n, _ = mgr.get_computed_blocks(req)
         new = mgr.allocate_slots(req, req.num_tokens - n, n, blocks,
                                  has_scheduled_reqs=any_running)
-        if new is not None:
+        if new is not None and not self.lean:
             mgr.record_prefix_cache_stats(req, n)
         t1 = clock()
         if new is None:
@@ -489,6 +495,8 @@ def main() -> None:
     ap.add_argument("--no-fetch", action="store_true",
                     help="do not download vLLM; compare only if it was fetched before")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM comparison")
+    ap.add_argument("--no-lean", action="store_true",
+                    help="skip the second vLLM run with KV events and prefix stats off")
     ap.add_argument("--baseline", action="append", default=[], metavar="PATH",
                     help="another checkout's manager to replay too (e.g. a worktree of 27bf799)")
     ap.add_argument("--replay-only", action="store_true", help="only the replay section")
@@ -508,6 +516,8 @@ def main() -> None:
             print(f"\n**No vLLM comparison**: {v}.")
         else:
             faces.append(VllmFace(v))
+            if not args.no_lean:
+                faces.append(VllmFace(v, lean=True))
     for path in args.baseline:
         root = Path(path).resolve()
         mgr_cls, req_cls, has_lookup = import_checkout(root)

@@ -283,12 +283,18 @@ class BlockPool:
         hashed: list[KVCacheBlock] = []
         unhashed: list[KVCacheBlock] = []
         for block in ordered_blocks:
-            if block.ref_cnt <= 0:
-                raise ValueError(f"{block} freed more often than it was referenced")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            ref_cnt = block.ref_cnt
+            if ref_cnt > 1:  # still shared (a prefix other requests hold)
+                block.ref_cnt = ref_cnt - 1
+            elif ref_cnt == 1:
+                block.ref_cnt = 0
                 block.free_time = now
-                (hashed if block.block_hash is not None else unhashed).append(block)
+                if block.block_hash is None:
+                    unhashed.append(block)
+                else:
+                    hashed.append(block)
+            else:
+                raise ValueError(f"{block} freed more often than it was referenced")
         if hashed:
             self.free_block_queue.append_n(hashed)
         if unhashed:
