@@ -76,6 +76,8 @@ def call(stub, prompt: str | list[int], max_tokens: int, chat: bool
             ttft = time.perf_counter() - t0
         answer.extend(chunk.token_ids)
         last = chunk
+    if last is None:  # a stream ends with the chunk carrying its usage: none is an error
+        raise RuntimeError("the request's stream ended without a chunk")
     return ttft or (time.perf_counter() - t0), last, answer
 
 
@@ -208,9 +210,10 @@ def main(args: argparse.Namespace) -> int:
     args.max_tokens = args.max_tokens or (48 if chat else 8)
     args.num_gpu_blocks = args.num_gpu_blocks or (26 if chat else 112)
     args.cpu_offload_bytes = args.cpu_offload_bytes or ("4MiB" if chat else "2MiB")
-    plan = ([(r.round, r.group, r.question, r.token_ids)
-             for r in chat_plan(renderer, args.groups, args.per_group)] if renderer else
-            synthetic_plan(args.groups, args.per_group, args.prefix_tokens))
+    plan: list[tuple[str, int, str, str | list[int]]] = (
+        [(r.round, r.group, r.question, r.token_ids)
+         for r in chat_plan(renderer, args.groups, args.per_group)] if renderer else
+        synthetic_plan(args.groups, args.per_group, args.prefix_tokens))
 
     def show(results: list[Result]) -> None:
         print(report(results), flush=True)
@@ -242,6 +245,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"cluster ready in {time.perf_counter() - t0:.1f} s; sending {len(plan)} "
               f"requests ({args.groups} {'assistants with system prompts' if chat else 'groups'}"
               f", prompts of {lengths[0]}-{lengths[-1]} tokens)", flush=True)
-        show(run_workload(cluster.router.address, plan, args.max_tokens, chat))
+        show(run_workload(cluster.router_child().target(), plan, args.max_tokens, chat))
     print("cluster stopped", flush=True)
     return 0

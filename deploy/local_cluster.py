@@ -73,6 +73,12 @@ class Child:
     metrics_port: int | None = None
     http_port: int | None = None  # the OpenAI API
 
+    def target(self) -> str:
+        """The gRPC address to dial; whoever spawned the child sets it (LocalCluster does)."""
+        if self.address is None:
+            raise RuntimeError(f"{self.name} was spawned without a gRPC address")
+        return self.address
+
     def log_tail(self, n: int = 30) -> str:
         try:
             return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
@@ -169,13 +175,25 @@ class LocalCluster:
                POD_API_TOKEN_ENV: (self.api_token or "") if router else ""}
         return flags, env
 
-    def start(self, timeout: float = 180.0) -> LocalCluster:
+    def _run_dir(self) -> Path:
+        """Where the children's logs and state go: `run_dir`, a temporary one by default."""
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="pagekv-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        return self.run_dir
+
+    def router_child(self) -> Child:
+        """The cluster's router; RuntimeError when it runs none (start_router=False, or
+        not started)."""
+        if self.router is None:
+            raise RuntimeError("this cluster runs no router")
+        return self.router
+
+    def start(self, timeout: float = 180.0) -> LocalCluster:
+        run_dir = self._run_dir()
         try:
             if self.redis_url is None:
-                self.redis = RedisProcess(data_dir=self.run_dir / "redis").start()
+                self.redis = RedisProcess(data_dir=run_dir / "redis").start()
                 self.redis_url = self.redis.url
                 logger.info("embedded Redis on %s", self.redis_url)
             for i in range(self.nodes):
@@ -183,7 +201,7 @@ class LocalCluster:
             if self.start_router:
                 self.start_router_process()
             for child in self.children:
-                wait_healthy(child.address, timeout, child.proc, tls=self.client_tls())
+                wait_healthy(child.target(), timeout, child.proc, tls=self.client_tls())
         except BaseException:
             for child in self.children:
                 if child.proc.poll() is not None:
@@ -204,8 +222,9 @@ class LocalCluster:
 
     def start_pod(self, pod_id: str, extra: list[str] | None = None) -> Child:
         port, mport, hport = self._port(), self._port(), self._port()
+        run_dir = self._run_dir()
         # "{pod_id}" / "{run_dir}" in node args give each pod its own paths (SSD tier dirs).
-        node_args = [a.format(pod_id=pod_id, run_dir=self.run_dir) for a in self.node_args]
+        node_args = [a.format(pod_id=pod_id, run_dir=run_dir) for a in self.node_args]
         if not any(a.startswith("--num-threads") for a in node_args):
             # Pods sharing this host split its cores instead of oversubscribing them.
             node_args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(1, self.nodes)))]
@@ -215,7 +234,7 @@ class LocalCluster:
             "--metrics-port", str(mport), "--http-port", str(hport), "--pod-id", pod_id,
             *flags, *node_args, *(extra or []),
         )
-        child = spawn(pod_id, argv, self.run_dir, env)
+        child = spawn(pod_id, argv, run_dir, env)
         child.address, child.metrics_port, child.http_port = f"{self.host}:{port}", mport, hport
         self.children.append(child)
         self.pods.append(child)
@@ -235,7 +254,7 @@ class LocalCluster:
             "--metrics-port", str(mport), "--http-port", str(hport), *flags,
             *self.router_args, *(extra or []),
         )
-        child = spawn(name, argv, self.run_dir, env)
+        child = spawn(name, argv, self._run_dir(), env)
         child.address, child.metrics_port, child.http_port = f"{self.host}:{port}", mport, hport
         self.children.append(child)
         if main:
@@ -309,8 +328,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-client-auth", action="store_true",
                        help="mutual TLS: servers also require client certificates signed by "
                             "--tls-ca (the router and health checks present --tls-cert)")
-    add_token_argument(group, "--admin-token", ADMIN_TOKEN_ENV, "the pods' admin token")
-    add_token_argument(group, "--api-token", API_TOKEN_ENV,
+    # add_token_argument (proto.credentials) is annotated for an ArgumentParser, but it only
+    # calls add_argument, which a group has too (argparse._ActionsContainer, their base).
+    add_token_argument(group, "--admin-token", ADMIN_TOKEN_ENV,  # type: ignore[arg-type]
+                       "the pods' admin token")
+    add_token_argument(group, "--api-token", API_TOKEN_ENV,  # type: ignore[arg-type]
                        "the pods' and the router's API token (the router uses it for the pods)")
     add_redis_tls_arguments(p)
 
@@ -334,7 +356,7 @@ def cluster_from(args: argparse.Namespace) -> LocalCluster:
 
 def try_line(cluster: LocalCluster) -> str:
     """The `pagekv generate` command that reaches this cluster's router."""
-    argv = f"pagekv generate 'Hello' --router {cluster.router.address}"
+    argv = f"pagekv generate 'Hello' --router {cluster.router_child().target()}"
     tls = cluster.client_tls()
     for part in ("ca", "cert", "key"):
         if tls is not None and getattr(tls, part):
@@ -347,7 +369,7 @@ def try_line(cluster: LocalCluster) -> str:
 def curl_line(cluster: LocalCluster) -> str:
     """A `curl` of the router's OpenAI API."""
     scheme = "https" if cluster.server_tls() else "http"
-    argv = f"curl -s {scheme}://{cluster.host}:{cluster.router.http_port}/v1/completions"
+    argv = f"curl -s {scheme}://{cluster.host}:{cluster.router_child().http_port}/v1/completions"
     if cluster.tls_ca:
         argv += f" --cacert {cluster.tls_ca}"
     if cluster.api_token:

@@ -157,7 +157,9 @@ def deploy_cluster(
 
     pod_ids = [f"ray-pod-{i}" for i in range(num_pods)]
     pod_cls = ray.remote(PodActor)
-    pods = []
+    # Actor handles are Any, as in ClusterHandles: Ray types `handle.method.remote` only for
+    # methods decorated with @ray.method.
+    pods: list[Any] = []
     for i, pod_id in enumerate(pod_ids):
         kwargs = dict(ekw)
         if kwargs.get("disk_offload_dir"):  # each pod its own SSD directory
@@ -173,7 +175,7 @@ def deploy_cluster(
         pods.append(pod_cls.options(**opts).remote(
             pod_id, redis_url, kwargs, host, serve_metrics, lease_ttl_s))
 
-    router = None
+    router: Any = None
     if start_router:
         # The router hashes exactly like the pods, or it routes on misses only.
         rkw = {"redis_url": redis_url, "model": model, "block_size": eargs.block_size,
@@ -214,8 +216,9 @@ def shutdown_cluster(handles: ClusterHandles, graceful: bool = True,
     """Router first (no new traffic), then the pods (they drain and leave the index)."""
     actors = ([handles.router] if handles.router is not None else []) + list(handles.pods)
     if graceful:
-        refs = [a.stop.remote() if a is handles.router else a.stop.remote(drain_timeout_s)
-                for a in actors]
+        refs = [a.stop.remote(drain_timeout_s) for a in handles.pods]
+        if handles.router is not None:  # (its stop takes no timeout)
+            refs.insert(0, handles.router.stop.remote())
         try:
             ray.get(refs, timeout=drain_timeout_s + 60.0)
         except Exception as exc:  # a dead or wedged actor must not stop the teardown

@@ -186,6 +186,8 @@ class LocalRedisCluster:
 
     def client(self, node: RedisProcess) -> redis.Redis:
         """A plain client of one node (not cluster-aware)."""
+        if node.port is None:
+            raise RuntimeError("this node has no port yet: start the cluster first")
         return redis.Redis(host=self.host, port=node.port, socket_timeout=5,
                            socket_connect_timeout=5)
 

@@ -234,7 +234,9 @@ class RedisProcess:
             return None
         ctx = ssl.create_default_context(cafile=self.tls.ca)
         if self.tls_auth_clients:  # the server's own certificate serves as a client's here
-            ctx.load_cert_chain(self.tls.cert, self.tls.key)
+            cert = self.tls.cert
+            assert cert is not None  # __init__ refuses a TLS server without its certificate
+            ctx.load_cert_chain(cert, self.tls.key)
         return ctx
 
     def _kill(self) -> None:
