@@ -42,7 +42,7 @@ NUM_BLOCKS = 32768
 WATERMARK = 0.01
 HASH_ALGO = "sha256"  # PageKV's default, and vLLM's (pickle + SHA-256, the same bytes)
 MAX_MODEL_LEN = 4096  # the trace's longest request is 3,000 + 200 tokens
-# The replay's trace: a seed never used while tuning the manager (tuning used seeds 0 and 1).
+# The replay's trace: a seed never used while tuning the manager (tuning used seed 0).
 HELD_OUT_SEED = 25
 OPS = ("admit", "decode", "finish")
 clock = time.perf_counter_ns
