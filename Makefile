@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install kernels tools lint proto bench clean
+.PHONY: demo test test-unit typecheck install kernels tools lint proto bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -49,10 +49,21 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m pagekv bench-cluster --nodes 2
 
+# The whole suite: the type checker first (seconds), then every test.
 # pytest exit code 5 (no tests collected) is a failure, like any other non-zero code.
-test: $(STAMP)
+test: $(STAMP) typecheck
 	PAGEKV_REDIS_SERVER=$$([ -x $(REDIS_TLS) ] && echo $(abspath $(REDIS_TLS))) \
 		$(VPY) -m pytest -q -p no:cacheprovider tests
+
+# The inner loop, under 2 minutes: the unit tests (no servers) less the `workload` ones (whole
+# workloads through a model against a reference: minutes; `make test` runs them).
+test-unit: $(STAMP)
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not workload" tests/unit
+
+# mypy, pinned in pyproject's dev extras; its settings (strict on proto, router, tiers and
+# kvnode.memory, the default elsewhere) are pyproject's [tool.mypy].
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -43,7 +43,8 @@ class FreeKVCacheBlockQueue:
 
     The head is the next victim. Every operation is O(1) per block: `remove` is how a prefix
     hit pulls a free cached block out of the middle of the queue, which a `deque` would make
-    O(n) in the pool size.
+    O(n) in the pool size. A queued block's links are never None (the head and tail are
+    sentinels); the asserts below say so to the type checker, one per block touched.
     """
 
     __slots__ = ("num_free_blocks", "_head", "_tail")
@@ -58,7 +59,7 @@ class FreeKVCacheBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free_block
-        if block is self._tail:
+        if block is self._tail or block is None:
             raise ValueError("no free blocks left")
         self._unlink(block)
         return block
@@ -69,10 +70,12 @@ class FreeKVCacheBlockQueue:
         out = []
         block = self._head.next_free_block
         for _ in range(n):
+            assert block is not None
             out.append(block)
             nxt = block.next_free_block
             block.prev_free_block = block.next_free_block = None
             block = nxt
+        assert block is not None
         self._head.next_free_block = block
         block.prev_free_block = self._head
         self.num_free_blocks -= n
@@ -87,7 +90,7 @@ class FreeKVCacheBlockQueue:
         """`remove` each block (the free blocks of a prefix hit), in one call."""
         for block in blocks:
             prev, nxt = block.prev_free_block, block.next_free_block
-            if prev is None:
+            if prev is None or nxt is None:
                 raise ValueError(f"{block} is not in the free queue")
             prev.next_free_block = nxt
             nxt.prev_free_block = prev
@@ -96,6 +99,7 @@ class FreeKVCacheBlockQueue:
 
     def _unlink(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
+        assert prev is not None and nxt is not None
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
@@ -103,6 +107,7 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free_block
+        assert last is not None
         last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self._tail
@@ -111,6 +116,7 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         last = self._tail.prev_free_block
+        assert last is not None
         n = 0
         for block in blocks:
             last.next_free_block = block
@@ -126,6 +132,7 @@ class FreeKVCacheBlockQueue:
         if not blocks:
             return
         first = self._head.next_free_block
+        assert first is not None
         prev = self._head
         for block in blocks:
             prev.next_free_block = block
@@ -139,6 +146,7 @@ class FreeKVCacheBlockQueue:
         out = []
         block = self._head.next_free_block
         while block is not self._tail:
+            assert block is not None
             out.append(block)
             block = block.next_free_block
         return out

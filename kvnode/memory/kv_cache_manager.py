@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterable, KeysView, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import cast
+from typing import Any, cast
 
 from pagekv.kvnode.memory.block_pool import BlockPool, EvictHook, EvictManyHook, KVCacheBlock
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
@@ -262,7 +262,7 @@ class KVCacheManager:
         request: Request,
         start: int,
         loads: Sequence[tuple[bytes, object]],
-        write_fn: Callable[[list[int], list], None],
+        write_fn: Callable[[list[int], list[Any]], None],  # block ids, their tiers' data
         hit: PrefixHit | None = None,
     ) -> int:
         """Materialize blocks reloaded from a lower tier as pool cache entries.
