@@ -20,23 +20,11 @@ from pagekv.kvnode.pod.server import PodServer
 from pagekv.proto.hashing import hash_prompt
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.tiers.peer_entries import pack_block, unpack_chain
+from tests.unit.grpc_context import Aborted, FakeContext
 
 PROMPT = [(i * 7) % 250 for i in range(100)]  # 6 full blocks of 16 cached after one run
 CACHED = len(PROMPT) // 16
 LABELS = {"pod": "pod-t", "model_name": "pagekv-tiny"}
-
-
-class Aborted(Exception):
-    """What grpc.aio's context.abort raises (AbortError), with the status kept."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-
-
-class FakeContext:
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise Aborted(code, details)
 
 
 @dataclass

@@ -11,17 +11,7 @@ import pytest
 from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.pod.server import PodServer, PodServicer, PodStarting
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-
-
-class FakeContext:
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise Aborted(code, details)
+from tests.unit.grpc_context import Aborted, FakeContext
 
 
 def starting_pod() -> PodServer:
