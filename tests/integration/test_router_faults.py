@@ -7,6 +7,7 @@ caplog. Fixtures: conftest.py; helpers: router_fixtures.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -16,6 +17,7 @@ import redis
 
 from pagekv.proto.index import count_pod_claims
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.router.server import STOP_STEP_TIMEOUT_S
 from tests.integration.router_fixtures import SCHEMA, tokens_req
 
 pytestmark = pytest.mark.integration
@@ -183,3 +185,23 @@ def test_dead_pod_is_reaped_from_the_index(redis_server, fake_pods, make_router,
     assert router.metric("pagekv_router_reaped_claims_total") == claims
     lines = [r.getMessage() for r in caplog.records if "no lease" in r.getMessage()]
     assert len(lines) == 1 and f"removed its {claims} block claims" in lines[0]
+
+
+def test_stop_returns_when_a_server_will_not_drain(redis_server, make_router, caplog) -> None:
+    """The HTTP server's drain never ends: stop() still returns, within its bound, says so."""
+    router = make_router(redis_server.url)
+    http = router.server.http
+    assert http is not None
+    drained = http.stop
+
+    async def never_drains(grace: float) -> None:
+        await drained(grace)  # the server itself stops; its drain is what never ends
+        await asyncio.Event().wait()
+
+    http.stop = never_drains  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="pagekv.router.server"):
+        router.call(router.server.stop(0.2), timeout=0.2 + STOP_STEP_TIMEOUT_S + 20)
+    assert time.monotonic() - t0 < 0.2 + STOP_STEP_TIMEOUT_S + 10
+    assert "did not drain" in caplog.text
+
