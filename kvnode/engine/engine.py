@@ -24,7 +24,6 @@ from pagekv.kvnode.engine.engine_stats import (
     EngineStats,
     PeerPullStats,
     PrefixCacheStats,
-    histogram_copy,
 )
 from pagekv.kvnode.engine.kv_export import KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
@@ -447,9 +446,9 @@ class Engine:
         m = self.metrics
         prefix = PrefixCacheStats(
             m.prefix_requests, m.prefix_queries_tokens, dict(m.prefix_hits_tokens_by_tier),
-            m.hit_rate, m.pool_too_small(), histogram_copy(m.block_lifetime_seconds),
-            histogram_copy(m.block_idle_before_evict_seconds),
-            histogram_copy(m.block_reuse_gap_seconds))
+            m.hit_rate, m.pool_too_small(), m.block_lifetime_seconds.buckets_copy(),
+            m.block_idle_before_evict_seconds.buckets_copy(),
+            m.block_reuse_gap_seconds.buckets_copy())
         peer = None
         if self.puller is not None:
             p = self.puller.stats

@@ -76,7 +76,3 @@ class EngineStats:
         """A `TierStats` per medium: the pool, then the chain's own records as they are."""
         return {Medium.GPU: self.pool, **(self.chain.tiers if self.chain is not None else {})}
 
-
-def histogram_copy(h: Histogram) -> Histogram:
-    """The buckets of `h` as they are now (its window of raw samples is left behind)."""
-    return Histogram(h.buckets, list(h.counts), h.total, h.count)

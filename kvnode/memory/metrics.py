@@ -52,6 +52,11 @@ class Histogram:
         ordered = sorted(self.window)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
+    def buckets_copy(self) -> Histogram:
+        """The buckets as they are now, for a reader on another thread (the window of raw
+        samples is left behind)."""
+        return Histogram(self.buckets, list(self.counts), self.total, self.count)
+
 
 class KVCacheMetrics:
     """Prefix-cache and block-lifecycle statistics of one pool."""

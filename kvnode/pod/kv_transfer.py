@@ -4,8 +4,8 @@ Checks first (the pod serving, the same hash configuration and KV layout, the li
 a free transfer slot: `--kv-transfer-max-concurrent`), then the run this pod holds is found
 and its pool blocks pinned on the engine thread (kvnode.engine.kv_export). The blocks go out
 a message at a time (about `chunk_bytes` each), as the entries the engine's exporter packed
-(tiers.peer_entries: this module never looks inside one); each message waits for gRPC's flow control, so a slow puller slows the reads instead of
-filling this pod's memory. The stream stops at `--kv-transfer-max-bytes` (or the puller's
+(tiers.peer_entries: this module never looks inside one); each message waits for gRPC's flow
+control, so a slow puller slows the reads instead of filling this pod's memory. The stream stops at `--kv-transfer-max-bytes` (or the puller's
 smaller limit). Whatever ends the call — done, cancelled, the puller gone — the pins are
 released.
 """
