@@ -93,8 +93,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
     async def _stream(self, request, context):
         """The request's deltas; every failure becomes a gRPC status, never a stack trace."""
         pod = self.pod
-        if pod.aengine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is starting")
+        await self._started(context)
         rid = request.request_id
         try:
             rid, tokens, params, salt, lora, source = await self._parse(request)
@@ -158,14 +157,17 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
             async for chunk in it:
                 yield chunk
 
-    async def Stats(self, request, context):
-        if self.pod.engine is None:
+    async def _started(self, context) -> None:
+        """Abort the call UNAVAILABLE while the model loads (the pod listens first)."""
+        if self.pod.aengine is None:  # set after the engine: both are there
             await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is starting")
+
+    async def Stats(self, request, context):
+        await self._started(context)
         return await asyncio.to_thread(self.pod.stats_response)
 
     async def ResetPrefixCache(self, request, context):
-        if self.pod.aengine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "pod is starting")
+        await self._started(context)
         eng = self.pod.engine
         ok, n = await asyncio.to_thread(
             self.pod.aengine.call, lambda: eng.reset_prefix_cache(request.include_tiers)
