@@ -27,6 +27,7 @@ from pagekv.kvnode.engine.engine_stats import (
 )
 from pagekv.kvnode.engine.kv_export import KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
+from pagekv.kvnode.engine.output_text import OutputText
 from pagekv.kvnode.engine.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -227,7 +228,8 @@ class Engine:
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         group = SequenceGroup(request_id, prompt, params, metrics, cache_salt, lora_id)
         req = Request(request_id, prompt, cache_salt=cache_salt, lora_id=lora_id)
-        seq = Sequence(req, group, 0, make_generator(params.seed))
+        seq = Sequence(req, group, 0, make_generator(params.seed),
+                       text=OutputText(params.skip_special_tokens))
         group.seqs.append(seq)
         self.groups[request_id] = group
         if kv_source is not None and self.puller is not None and kv_source.num_blocks > 0:
@@ -330,7 +332,8 @@ class Engine:
                 cid, group.prompt_token_ids, cache_salt=group.cache_salt, lora_id=group.lora_id,
             )
             gen = make_generator(None if base_seed is None else base_seed + i)
-            child = Sequence(child_req, group, i, gen)
+            child = Sequence(child_req, group, i, gen,
+                             text=OutputText(group.params.skip_special_tokens))
             self.kv_manager.fork(parent.req, child_req)
             group.seqs.append(child)
             self.scheduler.running.append(child)

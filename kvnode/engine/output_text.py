@@ -6,6 +6,8 @@ tokens[prefix:] minus that of tokens[prefix:read], where `prefix` and `read` mov
 new text is complete (the prefix window gives the new tokens their left context, which
 tokenizers that drop a word's leading space at the start of a decode need). Text that ends in
 U+FFFD, a UTF-8 character cut between tokens, waits for the next token, unless it is the end.
+Special tokens (BOS, EOS, a chat template's markers) are left out of the text unless the
+request's skip_special_tokens is False (the tokenizer's decode does either).
 
 Stop strings follow vLLM: checked on the new text each step (a match may begin in earlier text
 and must end in the new text), the text ends just before the match, and the last (longest stop
@@ -35,16 +37,18 @@ def find_stop(text: str, new_chars: int, stop: Sequence[str]) -> tuple[int, str]
 
 
 class OutputText:
-    __slots__ = ("_prefix", "_read", "_unsent")
+    __slots__ = ("_prefix", "_read", "_skip_special", "_unsent")
 
-    def __init__(self) -> None:
+    def __init__(self, skip_special_tokens: bool = True) -> None:
+        self._skip_special = skip_special_tokens  # SamplingParams.skip_special_tokens
         self._prefix = 0  # the window's first token: left context for the new ones
         self._read = 0  # tokens before this one are in the text
         self._unsent = ""  # text not handed out yet (take)
 
     def _decode_new(self, tokenizer: Tokenizer, ids: Sequence[int], final: bool) -> str:
-        before = tokenizer.decode(ids[self._prefix : self._read])
-        text = tokenizer.decode(ids[self._prefix :])
+        skip = self._skip_special
+        before = tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=skip)
+        text = tokenizer.decode(ids[self._prefix :], skip_special_tokens=skip)
         if len(text) <= len(before) or (not final and text.endswith("\ufffd")):
             return ""  # nothing new yet, or a character still cut short
         self._prefix, self._read = self._read, len(ids)

@@ -1,7 +1,8 @@
 """Token sampling from a batch of last-token logits.
 
 Greedy rows take the argmax in one batched op. Random rows draw with the exponential race
-(argmax of p / q with q ~ Exp(1)), which equals sampling from p; each seeded sequence draws
+(argmax of p / q with q ~ Exp(1)), which equals sampling from p, after temperature, min_p,
+then top-k and top-p (vLLM's order; greedy rows ignore all four); each seeded sequence draws
 its noise from its own generator, so a seeded request is reproducible whatever batch it
 shares a step with.
 
@@ -20,6 +21,12 @@ import torch
 from pagekv.kvnode.engine.logits_processors import SeqHistory, process_logits
 from pagekv.kvnode.engine.outputs import TokenLogprobs
 from pagekv.kvnode.engine.sampling_params import SamplingParams
+
+
+def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop the tokens whose probability is below min_p x the most likely token's."""
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -70,7 +77,11 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+        # vLLM's order: temperature, then min_p, then top-k and top-p.
+        row = logits[i] / p.temperature
+        if p.min_p > 0.0:
+            row = _filter_min_p(row, p.min_p)
+        row = _filter_top_k_top_p(row, p.top_k, p.top_p)
         probs = row.softmax(-1)
         # Noise is drawn on CPU (where the generators live) so a seed gives the same sample
         # on every device.

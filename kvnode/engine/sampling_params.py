@@ -29,6 +29,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's (CTRL's), on prompt and completion tokens
     logprobs: int | None = None  # the sampled token's and this many top tokens' logprobs
+    # After temperature: tokens less likely than min_p x the most likely one are dropped.
+    min_p: float = 0.0
+    # Every prompt token's logprob and this many top tokens' at its position (raw logits).
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # special tokens stay out of the detokenized text
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -63,6 +68,14 @@ class SamplingParams:
         if self.logprobs is not None and (
                 type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.prompt_logprobs is not None and (
+                type(self.prompt_logprobs) is not int
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if type(self.skip_special_tokens) is not bool:
+            raise bad("skip_special_tokens", "must be a bool")
 
     @property
     def greedy(self) -> bool:

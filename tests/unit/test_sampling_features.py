@@ -41,6 +41,16 @@ TIE = 1e-4  # paged decode vs a full prefill: logits this close may order either
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"min_p": "0.1"}, "min_p"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
+    ({"prompt_logprobs": False}, "prompt_logprobs"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
@@ -57,6 +67,10 @@ def test_defaults_and_accepted_values():
                        repetition_penalty=0.5, logprobs=20)
     assert q.has_penalties and q.needs_history
     assert SamplingParams(min_tokens=1).needs_history
+    assert (p.min_p, p.prompt_logprobs, p.skip_special_tokens) == (0.0, None, True)  # vLLM's
+    r = SamplingParams(min_p=1, prompt_logprobs=0, skip_special_tokens=False)
+    assert (r.min_p, r.prompt_logprobs, r.skip_special_tokens) == (1, 0, False)
+    assert SamplingParams(prompt_logprobs=20).prompt_logprobs == 20
 
 
 # -- the logits, against plain Python -------------------------------------------------------------
@@ -169,6 +183,60 @@ def test_logprobs_are_raw_whatever_the_sampling():
     penalised = reference_row(logits[0].tolist(), params[0], [5, 6], [1, 2, 2])
     assert out.tokens[0] == max(range(60), key=penalised.__getitem__) != 1
     assert sample(logits, params[2:3] * 4, [None] * 4).logprobs is None
+
+
+# -- min_p ------------------------------------------------------------------------------------------
+
+def drawn(row: list[float], draws: int, **kw) -> Counter:
+    """How often each token is drawn from `row` in `draws` seeded samples."""
+    params = [SamplingParams(seed=i, **kw) for i in range(draws)]
+    logits = torch.tensor([row] * draws)
+    return Counter(sample(logits, params, [sampler.make_generator(i) for i in range(draws)]
+                          ).tokens)
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_one():
+    # probs ~ [0.47, 0.29, 0.17, 0.064, 0.0043]: min_p 0.3 keeps the first three
+    # (0.17 / 0.47 = 0.37 >= 0.3), drops 0.064 / 0.47 = 0.14.
+    row = [2.0, 1.5, 1.0, 0.0, -2.7]
+    counts = drawn(row, 3000, min_p=0.3)
+    assert set(counts) == {0, 1, 2}
+    # The kept tokens keep their relative odds (renormalised): 0.47 : 0.29 : 0.17.
+    total = sum(counts.values())
+    for tok, p in ((0, 0.505), (1, 0.306), (2, 0.186)):
+        assert abs(counts[tok] / total - p) < 0.04, counts
+    assert set(drawn(row, 3000)) == {0, 1, 2, 3, 4}  # without min_p, every one (not vacuous)
+
+
+def test_min_p_applies_after_temperature_and_before_top_k():
+    # Token 1 has exp(-2) = 0.135 of token 0's probability: below min_p 0.2 at temperature 1,
+    # but exp(-1) = 0.37 of it at temperature 2 (vLLM filters the tempered distribution).
+    row = [0.0, -2.0, -9.0]
+    assert set(drawn(row, 400, temperature=1.0, min_p=0.2)) == {0}
+    assert set(drawn(row, 400, temperature=2.0, min_p=0.2)) == {0, 1}
+    # min_p first, then top_k over what is left; a greedy row ignores min_p.
+    assert set(drawn(row, 400, temperature=2.0, min_p=0.2, top_k=1)) == {0}
+    assert set(drawn([0.0, 0.1, -1.0], 50, temperature=0.0, min_p=0.99)) == {1}
+
+
+# -- skip_special_tokens ---------------------------------------------------------------------------
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(tiny):
+    llm, _ = tiny
+    tok = llm.tokenizer
+    rng = random.Random(1)
+    prompts = [[256, *(rng.randrange(256) for _ in range(rng.randint(2, 12)))]
+               for _ in range(200)]
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, plain)
+    prompt, ids = next((p, o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)
+                       if EOS in o.outputs[0].token_ids[:-1])  # EOS mid-output (ignored)
+    kept = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                 skip_special_tokens=False))[0].outputs[0]
+    assert kept.token_ids == ids
+    assert "</s>" in kept.text and kept.text == tok.decode(ids, skip_special_tokens=False)
+    skipped = llm.generate([prompt], plain)[0].outputs[0]
+    assert "</s>" not in skipped.text and skipped.text == tok.decode(ids)
 
 
 # -- whole greedy runs, replayed on the model's logits ---------------------------------------------
