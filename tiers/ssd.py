@@ -10,7 +10,8 @@ and `ssd_recovery` (the start-up scan: the segments are the log, there is no man
 `ssd_space` (the budget against the filesystem: a full disk shrinks it).
 
 Files: `<directory>/layout-<layout id>/seg-<seq>.pkv`, one sub-directory per KV layout, so a
-pod restarted with another model never mixes blocks.
+pod restarted with another model never mixes blocks. `<directory>` belongs to one tier at a
+time (`dir_lock`, held for the tier's life): a second pod given it is refused at start.
 
 Threads: an asyncio loop runs in one background thread (`proto.loop_thread`); aiofiles runs
 the blocking file calls on a small executor, also the loop's default one. The books (ring,
@@ -47,6 +48,7 @@ from pagekv.tiers.codec import (
     dtype_code,
     elem_size_of,
 )
+from pagekv.tiers.dir_lock import DirectoryInUse, DirectoryLock
 from pagekv.tiers.ssd_batch import BatchEncoder
 from pagekv.tiers.ssd_files import SegmentFiles, segment_header
 from pagekv.tiers.ssd_format import (
@@ -160,7 +162,16 @@ class SsdTier(Tier):
             files=self._files, closing=lambda: self._closing,
             on_error=self._io_error, counters=self._c, sync_delay_s=sync_delay_s,
         )  # fmt: skip
-        self._loop.run(self._start())
+        self._dir_lock: DirectoryLock | None = None
+        try:
+            # Before the segments are read: a directory another pod writes is not ours.
+            self._dir_lock = _lock_directory(Path(directory))
+            self._loop.run(self._start())
+        except BaseException:
+            self._release_directory()
+            self._loop.stop()
+            self._executor.shutdown(wait=False)
+            raise
 
     # --- sizes and state -------------------------------------------------------------------
     @property
@@ -344,12 +355,17 @@ class SsdTier(Tier):
                 self._cond.notify_all()
             self._loop.stop(timeout)
             self._executor.shutdown(wait=False)
+            self._release_directory()  # after the last write: the next holder may start
 
     def __enter__(self) -> SsdTier:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _release_directory(self) -> None:
+        if self._dir_lock is not None:
+            self._dir_lock.release()
 
     # --- bookkeeping (callers hold _lock) ----------------------------------------------------
     def _remove_locked(self, block_hash: bytes) -> bool:
@@ -405,3 +421,18 @@ class SsdTier(Tier):
     async def _shutdown(self) -> None:
         await self._writer.stop()
         await self._files.shutdown()
+
+
+def _lock_directory(directory: Path) -> DirectoryLock | None:
+    """The directory's lock, for the tier's life. Held by another process: DirectoryInUse,
+    raised (the pod must not start). Not lockable (unwritable, no flock on this filesystem):
+    None and a warning; the tier then goes on as it would have, and disables itself if the
+    directory cannot be used at all."""
+    try:
+        return DirectoryLock(directory)
+    except DirectoryInUse:
+        raise
+    except OSError as exc:
+        logger.warning("SSD tier: cannot lock %s (%s); going on unlocked: another process "
+                       "given this directory would not be refused", directory, exc)
+        return None

@@ -8,7 +8,7 @@ import typing
 from dataclasses import fields
 
 from pagekv.kvnode.engine.config import BYTE_SIZES, CHOICES, HELP, EngineArgs
-from pagekv.proto.command_line import flag_name, parse_bytes
+from pagekv.proto.command_line import CliError, flag_name, parse_bytes
 
 
 def _value_type(name: str, annotation: object) -> typing.Callable[[str], object]:
@@ -42,4 +42,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     values = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
     if getattr(ns, "model_tag", None):
         values["model"] = ns.model_tag
+    if values["disk_offload_bytes"] > 0 and not values["disk_offload_dir"]:
+        # Here, before the model loads: the tier connector would find it only after.
+        raise CliError("--disk-offload-bytes needs --disk-offload-dir (the SSD tier's "
+                       "directory, one per pod)")
     return EngineArgs(**values)

@@ -27,6 +27,7 @@ from pagekv.proto.credentials import (
 from pagekv.proto.heap import freeze_startup_heap
 from pagekv.proto.requests import add_prompt_limit_arguments, prompt_limits_from
 from pagekv.proto.vllm_events import HASH_FORMS, WIRE_FORMS
+from pagekv.tiers.dir_lock import describe_holder_as
 
 logger = logging.getLogger("pagekv.kvnode.pod.server")  # the pod's log lines, one logger
 
@@ -129,8 +130,10 @@ def main(args: argparse.Namespace) -> int:
     # A stable default id: a restarted pod replaces its own registration (new epoch)
     # instead of leaving a dead pod id in the index.
     pod_id = args.pod_id or f"{socket.gethostname()}-{args.port}"
+    describe_holder_as(pod_id)  # a pod refused this pod's SSD directory is told who holds it
+    engine_args = engine_args_from(args)
     pod = PodServer(
-        engine_args_from(args), pod_id, args.host, args.port, args.metrics_port,
+        engine_args, pod_id, args.host, args.port, args.metrics_port,
         redis_url_from(args), args.advertise_address, args.max_queue, args.lease_ttl_s,
         tls=tls_from(args), admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
         api_token=token_from(args.api_token, API_TOKEN_ENV), redis_tls=tls_from(args, "redis"),
