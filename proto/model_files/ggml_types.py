@@ -1,5 +1,6 @@
 """ggml tensor types: names and sizes, which the GGUF container reader needs to find every
-tensor's bytes (dequantizing them is the pod's job: kvnode.model.gguf_quant)."""
+tensor's bytes (dequantizing them is the pod's job: kvnode.model.gguf_quant). Every type of
+gguf-py 0.19's GGMLQuantizationType is here, so a file is sized whichever tool dequantizes it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
     26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
     30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
 }
+
 
 def ggml_type_name(ggml_type: int) -> str:
     entry = GGML_TYPES.get(ggml_type)

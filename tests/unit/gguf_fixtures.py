@@ -157,3 +157,65 @@ def write_tiny_llama(path: Path, qtype: str = "F32", tie: bool = False, seed: in
     model = tiny_llama(tie=tie, seed=seed)
     write_gguf(path, llama_metadata(model) | (metadata or {}), gguf_tensors(model, qtype))
     return model, path
+
+
+# Where each block type keeps its fp16 scales (byte offsets), as gguf-py's dequantize_blocks
+# splits the block; every other byte (quants, packed sub-scales, signs) may be any byte.
+FP16_SCALES: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
+    "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
+}
+_IQ1_M_SCALES = 48  # IQ1_M: its fp16 scale is the top nibbles of the four uint16 from here
+
+
+def _finite_bits(rng: np.random.Generator, n: int, dtype: str, exponent: int,
+                 flip: int) -> np.ndarray:
+    """n random floats' bit patterns of any sign and magnitude, subnormals included; a
+    pattern whose exponent is all ones (inf, NaN) has one exponent bit cleared."""
+    info = np.iinfo(dtype)
+    bits = rng.integers(0, int(info.max) + 1, n, dtype=dtype)
+    return np.where((bits & exponent) == exponent, bits ^ flip, bits).astype(dtype)
+
+
+def fp16_field(rng: np.random.Generator, n: int, scale: float | None) -> np.ndarray:
+    """[n, 2] bytes of fp16 values: any finite ones, or uniform in (-scale, scale)."""
+    if scale is None:
+        halves = _finite_bits(rng, n, "<u2", 0x7C00, 0x4000)
+    else:
+        halves = rng.uniform(-scale, scale, n).astype("<f2").view("<u2")
+    return halves.view(np.uint8).reshape(n, 2)
+
+
+def random_blocks(qtype: str, n_blocks: int, rng: np.random.Generator,
+                  scale: float | None = None) -> np.ndarray:
+    """[n_blocks, type size] uint8: random blocks of a ggml type whose values are all finite
+    (random bytes, with the float fields kept finite: any finite value, or for a model's
+    weights within ``scale`` for the fp16 scales)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    n = n_blocks
+    if qtype == "F32":
+        return _finite_bits(rng, n, "<u4", 0x7F800000, 0x40000000).view(np.uint8).reshape(n, 4)
+    if qtype == "BF16":
+        return _finite_bits(rng, n, "<u2", 0x7F80, 0x4000).view(np.uint8).reshape(n, 2)
+    if qtype == "F16":
+        return fp16_field(rng, n, scale)
+    out = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    if qtype in FP16_SCALES:
+        for at in FP16_SCALES[qtype]:
+            out[:, at : at + 2] = fp16_field(rng, n, scale)
+    elif qtype == "IQ1_M":  # nibble k of the fp16 in the top nibble of uint16 k
+        d = fp16_field(rng, n, scale).view("<u2")[:, 0]
+        at = _IQ1_M_SCALES
+        words = out[:, at : at + 8].copy().view("<u2") & 0x0FFF
+        for k in range(4):
+            words[:, k] |= ((d >> (4 * k)) & 0xF) << 12
+        out[:, at : at + 8] = words.view(np.uint8)
+    elif qtype == "MXFP4":  # an E8M0 exponent: 2**(e - 128) times at most 12 stays finite
+        out[:, 0] = rng.integers(0, 250, n, dtype=np.uint8)
+    elif qtype != "NVFP4":  # NVFP4's E4M3 scales are finite whatever their bytes
+        raise ValueError(f"no block layout for {qtype}")
+    return out

@@ -98,8 +98,9 @@ BAD_FILES = {
     "rope freqs": ({}, {"rope_freqs.weight": "add"}, r"rope_freqs.weight"),
     "shape": ({}, {"blk.0.attn_v.weight": "transpose"},
               r"'blk.0.attn_v.weight'.*shape \(256, 128\), expected \(128, 256\)"),
-    "k-quant": ({}, {"blk.0.ffn_up.weight": "Q4_K"},
-                r"'blk.0.ffn_up.weight' is Q4_K.*supported: F32, F16, BF16"),
+    "undequantizable type": ({}, {"blk.0.ffn_up.weight": "Q8_K"},
+                             r"'blk.0.ffn_up.weight' is Q8_K, which neither PageKV \(F32, F16, "
+                             r"BF16.*\) nor the installed gguf-py"),
 }
 
 
