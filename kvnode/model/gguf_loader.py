@@ -6,13 +6,15 @@ GGUF model gets exactly the defaults and checks a Hugging Face directory gets. T
 are llama.cpp's (``blk.N.attn_q.weight``...), mapped to the Hugging Face names that
 ``loader.weight_targets`` fills. llama.cpp's converter permutes the rows of the Q and K
 projections (it pairs the rotary dimensions as (2i, 2i+1), Hugging Face as (i, i + d/2)); that
-permutation is undone here, per head, as transformers' GGUF loader does.
+permutation is undone here, per head, as transformers' GGUF loader does. Every tensor the model
+uses is checked dequantizable (by PageKV or by gguf-py) before the model is allocated.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,8 @@ import numpy as np
 import torch
 
 from pagekv.kvnode.model.config import ModelConfig, ModelLoadError, config_from_hf_dict
-from pagekv.kvnode.model.gguf_quant import dequantize
+from pagekv.kvnode.model.gguf_py_quant import gguf_py_version
+from pagekv.kvnode.model.gguf_quant import check_dequantizable, dequantize, uses_gguf_py
 from pagekv.kvnode.model.llama import LlamaForCausalLM
 from pagekv.kvnode.model.loader import weight_targets
 from pagekv.proto.model_files.gguf import GGUFFile
@@ -173,6 +176,13 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf: GGUFFile) -> None:
     check_loaded(targets, loaded, unexpected, f"GGUF file {gguf.path.name}")
 
 
+def gguf_py_counts(gguf: GGUFFile) -> dict[str, int]:
+    """type name -> how many of the model's tensors of that type gguf-py dequantizes."""
+    return dict(sorted(Counter(
+        i.type_name for i in gguf.tensors.values()
+        if hf_tensor_name(i.name) is not None and uses_gguf_py(i.ggml_type)).items()))
+
+
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device
               ) -> tuple[LlamaForCausalLM, ModelConfig, HFTokenizer]:
     with GGUFFile(path) as gguf:
@@ -181,9 +191,17 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ModelLoadError(f"{path.name}: the tokenizer has {tokenizer.vocab_size} tokens, "
                                  f"the model's vocabulary {cfg.vocab_size}")
+        for info in gguf.tensors.values():  # refused before the model's memory is taken
+            if hf_tensor_name(info.name) is not None:
+                check_dequantizable(info.ggml_type, info.name)
         model = LlamaForCausalLM(cfg, dtype, device)
         load_gguf_weights(model, gguf)
         file_type = ", ".join(sorted({i.type_name for i in gguf.tensors.values()}))
+        by_gguf_py = gguf_py_counts(gguf)
     logger.info("GGUF %s: %s, %d layers, tensors %s dequantized to %s", path.name,
                 cfg.architecture, cfg.num_hidden_layers, file_type, str(dtype).split(".")[-1])
+    if by_gguf_py:
+        logger.info("GGUF %s: %d tensors dequantized by gguf-py %s: %s", path.name,
+                    sum(by_gguf_py.values()), gguf_py_version(),
+                    ", ".join(f"{n} {t}" for t, n in by_gguf_py.items()))
     return model, cfg, tokenizer
