@@ -1,5 +1,5 @@
 """`pagekv` — the command line: `node`, `router`, `ingest-vllm`, `up`, `generate`,
-`bench-cluster`, `ray-up`, `build-kernels`.
+`bench-cluster`, `ray-up`, `build-kernels`, `export-tokenizer`.
 
 The dispatcher, above every layer (it starts pods, the router and deploy's clusters). Each
 subcommand lives in its own module and registers itself here through two functions,
@@ -31,6 +31,9 @@ SUBCOMMANDS = {
     "ray-up": ("pagekv.deploy.ray_cluster", "deploy pods and the router as Ray actors"),
     "build-kernels": ("pagekv.kvnode.model.attention.cpu_kernel",
                       "compile the C++ CPU kernel now, so no pod compiles at start"),
+    "export-tokenizer": ("pagekv.proto.model_files.tokenizer_export",
+                         "write a model's tokenizer as a directory transformers' AutoTokenizer "
+                         "loads (for guidellm, aiperf, genai-perf)"),
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

@@ -90,3 +90,8 @@ class HFTokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """This tokenizer as the text of a ``tokenizer.json`` (what `pagekv export-tokenizer`
+        writes for a GGUF file, whose vocabulary has no such file)."""
+        return self._tok.to_str()
