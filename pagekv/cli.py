@@ -35,6 +35,16 @@ SUBCOMMANDS = {
                          "write a model's tokenizer as a directory transformers' AutoTokenizer "
                          "loads (for guidellm, aiperf, genai-perf)"),
 }
+# What `pagekv --help` says above the subcommands' list (the module docstring is for readers
+# of the code).
+DESCRIPTION = (
+    "PageKV serves LLM generation with a paged, prefix-cached KV pool per pod (DRAM and SSD "
+    "tiers below it, blocks pulled between pods) behind a prefix-aware router that finds "
+    "cached prefixes through a Redis index; pods and routers speak gRPC and OpenAI's HTTP API. "
+    "This command runs each part, starts a local or Ray cluster, drives and benchmarks it, and "
+    "prepares files for it. Subcommands: " + ", ".join(SUBCOMMANDS) + "; `pagekv SUBCOMMAND "
+    "--help` lists each one's flags."
+)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -99,7 +109,7 @@ def _common() -> argparse.ArgumentParser:
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """Only the selected subcommand's module is imported (the client must not load torch)."""
     common = _common()
-    parser = argparse.ArgumentParser(prog="pagekv", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="pagekv", description=DESCRIPTION,
                                      parents=[common])
     parser.add_argument("--version", action="version", version=f"pagekv {version()}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -111,6 +111,19 @@ def test_help_shows_each_default_once() -> None:
     assert "{8,16,32,64,128}" in text  # the choices are in the help
 
 
+def test_top_level_help_says_what_pagekv_is_and_names_every_subcommand() -> None:
+    r = subprocess.run([sys.executable, "-m", "pagekv", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # The description: the paragraph between the usage lines and the subcommands' list.
+    description = " ".join(r.stdout.split("\n\n")[1].split())
+    assert description.endswith("."), description  # a whole text, not one cut mid-list
+    assert "router" in description and "KV" in description
+    listed = re.search(r"Subcommands: ([^;]+);", description)
+    assert listed is not None, description
+    assert [s.strip() for s in listed.group(1).split(",")] == list(cli.SUBCOMMANDS)
+
+
 def test_kv_dtype_choices_match_the_kv_cache() -> None:
     from pagekv.kvnode.model.attention.kv_cache import KV_CACHE_DTYPES
 
