@@ -17,7 +17,8 @@ thread: one wake-up serves both (a wake-up costs more CPU than a small batch's w
 
 Failure policy: the index is a hint, the pod keeps serving. When Redis is unreachable the
 queued deltas are dropped (nothing grows without bound) and the state is marked dirty; the
-thread reconnects with capped exponential backoff and then republishes the FULL state from
+thread reconnects with capped exponential backoff, jittered (proto/backoff.py: pods that lost
+Redis together do not retry in lockstep), and then republishes the FULL state from
 `full_state_fn()` instead of trusting a partial index.
 """
 
@@ -33,6 +34,7 @@ from typing import Any
 from pagekv.kvnode.index.publish_queue import EventQueue, Publishable
 from pagekv.kvnode.index.publish_stats import PublishCounters
 from pagekv.kvnode.memory.metrics import Histogram
+from pagekv.proto.backoff import jittered_backoff_s
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.index import writes
 from pagekv.proto.index.connect import REDIS_ERRORS, check_tls_url, connect, drop_connections
@@ -130,7 +132,7 @@ class IndexPublisher:
         self._registered_once = False
         self._connected = False
         self._down_since = 0.0
-        self._backoff = _BACKOFF_START_S
+        self._retries = 0  # waits since the last successful sync (the backoff's exponent)
         self._next_renew = 0.0
         self._last_write = 0.0
         # Set by the first submit after the thread took the queue (so only that one wakes
@@ -363,11 +365,12 @@ class IndexPublisher:
         return True
 
     def _back_off(self) -> None:
-        """Wait before the next try, twice as long as the last time (capped). The lease is
-        still renewed when due: on a cluster it sits on the control shard, and a claim shard
-        that fails must not take the pod out of routing."""
-        until = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, _BACKOFF_CAP_S)
+        """Wait before the next try: a random time up to twice the last bound (capped; full
+        jitter). The lease is still renewed when due: on a cluster it sits on the control
+        shard, and a claim shard that fails must not take the pod out of routing."""
+        until = time.monotonic() + jittered_backoff_s(self._retries, _BACKOFF_START_S,
+                                                      _BACKOFF_CAP_S)
+        self._retries += 1
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= until:
@@ -447,7 +450,7 @@ class IndexPublisher:
                         t0 - self._down_since)
         self._connected = True
         self._down_since = 0.0
-        self._backoff = _BACKOFF_START_S
+        self._retries = 0
         self._set_visible(snap_seq)
         self._synced.set()
         unplaced = len(claims.unplaced)
