@@ -3,7 +3,9 @@
 `step()` schedules, applies queued copy-on-write block copies, runs one forward pass over the
 mixed batch, samples, and returns what each request produced in that step (deltas). Requests
 with n > 1 prefill their prompt once; the children are forked from it right after, sharing
-every block, each with its own sampling generator.
+every block, each with its own sampling generator. A request asking for prompt logprobs reads
+no cached prefix; its chunks' logits at every prompt position are computed (those rows only)
+and scored as they prefill, and handed out on its first delta.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pagekv.kvnode.engine.outputs import (
     TokenLogprobs,
 )
 from pagekv.kvnode.engine.peer_pull import Fetch, KvSource, PeerPuller, PullResult
+from pagekv.kvnode.engine.prompt_logprobs import rows_to_score, score_tokens
 from pagekv.kvnode.engine.sampler import make_generator, sample
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
@@ -130,6 +133,9 @@ class Engine:
         # Peers pull from it: it reads and packs the blocks, the pod only sends the bytes.
         self.exporter = KvExporter(self.kv_manager, self.runner, chain, self.kv_layout)
         self.groups: dict[str, SequenceGroup] = {}
+        # Requests whose prompt logprobs are not all computed yet: while it is empty, a step
+        # spends nothing on them.
+        self._scoring: dict[str, SequenceGroup] = {}
         # Ids of the live extra samples of n>1 requests ("<id>#<i>"): the block tables and tier
         # loads are keyed by sequence id, so a client id must never equal one of them.
         self._child_ids: set[str] = set()
@@ -218,21 +224,31 @@ class Engine:
         lora_id: str | None = None,
         arrival_time: float | None = None,
         kv_source: KvSource | None = None,
+        prompt: str | None = None,
     ) -> str:
+        """Queue a request; `prompt` is its text when the client gave text (it is handed back
+        in its outputs, as vLLM's RequestOutput.prompt)."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups or request_id in self._child_ids:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
-        prompt = list(prompt_token_ids)
-        self.validate(prompt, params)
+        prompt_ids = list(prompt_token_ids)
+        self.validate(prompt_ids, params)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
-        group = SequenceGroup(request_id, prompt, params, metrics, cache_salt, lora_id)
-        req = Request(request_id, prompt, cache_salt=cache_salt, lora_id=lora_id)
+        group = SequenceGroup(request_id, prompt_ids, params, metrics, cache_salt, lora_id,
+                              prompt=prompt)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # the first token has none
+            if len(prompt_ids) > 1:
+                group.skip_reading_prefix_cache = True  # every position is computed
+                self._scoring[request_id] = group
+        req = Request(request_id, prompt_ids, cache_salt=cache_salt, lora_id=lora_id)
         seq = Sequence(req, group, 0, make_generator(params.seed),
                        text=OutputText(params.skip_special_tokens))
         group.seqs.append(seq)
         self.groups[request_id] = group
-        if kv_source is not None and self.puller is not None and kv_source.num_blocks > 0:
+        if (kv_source is not None and self.puller is not None and kv_source.num_blocks > 0
+                and not group.skip_reading_prefix_cache):
             self.puller.sources[request_id] = kv_source
         self.scheduler.add(seq)
         return request_id
@@ -242,6 +258,7 @@ class Engine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        self._scoring.pop(request_id, None)
         for seq in group.seqs:
             if seq.finish_reason is None:  # a finished one was released (its id may be reused)
                 self._release(seq)
@@ -282,8 +299,14 @@ class Engine:
                     req.all_token_ids[start : start + n], start, mgr.get_block_ids(req.request_id)
                 )
             )
+        scored = self._rows_to_score(sched.scheduled) if self._scoring else None
         t0 = time.perf_counter()
-        logits = self.runner.execute(batch)
+        if scored:
+            logits, prompt_logits = self.runner.execute_with_token_logits(
+                batch, [(i, off, count) for i, _, off, count in scored])
+            self._record_prompt_logprobs(scored, prompt_logits)
+        else:
+            logits = self.runner.execute(batch)
         now = time.monotonic()
         if sched.num_batched_tokens >= PREFILL_SAMPLE_MIN_TOKENS:
             self._prefill_samples.append((time.perf_counter() - t0) / sched.num_batched_tokens)
@@ -319,6 +342,40 @@ class Engine:
                 touched[seq.group.request_id] = seq.group
         self._publish_events()
         return [self._delta(g, now) for g in touched.values()]
+
+    def _rows_to_score(self, scheduled: list[tuple[Sequence, int]]
+                       ) -> list[tuple[int, SequenceGroup, int, int]]:
+        """(batch item, its request, offset, count): the new tokens of this step whose
+        logits score a prompt token of a request asking for prompt logprobs."""
+        out = []
+        for i, (seq, n) in enumerate(scheduled):
+            group = seq.group
+            if group.request_id not in self._scoring or group.prompt_logprobs is None:
+                continue
+            rows = rows_to_score(seq.req.num_computed_tokens, n, len(group.prompt_token_ids),
+                                 len(group.prompt_logprobs))
+            if rows is not None:
+                out.append((i, group, *rows))
+        return out
+
+    def _record_prompt_logprobs(self, scored: list[tuple[int, SequenceGroup, int, int]],
+                                logits: torch.Tensor) -> None:
+        """Score the prompt tokens `scored` predicts, from their rows' logits (in order)."""
+        targets: list[int] = []
+        num_top: list[int] = []
+        for _, group, _, count in scored:
+            first = len(group.prompt_logprobs or ())
+            targets += group.prompt_token_ids[first : first + count]
+            num_top += [group.params.prompt_logprobs or 0] * count
+        entries = score_tokens(logits, targets, num_top)
+        at = 0
+        for _, group, _, count in scored:
+            assert group.prompt_logprobs is not None  # (in _scoring: it asked)
+            group.prompt_logprobs += entries[at : at + count]
+            at += count
+            if len(group.prompt_logprobs) == len(group.prompt_token_ids):
+                del self._scoring[group.request_id]
+                group.skip_reading_prefix_cache = False  # a recompute may read the cache now
 
     def _fork_children(self, parent: Sequence) -> None:
         group = parent.group
@@ -358,6 +415,7 @@ class Engine:
             m.token_times.append(now)
         if logprobs is not None:
             seq.new_logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs.logprob
         check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
         if seq.finish_reason is not None:
             self._release(seq)
@@ -381,16 +439,21 @@ class Engine:
             seq.sent_tokens = len(out)
             done = seq.finish_reason is not None
             text = seq.text.take(group.params.stop, done)
-            logprobs = None
+            logprobs = cumulative = None
             if group.params.logprobs is not None:
                 logprobs, seq.new_logprobs = seq.new_logprobs, []
+                cumulative = seq.cumulative_logprob
             completions.append(CompletionOutput(seq.index, new_tokens, text, seq.finish_reason,
-                                                logprobs, seq.stop_reason))
+                                                logprobs, seq.stop_reason, cumulative))
             seq.sent_finish = done
         finished = group.finished
         if finished:
             group.metrics.finished_time = now
             self.groups.pop(group.request_id, None)
+        prompt_logprobs = None
+        if (group.prompt_logprobs is not None and not group.prompt_logprobs_sent
+                and len(group.prompt_logprobs) == len(group.prompt_token_ids)):
+            prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
         return RequestOutput(
             group.request_id,
             group.prompt_token_ids,
@@ -399,6 +462,8 @@ class Engine:
             num_cached_tokens=group.num_cached_tokens,
             cached_tokens_by_tier=dict(group.cached_tokens_by_tier),
             metrics=group.metrics,
+            prompt=group.prompt,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _publish_events(self) -> None:

@@ -87,7 +87,9 @@ class LLM:
 def merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     """Fold one step's delta into the accumulated output of a request."""
     if acc is None:
-        acc = RequestOutput(delta.request_id, delta.prompt_token_ids, [])
+        acc = RequestOutput(delta.request_id, delta.prompt_token_ids, [], prompt=delta.prompt)
+    if delta.prompt_logprobs is not None:  # the first delta's (once)
+        acc.prompt_logprobs = delta.prompt_logprobs
     by_index = {c.index: c for c in acc.outputs}
     for c in delta.outputs:
         cur = by_index.get(c.index)
@@ -97,6 +99,7 @@ def merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
         cur.text += c.text
         cur.finish_reason = c.finish_reason
         cur.stop_reason = c.stop_reason
+        cur.cumulative_logprob = c.cumulative_logprob  # a running sum: the latest is the total
         if c.logprobs is not None:
             if cur.logprobs is None:
                 cur.logprobs = []

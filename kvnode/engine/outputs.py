@@ -9,9 +9,10 @@ from pagekv.proto.medium import MEDIUMS
 
 @dataclass(slots=True, frozen=True)
 class TokenLogprobs:
-    """One generated token's log-probabilities under the model's raw distribution."""
+    """One token's log-probabilities under the model's raw distribution: a generated token,
+    or a prompt token (given the prompt before it)."""
 
-    token_id: int  # the sampled token
+    token_id: int  # the sampled token (the prompt's token)
     logprob: float  # its natural log-probability
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
@@ -26,6 +27,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     # What stopped a "stop" completion: the stop string, the stop token id; None for EOS.
     stop_reason: str | int | None = None
+    # The sum of the sampled tokens' logprobs so far (vLLM's): set when logprobs were asked.
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
@@ -67,3 +70,7 @@ class RequestOutput:
         default_factory=lambda: dict.fromkeys(MEDIUMS, 0)
     )
     metrics: RequestMetrics | None = None
+    prompt: str | None = None  # the prompt text, when the caller gave text
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing
+    # precedes it); on the request's first delta only.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -4,7 +4,8 @@ Each step: running sequences first (decodes and unfinished prefill chunks, oldes
 then waiting ones (FCFS) while the token budget and `max_num_seqs` allow. When the pool
 cannot hold a running sequence's next tokens, the newest running sequence gives its blocks
 back and re-enters the waiting queue at the front; its full blocks stay hashed in the pool, so
-its recompute is mostly prefix hits. No admission happens in a step that preempted.
+its recompute is mostly prefix hits. No admission happens in a step that preempted. A request
+still computing its prompt logprobs reads no cached prefix (`skip_reading_prefix_cache`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ class SequenceGroup:
     )
     # The prompt as a tensor, made once for the repetition penalty (sampler.SeqHistory).
     prompt_ids_tensor: torch.Tensor | None = None
+    prompt: str | None = None  # the prompt's text, when the client gave text
+    # SamplingParams.prompt_logprobs: the entries so far (the first is None), one per prompt
+    # token once complete; `prompt_logprobs_sent` once a delta carried them.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+    # vLLM's flag: while its prompt logprobs are being computed, a request reads no cached
+    # prefix (pool, tiers or peer): every prompt position needs its logits.
+    skip_reading_prefix_cache: bool = False
 
     @property
     def finished(self) -> bool:
@@ -67,6 +76,7 @@ class Sequence:
     sent_tokens: int = 0
     text: OutputText = field(default_factory=OutputText)  # decoded, and not yet handed out
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # not yet handed out
+    cumulative_logprob: float = 0.0  # of the tokens sampled so far (when logprobs are asked)
     sent_finish: bool = False  # its finish_reason was handed out: later deltas skip it
 
 
@@ -163,8 +173,10 @@ class Scheduler:
         ):
             seq = self.waiting[idx]
             req = seq.req
-            hit = mgr.lookup(req)  # the only lookup of this admission: the tiers extend it
-            if self.prefix_loader is not None and not self.prefix_loader(req, hit):
+            # The only lookup of this admission: the tiers (and a peer) extend it.
+            skip = seq.group.skip_reading_prefix_cache
+            hit = mgr.lookup(req, skip_reading=skip)
+            if not skip and self.prefix_loader is not None and not self.prefix_loader(req, hit):
                 idx += 1  # an SSD load is in flight: serve others meanwhile
                 continue
             num_hit = hit.num_tokens

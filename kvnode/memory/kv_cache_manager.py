@@ -47,6 +47,9 @@ class PrefixHit:
     block_size: int
     max_blocks: int  # the most blocks that may ever hit (see proto.hashing.max_hit_blocks)
     tokens_by_tier: dict[Medium, int] | None = None  # set by the tiers; None: all the pool's
+    # The request asked to read no cached prefix (vLLM's skip_reading_prefix_cache): not a
+    # prefix-cache query, so the hit-rate figures leave it out.
+    skipped_reading: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -116,11 +119,15 @@ class KVCacheManager:
         return request.block_hashes
 
     # -- lookup -------------------------------------------------------------------------
-    def lookup(self, request: Request) -> PrefixHit:
+    def lookup(self, request: Request, skip_reading: bool = False) -> PrefixHit:
         """Longest cached prefix of full blocks; stops at the first miss; changes nothing.
 
         Never covers the last token: its logits must be computed (`max_hit_blocks`).
+        `skip_reading`: no prefix at all (a request that needs every position's logits); its
+        blocks are still cached as they fill.
         """
+        if skip_reading:
+            return PrefixHit([], self.block_size, 0, skipped_reading=True)
         if not self.enable_caching:
             return PrefixHit([], self.block_size, 0)
         hashes = self._hashes(request)
@@ -129,9 +136,10 @@ class KVCacheManager:
         self._continue_lookup(hit, hashes)
         return hit
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request, skip_reading: bool = False
+                            ) -> tuple[list[KVCacheBlock], int]:
         """vLLM's name for `lookup`, as (blocks, tokens)."""
-        hit = self.lookup(request)
+        hit = self.lookup(request, skip_reading)
         return hit.blocks, hit.num_tokens
 
     def _continue_lookup(self, hit: PrefixHit, hashes: Sequence[bytes]) -> None:
@@ -224,9 +232,10 @@ class KVCacheManager:
         rid = request.request_id
         if not request.prefix_stats_recorded:
             request.prefix_stats_recorded = True
-            self.metrics.record_admission(
-                request.num_tokens, hit.by_tier() if hit is not None else {Medium.GPU: 0}
-            )
+            if hit is None or not hit.skipped_reading:
+                self.metrics.record_admission(
+                    request.num_tokens, hit.by_tier() if hit is not None else {Medium.GPU: 0}
+                )
         if hits:
             pool.touch(hits)
         req_blocks = self.req_to_blocks[rid] = list(hits)

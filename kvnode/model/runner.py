@@ -183,6 +183,27 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attention)
         return self.model.compute_logits(hidden if all_positions else hidden[last])
 
+    @torch.inference_mode()
+    def execute_with_token_logits(
+        self, batch: Sequence[SeqBatchItem], token_rows: Sequence[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`execute`'s logits, and those of chosen new tokens besides: `token_rows` are
+        (batch item, offset among its new tokens, count), their logits returned concatenated
+        in that order [sum of counts, vocab]. Only those rows go through the LM head, so the
+        rest of the batch costs what it costs in `execute` (prompt log-probabilities)."""
+        for i, off, count in token_rows:
+            if not (0 <= i < len(batch) and count > 0 and off >= 0
+                    and off + count <= len(batch[i].token_ids)):
+                raise ValueError(f"token rows {(i, off, count)} are not new tokens of the batch")
+        input_ids, positions, meta, last = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attention)
+        starts = [0, *itertools.accumulate(len(it.token_ids) for it in batch)]
+        extra = torch.cat([torch.arange(starts[i] + off, starts[i] + off + count)
+                           for i, off, count in token_rows] or [torch.empty(0, dtype=torch.long)]
+                          ).to(last.device)
+        logits = self.model.compute_logits(hidden[torch.cat([last, extra])])
+        return logits[: len(batch)], logits[len(batch) :]
+
     def _prepare(
         self, batch: Sequence[SeqBatchItem]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
