@@ -104,6 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "CA the pods' certificates must be signed by; --pod-tls-cert/"
                       "--pod-tls-key: the router's client certificate for pods that require "
                       "one (their --tls-ca)")
+    add_tls_arguments(parser, "vllm-tls", "TLS to vLLM pods (those registered with an "
+                      "https:// --openai-address)",
+                      "CA the vLLM pods' HTTPS certificates must be signed by (default: the "
+                      "system's CAs); --vllm-tls-cert/--vllm-tls-key: the router's client "
+                      "certificate for vLLM servers that require one (vLLM's --ssl-ca-certs "
+                      "with --ssl-cert-reqs 2)")
     add_token_argument(parser, "--pod-api-token", POD_API_TOKEN_ENV,
                        "the router's own bearer token for the pods' --api-token (a client's "
                        "token is never forwarded)")
@@ -133,7 +139,8 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         tls=tls_from(args), api_token=token_from(args.api_token, API_TOKEN_ENV),
         pod_tls=tls_from(args, "pod-tls"),
         pod_api_token=token_from(args.pod_api_token, POD_API_TOKEN_ENV),
-        redis_tls=tls_from(args, "redis"), served_model_names=args.served_model_name,
+        redis_tls=tls_from(args, "redis"), vllm_tls=tls_from(args, "vllm-tls"),
+        served_model_names=args.served_model_name,
     )
 
 

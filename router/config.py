@@ -70,12 +70,14 @@ class RouterConfig:
     # --max-prompt-bytes / --max-prompt-tokens: the pods' own, so refusals read the same
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
     # Security (README "Security"). tls: the router's own port; pod_tls / pod_api_token:
-    # what it presents to pods (its own, never a client's); redis_tls: rediss:// files.
+    # what it presents to pods (its own, never a client's); redis_tls: rediss:// files;
+    # vllm_tls: the CA of https:// vLLM pods and the router's client certificate for them.
     tls: TlsFiles | None = None
     api_token: str | None = field(default=None, repr=False)
     pod_tls: TlsFiles | None = None
     pod_api_token: str | None = field(default=None, repr=False)
     redis_tls: TlsFiles | None = None
+    vllm_tls: TlsFiles | None = None
     # --http-port's OpenAI API: the model names it answers to (default: [model])
     served_model_names: list[str] | None = None
 

@@ -8,6 +8,11 @@ events goes on for as long as the generation does.
 
 Every wait is bounded by the caller's deadline (a loop time, or None for none) and the
 connection by `connect_timeout_s`; no timer spans the caller's own work between two reads.
+
+An `https://` origin verifies the server's certificate and name: against the system's CAs,
+or the CA file of the TLS context the caller builds once with `client_ssl_context` (the
+router's --vllm-tls-* files), which may also hold the client's own certificate, for a server
+that asks for one (mutual TLS). A TLS failure is a ConnectFailed like any other.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from collections.abc import AsyncGenerator
 
 import h11
 
+from pagekv.proto.credentials import TlsFiles
+
 _READ_BYTES = 65536
 
 
@@ -29,6 +36,30 @@ class ConnectFailed(Exception):
 
 class BrokenResponse(Exception):
     """The response started and then broke: cut off, or not HTTP the parser accepts."""
+
+
+def client_ssl_context(tls: TlsFiles | None) -> ssl.SSLContext:
+    """The context for https:// origins: the system's CAs, or `tls.ca`; `tls.cert` +
+    `tls.key` are presented to a server that asks for a client certificate. A file that
+    cannot be read, is not PEM, or a key that is not the certificate's, is a ValueError
+    naming the file (the router builds it once, at its start)."""
+    context = ssl.create_default_context()
+    if tls is None:
+        return context
+    cert, _key, ca = tls.read()  # readable and PEM, or a ValueError naming the file
+    if ca is not None:
+        try:
+            context = ssl.create_default_context(cadata=ca.decode("ascii", "replace"))
+        except ssl.SSLError as exc:
+            raise ValueError(f"TLS CA file {tls.ca} holds no usable certificate "
+                             f"({exc.reason or exc})") from None
+    if cert is not None:
+        try:
+            context.load_cert_chain(str(tls.cert), str(tls.key))
+        except ssl.SSLError as exc:
+            raise ValueError(f"TLS certificate {tls.cert} with key {tls.key} cannot be used "
+                             f"({exc.reason or exc})") from None
+    return context
 
 
 def split_address(address: str) -> tuple[str, int, bool]:
@@ -129,13 +160,16 @@ class Response:
 
 
 class HttpOrigin:
+    """One server's connections. `ssl_context` (client_ssl_context's) is used for an
+    https:// address; plain http:// ignores it."""
+
     def __init__(self, address: str, *, connect_timeout_s: float = 3.0,
-                 max_idle: int = 16) -> None:
+                 max_idle: int = 16, ssl_context: ssl.SSLContext | None = None) -> None:
         self.host, self.port, tls = split_address(address)
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
-        self._ssl = ssl.create_default_context() if tls else None
+        self._ssl = (ssl_context or client_ssl_context(None)) if tls else None
         self._idle: list[_Connection] = []
         self._closed = False
 
@@ -188,14 +222,27 @@ class HttpOrigin:
                 if isinstance(event, h11.Response):
                     break
                 if not isinstance(event, h11.InformationalResponse):  # ConnectionClosed
-                    raise ConnectFailed("the connection closed before a response")
+                    raise ConnectFailed(self._closed_early())
                 # 100 Continue and the like: the real one follows
         except TimeoutError:
             raise
-        except (OSError, h11.RemoteProtocolError, h11.LocalProtocolError) as exc:
+        except h11.RemoteProtocolError as exc:
+            # h11's words for an end of stream while it waits for the status line
+            raise ConnectFailed(self._closed_early() if conn.reader.at_eof()
+                                else f"RemoteProtocolError: {exc}") from None
+        except (OSError, h11.LocalProtocolError) as exc:
             raise ConnectFailed(f"{type(exc).__name__}: {exc}") from None
         names = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         return Response(self, conn, event.status_code, names)
+
+    def _closed_early(self) -> str:
+        if self._ssl is None:
+            return "the connection closed before a response"
+        # TLS 1.3 completes the client's handshake before the server checks the client's
+        # certificate; its refusal then reads here as an end of stream, with no reason.
+        return ("the server closed the TLS connection before a response, as a server that "
+                "requires a client certificate does when it gets none or one its CA did not "
+                "sign")
 
     def give_back(self, conn: _Connection, complete: bool) -> None:
         """A response is done with its connection: kept for the next request if the body

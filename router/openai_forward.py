@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+import ssl
 from pagekv.router.http_client import BrokenResponse, ConnectFailed, HttpOrigin, Response
 from pagekv.router.openai_stream import (
     StreamReader,
@@ -139,9 +140,11 @@ class VllmStub:
     """A vLLM pod's OpenAI server as a Generation stub (Generate, GenerateStream)."""
 
     def __init__(self, address: str, token: str | None = None,
-                 connect_timeout_s: float = 3.0) -> None:
+                 connect_timeout_s: float = 3.0, ssl_context: ssl.SSLContext | None = None
+                 ) -> None:
         self.address = address
-        self.origin = HttpOrigin(address, connect_timeout_s=connect_timeout_s)
+        self.origin = HttpOrigin(address, connect_timeout_s=connect_timeout_s,
+                                 ssl_context=ssl_context)
         self._auth = [("Authorization", f"Bearer {token}")] if token else []
 
     def Generate(self, request: pb.GenerateRequest, timeout: float | None = None,  # noqa: N802

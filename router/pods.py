@@ -19,7 +19,8 @@ Pod channels use the router's own pod credentials (`RouterConfig.pod_tls`,
 `pod_api_token`), never a client's: a client's token authenticates it to the router only.
 A vLLM pod (registered `kind=vllm` by `pagekv ingest-vllm`) is reached over its OpenAI HTTP
 server instead (router/openai_forward.py, with the pod token as its API key): its stub has
-the same two methods.
+the same two methods. An https:// one is checked against `RouterConfig.vllm_tls`'s CA (else
+the system's), and gets the router's client certificate from there when it asks for one.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, 
 from pagekv.proto.index.queries import LivePods
 from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
+from pagekv.router.http_client import client_ssl_context
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.openai_forward import VllmStub
 
@@ -138,7 +140,7 @@ class PodRegistry:
     def __init__(self, index: IndexClient, metrics: RouterMetrics,
                  refresh_interval_s: float = 0.5, namespace_check_interval_s: float = 2.0,
                  reap_dead_after_s: float = 60.0, *, pod_tls: TlsFiles | None = None,
-                 pod_token: str | None = None) -> None:
+                 pod_token: str | None = None, vllm_tls: TlsFiles | None = None) -> None:
         self.index = index
         self.schema = index.schema
         self.metrics = metrics
@@ -161,9 +163,15 @@ class PodRegistry:
         self._reaping: asyncio.Task[None] | None = None  # one reap at a time, off the refresh
         # Read once: a bad file fails the router's start, not each new pod's channel.
         self._pod_credentials = channel_credentials(pod_tls) if pod_tls is not None else None
+        try:  # for https:// vLLM pods only
+            self._vllm_ssl = client_ssl_context(vllm_tls)
+        except ValueError as exc:
+            raise ValueError(f"TLS to vLLM pods: {exc}") from None
         self._pod_token = pod_token
         logger.info("pod channels: %s%s", "TLS, " + pod_tls.describe() if pod_tls else
                     "plaintext", "; with the router's pod token" if pod_token else "")
+        if vllm_tls is not None:
+            logger.info("https:// vLLM pods: %s", vllm_tls.describe())
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -392,7 +400,7 @@ class PodRegistry:
         key = f"openai:{address}" if vllm else address
         ch = self._channels.get(key)
         if ch is None and vllm:
-            http = VllmStub(address, self._pod_token)
+            http = VllmStub(address, self._pod_token, ssl_context=self._vllm_ssl)
             ch = self._channels[key] = _Channel(http, http, now)
         elif ch is None:
             channel = open_channel(address, options=_CHANNEL_OPTIONS, aio=True,

@@ -101,7 +101,7 @@ class Router:
         self.registry = PodRegistry(self.index, metrics,
                                     config.refresh_interval_s, config.namespace_check_interval_s,
                                     config.reap_dead_after_s, pod_tls=config.pod_tls,
-                                    pod_token=config.pod_api_token)
+                                    pod_token=config.pod_api_token, vllm_tls=config.vllm_tls)
         self.burst = BurstTracker(config.burst_ttl_s)
         self.shared = SharedBursts(self.index, config.burst_ttl_s, metrics) \
             if config.shared_bursts and config.burst_ttl_s > 0 else None
