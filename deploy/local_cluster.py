@@ -424,8 +424,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "{pod_id} and {run_dir} in it become the pod's id and the run "
                         "directory (--node-arg=--disk-offload-dir={run_dir}/{pod_id}-ssd). An "
                         "SSD directory serves one pod: --disk-offload-dir=D without {pod_id} "
-                        "gives each pod D/<pod id>, and --disk-offload-bytes without a "
-                        "directory {run_dir}/<pod id>-ssd")
+                        "gives each pod D/<pod id>; --disk-offload-bytes without a "
+                        "directory gives each {run_dir}/<pod id>-ssd")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
