@@ -17,7 +17,6 @@ import json
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,6 @@ from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.index.writes import kind_fields
-from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.router.http_client import ConnectFailed, HttpOrigin, client_ssl_context
 from pagekv.router.openai_forward import VllmStub
 from tests.integration.router_fixtures import SCHEMA, tokens_req
