@@ -34,6 +34,8 @@ class EngineArgs:
     disk_offload_dir: str | None = None
     disk_offload_persist: bool = True
     block_metrics_sample_rate: float = 0.01
+    dtype: str = "auto"  # vLLM's: only the dtype PageKV computes in on the device is accepted
+    seed: int | None = None  # vLLM's: seeds the sampling of requests without their own seed
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -49,6 +51,8 @@ CHOICES: dict[str, tuple] = {
     "device": ("cpu", "cuda"),
     # kvnode.model.attention.BACKEND_CHOICES (a torch module: a test keeps the two equal)
     "attention_backend": ("auto", "torch", "cpp", "triton"),
+    # kvnode.engine.model_dtype.DTYPE_NAMES and "auto" (a torch module: a test keeps them equal)
+    "dtype": ("auto", "bfloat16", "float", "float16", "float32", "half"),
 }
 # Options whose values are sizes in bytes ("2GiB", "512MB", "1e9").
 BYTE_SIZES = frozenset({"cpu_offload_bytes", "disk_offload_bytes", "kv_cache_memory"})
@@ -86,4 +90,8 @@ HELP: dict[str, str] = {
     "disk_offload_persist": "on a clean shutdown, write the pool's cached blocks and the DRAM "
                             "tier down to the SSD tier, so a restart finds the hot prefixes",
     "block_metrics_sample_rate": "fraction of blocks sampled for the lifecycle histograms",
+    "dtype": "model dtype: auto (float32 on CPU, bfloat16 on CUDA or float16 without bf16); "
+             "naming another dtype than that is refused",
+    "seed": "seed of the sampling of requests that give no seed of their own: repeated runs "
+            "of the same requests give the same outputs (default: unseeded)",
 }

@@ -29,6 +29,7 @@ from pagekv.kvnode.engine.engine_stats import (
 )
 from pagekv.kvnode.engine.kv_export import KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
+from pagekv.kvnode.engine.model_dtype import check_dtype
 from pagekv.kvnode.engine.output_text import OutputText
 from pagekv.kvnode.engine.outputs import (
     CompletionOutput,
@@ -77,9 +78,13 @@ class Engine:
     def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
         args = args or EngineArgs(**kwargs)
         self.args = args
+        check_dtype(args.dtype, args.device)  # before the model loads: a refusal is quick
         if args.num_threads:
             # Oversubscribed cores make every parallel op wait at its barrier for a slice.
             torch.set_num_threads(args.num_threads)
+        # vLLM's seed: requests without their own seed draw from this one generator (None:
+        # torch's global one), so the same requests in the same order sample alike.
+        self.default_generator = make_generator(args.seed)
         self.runner = ModelRunner(
             args.model,
             block_size=args.block_size,
@@ -243,7 +248,8 @@ class Engine:
                 group.skip_reading_prefix_cache = True  # every position is computed
                 self._scoring[request_id] = group
         req = Request(request_id, prompt_ids, cache_salt=cache_salt, lora_id=lora_id)
-        seq = Sequence(req, group, 0, make_generator(params.seed),
+        gen = self.default_generator if params.seed is None else make_generator(params.seed)
+        seq = Sequence(req, group, 0, gen,
                        text=OutputText(params.skip_special_tokens))
         group.seqs.append(seq)
         self.groups[request_id] = group
@@ -388,7 +394,7 @@ class Engine:
             child_req = Request(
                 cid, group.prompt_token_ids, cache_salt=group.cache_salt, lora_id=group.lora_id,
             )
-            gen = make_generator(None if base_seed is None else base_seed + i)
+            gen = self.default_generator if base_seed is None else make_generator(base_seed + i)
             child = Sequence(child_req, group, i, gen,
                              text=OutputText(group.params.skip_special_tokens))
             self.kv_manager.fork(parent.req, child_req)

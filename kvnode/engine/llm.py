@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
 
 from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.engine.engine import Engine
 from pagekv.kvnode.engine.outputs import CompletionOutput, RequestOutput
+from pagekv.kvnode.engine.prompt_inputs import parse_prompts
 from pagekv.kvnode.engine.sampling_params import SamplingParams
+from pagekv.kvnode.engine.transformers_tokenizer import TransformersStyleTokenizer
+from pagekv.kvnode.engine.vllm_options import VLLM_ONLY_OPTIONS, check_vllm_options
 from pagekv.proto.model_files.chat import Message, apply_chat_template
 
 if TYPE_CHECKING:
@@ -26,44 +31,86 @@ def _one_conversation(messages: Sequence[Message] | Sequence[Sequence[Message]]
 
 
 class LLM:
-    """Every `EngineArgs` field is a keyword: `LLM(model="pagekv-tiny", block_size=16, ...)`."""
+    """Every `EngineArgs` field is a keyword: `LLM(model="pagekv-tiny", block_size=16, ...)`,
+    `dtype=` and `seed=` as vLLM's. A few vLLM-only options are taken at the value that asks
+    for nothing PageKV lacks and refused, naming why, at any other (vllm_options.py)."""
 
-    def __init__(self, model: str = "pagekv-tiny", **kwargs) -> None:
+    def __init__(self, model: str = "pagekv-tiny", **kwargs: Any) -> None:
+        vllm_only = {k: kwargs.pop(k) for k in list(kwargs) if k in VLLM_ONLY_OPTIONS}
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise TypeError(f"unknown LLM option(s): {sorted(unknown)}")
+        check_vllm_options(model, vllm_only)
         self.engine = Engine(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def get_tokenizer(self) -> TransformersStyleTokenizer:
+        """The model's tokenizer with transformers' `encode`, `decode` and
+        `apply_chat_template` (as vLLM's `LLM.get_tokenizer()` hands out)."""
+        return TransformersStyleTokenizer(self.tokenizer)
+
+    def reset_prefix_cache(self, include_tiers: bool = False) -> bool:
+        """Forget every cached prefix (with `include_tiers`, the DRAM and SSD tiers' too);
+        False while requests are running (between generate calls they never are)."""
+        ok, _ = self.engine.reset_prefix_cache(include_tiers)
+        return ok
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, together as one continuous batch."""
-        batch: Sequence[str | Sequence[int]] = [prompts] if isinstance(prompts, str) else prompts
+        """Run every prompt to completion, together as one continuous batch. A prompt is a
+        str, a list of token ids, or vLLM's dict (prompt_inputs.py); `prompts` is one or a
+        list of them. `use_tqdm`: a progress bar over finished requests (or a callable made
+        like tqdm's, as vLLM takes); False: none."""
+        batch = parse_prompts(prompts)
         params = sampling_params or SamplingParams()
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError("need one SamplingParams per prompt, or a single one for all")
-        ids = []
-        for prompt, p in zip(batch, per_prompt, strict=True):
-            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens = [p.token_ids if p.token_ids is not None else self.tokenizer.encode(p.text or "")
+                  for p in batch]
+        # Every prompt is checked before any is queued: a bad one leaves nothing behind.
+        for ids, sp in zip(tokens, per_prompt, strict=True):
+            self.engine.validate(ids, sp)
+        request_ids = []
+        for ids, p, sp in zip(tokens, batch, per_prompt, strict=True):
             self._counter += 1
-            ids.append(self.engine.add_request(str(self._counter), tokens, p, cache_salt=cache_salt))
+            request_ids.append(self.engine.add_request(
+                str(self._counter), ids, sp, cache_salt=p.cache_salt or cache_salt,
+                prompt=p.text))
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]
+             ) -> list[RequestOutput]:
+        bar = None
+        if use_tqdm:
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for delta in self.engine.step():
-                results[delta.request_id] = merge(results.get(delta.request_id), delta)
-        return [results[i] for i in ids]
+        try:
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    results[delta.request_id] = out = merge(results.get(delta.request_id),
+                                                            delta)
+                    if out.finished and bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in request_ids]
 
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -71,17 +118,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or
         several, each rendered with the model's chat template and generated together. The
-        template writes its own special tokens, so no BOS is added (as vLLM does)."""
+        template writes its own special tokens, so no BOS is added (as vLLM does); each
+        output's `prompt` is the rendered text."""
         convs = [messages] if _one_conversation(messages) else list(messages)
-        prompts = [
-            self.tokenizer.encode(
-                apply_chat_template(self.tokenizer, conv, chat_template=chat_template,
-                                    add_generation_prompt=add_generation_prompt,
-                                    **(chat_template_kwargs or {})),
-                add_bos=False)
-            for conv in convs
-        ]
-        return self.generate(prompts, sampling_params, cache_salt=cache_salt)
+        texts = [apply_chat_template(self.tokenizer, conv, chat_template=chat_template,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **(chat_template_kwargs or {}))
+                 for conv in convs]
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(t, add_bos=False), "prompt": t}
+                   for t in texts]
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt,
+                             use_tqdm=use_tqdm)
 
 
 def merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
