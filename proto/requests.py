@@ -121,8 +121,14 @@ def check_request(request: GenerateRequest, limits: PromptLimits) -> None:
     sampling = request.sampling
     _at_most("sampling.stop_token_ids", len(sampling.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
     _check_stop_strings(sampling.stop)
-    if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
-        raise BadRequest(f"sampling.logprobs is {sampling.logprobs}; the limit is {MAX_LOGPROBS}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if sampling.HasField(name) and getattr(sampling, name) > MAX_LOGPROBS:
+            raise BadRequest(f"sampling.{name} is {getattr(sampling, name)}; the limit is "
+                             f"{MAX_LOGPROBS}")
+    # Checked here too (the pod's SamplingParams would): a vLLM pod behind the router is
+    # told the same, and the message names the field alike.
+    if sampling.HasField("min_p") and not 0.0 <= sampling.min_p <= 1.0:
+        raise BadRequest(f"sampling.min_p must be in [0, 1], got {sampling.min_p:g}")
     kind = request.WhichOneof("prompt")
     if kind == "text":
         _at_most("prompt text", _utf8_bytes(request.text), limits.max_bytes, "bytes",

@@ -49,6 +49,10 @@ def to_sampling_params(sp: pb.SamplingParams, room: int) -> SamplingParams:
             repetition_penalty=(sp.repetition_penalty if sp.HasField("repetition_penalty")
                                 else 1.0),
             logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            min_p=sp.min_p if sp.HasField("min_p") else 0.0,
+            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+            skip_special_tokens=(sp.skip_special_tokens if sp.HasField("skip_special_tokens")
+                                 else True),
         )
     except ValueError as e:
         raise BadRequest(str(e)) from e
@@ -75,10 +79,17 @@ def stop_reason_fields(reason: str | int | None) -> StopReasonFields:
     return {}
 
 
+def prompt_logprobs(entries: list[TokenLogprobs | None]) -> list[pb.TokenLogprobs]:
+    """The engine's prompt logprobs (entry 0 None: nothing precedes the first token) as the
+    wire carries them: entry j is prompt token j + 1."""
+    return [token_logprobs(lp) for lp in entries[1:] if lp is not None]
+
+
 class Completions:
     """One request's engine deltas turned into what a client sees, the same for Generate and
     GenerateStream. The engine already leaves a stop token's text out and reports each
-    completion's finish_reason once."""
+    completion's finish_reason once. The prompt's logprobs (one delta carries them) go out
+    on the first piece from that delta on, so before any other chunk of the request."""
 
     def __init__(self) -> None:
         self.tokens: dict[int, list[int]] = {}
@@ -86,11 +97,16 @@ class Completions:
         self.finish: dict[int, pb.FinishReason] = {}
         self.logprobs: dict[int, list[pb.TokenLogprobs]] = {}
         self.stop: dict[int, StopReasonFields] = {}  # once finished
+        self.prompt_logprobs: list[pb.TokenLogprobs] = []
+        self.prompt_logprobs_pending = False  # arrived, not yet in a piece
 
     def pieces(self, delta) -> list[dict[str, Any]]:
         """For each completion that moved, the fields of its GenerateChunk but request_id:
         index, new token ids, new text, finish reason, the new tokens' logprobs (when asked
-        for) and, once finished, what stopped it."""
+        for), once finished what stopped it, and on the first one the prompt's logprobs."""
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs(delta.prompt_logprobs)
+            self.prompt_logprobs_pending = True
         out = []
         for c in delta.outputs:
             if not (c.token_ids or c.text or c.finish_reason):
@@ -107,14 +123,23 @@ class Completions:
                 self.finish[c.index] = reason
                 self.stop[c.index] = stop_reason_fields(c.stop_reason)
                 piece.update(self.stop[c.index])
+            piece["prompt_logprobs"] = self.take_prompt_logprobs()
             out.append(piece)
         return out
+
+    def take_prompt_logprobs(self) -> list[pb.TokenLogprobs]:
+        """The prompt's logprobs for a chunk, once: [] before they arrive and after."""
+        if not self.prompt_logprobs_pending:
+            return []
+        self.prompt_logprobs_pending = False
+        return self.prompt_logprobs
 
     def completion(self, index: int) -> pb.Completion:
         return pb.Completion(index=index, token_ids=self.tokens.get(index, []),
                              text="".join(self.texts.get(index, [])),
                              finish_reason=self.finish.get(index, pb.FINISH_REASON_UNSPECIFIED),
                              logprobs=self.logprobs.get(index, []),
+                             prompt_logprobs=self.prompt_logprobs if index == 0 else [],
                              **self.stop.get(index, {}))
 
     def num_tokens(self) -> int:

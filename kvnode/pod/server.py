@@ -145,8 +145,9 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         chunks = [pb.GenerateChunk(request_id=rid, **piece) for piece in done.pieces(delta)]
         if delta.finished:
             self.pod.request_metrics.observe(delta)
-            if not chunks:
-                chunks.append(pb.GenerateChunk(request_id=rid))
+            if not chunks:  # (with the prompt's logprobs, if no piece has taken them)
+                chunks.append(pb.GenerateChunk(request_id=rid,
+                                               prompt_logprobs=done.take_prompt_logprobs()))
             chunks[-1].usage.CopyFrom(usage(len(tokens), delta, done.num_tokens()))
             chunks[-1].served_by = self.pod.pod_id
         return chunks

@@ -133,6 +133,10 @@ BAD = {
     "stop too long": (dict(stop=["y" * (MAX_STOP_STRING_BYTES + 1)]),
                       "sampling.stop[0] has 1025 bytes"),
     "empty stop": (dict(stop=["ok", ""]), "sampling.stop[1] is empty"),
+    "min_p": (dict(min_p=1.5), "sampling.min_p must be in [0, 1], got 1.5"),
+    "min_p nan": (dict(min_p=float("nan")), "sampling.min_p must be in [0, 1], got nan"),
+    "prompt_logprobs": (dict(prompt_logprobs=MAX_LOGPROBS + 1),
+                        "sampling.prompt_logprobs is 21"),
 }
 
 
@@ -154,3 +158,44 @@ def test_bad_values_are_invalid_argument_alike(case: str,
             assert needle in err.value.details()
             seen.append(err.value.details())
     assert len(set(seen)) == 1, seen
+
+
+# -- prompt_logprobs, min_p, skip_special_tokens (#26) -----------------------------------------
+
+def test_prompt_logprobs_come_once_and_equal_the_engines(target: Target, offline: LLM) -> None:
+    """Completion 0 of a response carries them, the stream's first chunk (of any
+    completion) does, and no other chunk: entry j is prompt token j + 1."""
+    sp = sampling(4, ignore_eos=True, n=2, logprobs=1, prompt_logprobs=3)
+    want = offline.generate([PROMPT], SamplingParams(
+        max_tokens=4, temperature=0, ignore_eos=True, n=2, logprobs=1,
+        prompt_logprobs=3))[0]
+    assert want.prompt_logprobs is not None and want.prompt_logprobs[0] is None
+    entries = want.prompt_logprobs[1:]
+    resp = target.gen.Generate(text_req(PROMPT, sp), timeout=60)
+    check_logprobs(resp.completions[0].prompt_logprobs, entries)
+    assert [len(c.prompt_logprobs) for c in resp.completions[1:]] == [0]
+    assert len(entries) == resp.usage.prompt_tokens - 1
+    chunks = list(target.gen.GenerateStream(text_req(PROMPT, sp, request_id="plp"),
+                                            timeout=60))
+    check_stream_shape(chunks, "plp", target)
+    check_logprobs(chunks[0].prompt_logprobs, entries)
+    assert all(len(ch.prompt_logprobs) == 0 for ch in chunks[1:])
+    # Not asked: none; the generated tokens' own logprobs as without them.
+    plain = target.gen.Generate(text_req(PROMPT, sampling(4, ignore_eos=True, logprobs=1)),
+                                timeout=60)
+    assert len(plain.completions[0].prompt_logprobs) == 0
+    check_logprobs(plain.completions[0].logprobs, want.outputs[0].logprobs)
+
+
+def test_min_p_and_skip_special_tokens_round_trip(target: Target, offline: LLM) -> None:
+    kw = dict(seed=11, ignore_eos=True, min_p=0.25)  # exact in float32
+    want = round_trip(target, offline, sampling(48, temperature=1.5, **kw),
+                      SamplingParams(max_tokens=48, temperature=1.5, **kw))
+    loose = offline.generate([PROMPT], SamplingParams(max_tokens=48, temperature=1.5, seed=11,
+                                                      ignore_eos=True))[0].outputs[0]
+    assert loose.token_ids != want.token_ids  # min_p made a difference
+    # A seed whose draw holds special tokens: their text is kept when asked.
+    kw = dict(seed=30, ignore_eos=True, skip_special_tokens=False)
+    want = round_trip(target, offline, sampling(24, temperature=2.0, **kw),
+                      SamplingParams(max_tokens=24, temperature=2.0, **kw))
+    assert {256, 257} & set(want.token_ids) and ("<s>" in want.text or "</s>" in want.text)

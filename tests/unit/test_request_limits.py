@@ -75,6 +75,12 @@ def test_stop_strings_and_logprobs_are_bounded() -> None:
     assert refusal(req(stop=["ok", ""])).startswith("sampling.stop[1] is empty")
     assert refusal(req(logprobs=MAX_LOGPROBS + 1)) == (
         f"sampling.logprobs is {MAX_LOGPROBS + 1}; the limit is {MAX_LOGPROBS}")
+    check_request(req(prompt_logprobs=MAX_LOGPROBS, min_p=1.0), LIMITS)
+    check_request(req(prompt_logprobs=0, min_p=0.0), LIMITS)
+    assert refusal(req(prompt_logprobs=MAX_LOGPROBS + 1)) == (
+        f"sampling.prompt_logprobs is {MAX_LOGPROBS + 1}; the limit is {MAX_LOGPROBS}")
+    for bad in (-0.5, 1.5, float("nan"), float("inf")):
+        assert refusal(req(min_p=bad)).startswith("sampling.min_p must be in [0, 1], got")
 
 
 def test_prompt_bounds_before_and_after_tokenizing() -> None:

@@ -30,7 +30,8 @@ class GenerationStub:
     same tokens, text, status codes and messages (the router adds `routing`). Errors:
     - INVALID_ARGUMENT: a request that can never be served; the message names the field or
     the limit (empty prompt, token id outside the vocabulary, prompt + max_tokens over
-    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n, a field past its limit
+    max_model_len, temperature < 0, top_p outside (0, 1], min_p outside [0, 1], n > max_n,
+    logprobs or prompt_logprobs over 20, a field past its limit
     (README "Limits"), a body that cannot be decoded: cut short, or a string not UTF-8).
     - ALREADY_EXISTS: request_id is already in flight.
     - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue), or the message is larger
@@ -63,7 +64,8 @@ class GenerationServicer:
     same tokens, text, status codes and messages (the router adds `routing`). Errors:
     - INVALID_ARGUMENT: a request that can never be served; the message names the field or
     the limit (empty prompt, token id outside the vocabulary, prompt + max_tokens over
-    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n, a field past its limit
+    max_model_len, temperature < 0, top_p outside (0, 1], min_p outside [0, 1], n > max_n,
+    logprobs or prompt_logprobs over 20, a field past its limit
     (README "Limits"), a body that cannot be decoded: cut short, or a string not UTF-8).
     - ALREADY_EXISTS: request_id is already in flight.
     - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue), or the message is larger
@@ -116,7 +118,8 @@ class Generation:
     same tokens, text, status codes and messages (the router adds `routing`). Errors:
     - INVALID_ARGUMENT: a request that can never be served; the message names the field or
     the limit (empty prompt, token id outside the vocabulary, prompt + max_tokens over
-    max_model_len, temperature < 0, top_p outside (0, 1], n > max_n, a field past its limit
+    max_model_len, temperature < 0, top_p outside (0, 1], min_p outside [0, 1], n > max_n,
+    logprobs or prompt_logprobs over 20, a field past its limit
     (README "Limits"), a body that cannot be decoded: cut short, or a string not UTF-8).
     - ALREADY_EXISTS: request_id is already in flight.
     - RESOURCE_EXHAUSTED: the pod's queue is full (--max-queue), or the message is larger
