@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 from dataclasses import dataclass
 from typing import overload
 
@@ -61,6 +62,31 @@ class TlsFiles:
         if self.ca:
             parts.append(f"CA {self.ca}")
         return ", ".join(parts) or "system CAs"
+
+
+def client_ssl_context(tls: TlsFiles | None) -> ssl.SSLContext:
+    """The context for https:// origins: the system's CAs, or `tls.ca`; `tls.cert` +
+    `tls.key` are presented to a server that asks for a client certificate. A file that
+    cannot be read, is not PEM, or a key that is not the certificate's, is a ValueError
+    naming the file. Built once, at a process's start (the router's --vllm-tls-*, the vLLM
+    ingester's health probe)."""
+    context = ssl.create_default_context()
+    if tls is None:
+        return context
+    cert, _key, ca = tls.read()  # readable and PEM, or a ValueError naming the file
+    if ca is not None:
+        try:
+            context = ssl.create_default_context(cadata=ca.decode("ascii", "replace"))
+        except ssl.SSLError as exc:
+            raise ValueError(f"TLS CA file {tls.ca} holds no usable certificate "
+                             f"({exc.reason or exc})") from None
+    if cert is not None:
+        try:
+            context.load_cert_chain(str(tls.cert), str(tls.key))
+        except ssl.SSLError as exc:
+            raise ValueError(f"TLS certificate {tls.cert} with key {tls.key} cannot be used "
+                             f"({exc.reason or exc})") from None
+    return context
 
 
 def _read_pem(path: str | None) -> bytes | None:

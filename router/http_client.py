@@ -10,9 +10,9 @@ Every wait is bounded by the caller's deadline (a loop time, or None for none) a
 connection by `connect_timeout_s`; no timer spans the caller's own work between two reads.
 
 An `https://` origin verifies the server's certificate and name: against the system's CAs,
-or the CA file of the TLS context the caller builds once with `client_ssl_context` (the
-router's --vllm-tls-* files), which may also hold the client's own certificate, for a server
-that asks for one (mutual TLS). A TLS failure is a ConnectFailed like any other.
+or the CA file of the TLS context the caller builds once with `client_ssl_context`
+(proto/credentials.py; the router's --vllm-tls-* files), which may also hold the client's own
+certificate, for a server that asks for one (mutual TLS). A TLS failure is a ConnectFailed like any other.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator
 
 import h11
 
-from pagekv.proto.credentials import TlsFiles
+from pagekv.proto.credentials import client_ssl_context
 
 _READ_BYTES = 65536
 
@@ -36,30 +36,6 @@ class ConnectFailed(Exception):
 
 class BrokenResponse(Exception):
     """The response started and then broke: cut off, or not HTTP the parser accepts."""
-
-
-def client_ssl_context(tls: TlsFiles | None) -> ssl.SSLContext:
-    """The context for https:// origins: the system's CAs, or `tls.ca`; `tls.cert` +
-    `tls.key` are presented to a server that asks for a client certificate. A file that
-    cannot be read, is not PEM, or a key that is not the certificate's, is a ValueError
-    naming the file (the router builds it once, at its start)."""
-    context = ssl.create_default_context()
-    if tls is None:
-        return context
-    cert, _key, ca = tls.read()  # readable and PEM, or a ValueError naming the file
-    if ca is not None:
-        try:
-            context = ssl.create_default_context(cadata=ca.decode("ascii", "replace"))
-        except ssl.SSLError as exc:
-            raise ValueError(f"TLS CA file {tls.ca} holds no usable certificate "
-                             f"({exc.reason or exc})") from None
-    if cert is not None:
-        try:
-            context.load_cert_chain(str(tls.cert), str(tls.key))
-        except ssl.SSLError as exc:
-            raise ValueError(f"TLS certificate {tls.cert} with key {tls.key} cannot be used "
-                             f"({exc.reason or exc})") from None
-    return context
 
 
 def split_address(address: str) -> tuple[str, int, bool]:

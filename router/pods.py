@@ -34,13 +34,12 @@ from typing import Any
 
 import grpc
 
-from pagekv.proto.credentials import TlsFiles, bearer
+from pagekv.proto.credentials import TlsFiles, bearer, client_ssl_context
 from pagekv.proto.grpc_security import channel_credentials, open_channel
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, config_mismatch
 from pagekv.proto.index.queries import LivePods
 from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
-from pagekv.router.http_client import client_ssl_context
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.openai_forward import VllmStub
 

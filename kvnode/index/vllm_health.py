@@ -8,6 +8,10 @@ With `load_path` ("/metrics"), each check that finds the pod serving also reads 
 from that page on the same connection (kvnode/index/vllm_load.py), for the ingester's lease;
 a pod without the page (404) is not asked again.
 
+An `https://` address is checked over TLS with the context the ingester builds once from its
+--vllm-tls-* files (the CA of the pod's certificate, and a client certificate for a vLLM
+started with --ssl-cert-reqs 2), as the router reaches the same pod.
+
 One HTTP/1.1 connection is kept open between checks (a new connection per check costs
 several times the CPU, every 2 s for as long as the ingester runs); any failure closes it,
 and the next check opens a new one.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -28,13 +33,18 @@ logger = logging.getLogger(__name__)
 
 
 def health_url(openai_address: str) -> str:
-    return f"http://{openai_address}/health"
+    """The /health URL of an OpenAI server registered as `host:port`, `http://host:port` or
+    `https://host:port` (the forms the router reaches)."""
+    base = openai_address.rstrip("/")
+    return f"{base}/health" if "://" in base else f"http://{base}/health"
 
 
 class HealthProbe:
     def __init__(self, url: str, on_down: Callable[[str], None], on_up: Callable[[], None],
                  interval_s: float = 2.0, failures: int = 3,
-                 load_path: str | None = None) -> None:
+                 load_path: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """`ssl_context`: for an https:// URL (default: the system's CAs)."""
         if interval_s <= 0 or failures <= 0:
             raise ValueError("the health probe needs interval_s > 0 and failures > 0")
         self.url = url
@@ -46,9 +56,13 @@ class HealthProbe:
         self.checks = 0
         self._failed = 0
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"the health URL must be http://host:port/path, got {url!r}")
-        self._host, self._port = parts.hostname, parts.port or 80
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"the health URL must be http(s)://host:port/path, got {url!r}")
+        self._tls: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            self._tls = ssl_context or ssl.create_default_context()
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._tls else 80)
         self._path = parts.path or "/"
         self._conn: http.client.HTTPConnection | None = None
         self.load_path = load_path
@@ -75,14 +89,17 @@ class HealthProbe:
             if self.load_path:
                 self._read_load()
             return None
-        except (OSError, http.client.HTTPException) as exc:  # refused, timed out, cut
+        except (OSError, http.client.HTTPException) as exc:  # refused, timed out, cut, TLS
             self._close()
             return f"{type(exc).__name__}: {exc}"
 
     def _get(self, path: str) -> tuple[int, bytes]:
         if self._conn is None:
-            self._conn = http.client.HTTPConnection(self._host, self._port,
-                                                    timeout=min(self.interval_s, 5.0))
+            timeout = min(self.interval_s, 5.0)
+            self._conn = (http.client.HTTPSConnection(self._host, self._port, timeout=timeout,
+                                                      context=self._tls)
+                          if self._tls is not None else
+                          http.client.HTTPConnection(self._host, self._port, timeout=timeout))
         self._conn.request("GET", path)
         resp = self._conn.getresponse()
         body = resp.read()

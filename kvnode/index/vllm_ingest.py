@@ -46,7 +46,7 @@ from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.kvnode.index.vllm_health import HealthProbe, health_url
 from pagekv.kvnode.index.vllm_stream import BadFrames, Frame, ReplayFailed, VllmEventStream
 from pagekv.kvnode.memory.metrics import Histogram as PlainHistogram
-from pagekv.proto.credentials import TlsFiles
+from pagekv.proto.credentials import TlsFiles, client_ssl_context
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HashConfig
 from pagekv.proto.index.mirror import BucketChange
 from pagekv.proto.index.schema import POD_KIND_VLLM, IndexSchema
@@ -87,6 +87,8 @@ class IngestConfig:
     max_blocks: int = 4_000_000
     recent_blocks: int = 262_144
     redis_tls: TlsFiles | None = None
+    # An https:// openai_address: the CA of the pod's certificate, the ingester's own.
+    openai_tls: TlsFiles | None = None
     health_interval_s: float = 2.0  # 0: no health probe, the pod is always taken as up
     health_failures: int = 3
     load_from_metrics: bool = True  # with the health check: its /metrics into the lease
@@ -130,7 +132,9 @@ class VllmIngester:
             self.health = HealthProbe(health_url(config.openai_address), self._pod_down,
                                       self._pod_up, config.health_interval_s,
                                       config.health_failures,
-                                      "/metrics" if config.load_from_metrics else None)
+                                      "/metrics" if config.load_from_metrics else None,
+                                      client_ssl_context(config.openai_tls)
+                                      if config.openai_address.startswith("https://") else None)
         self.stream: VllmEventStream | None = None
         self._last: int | None = None  # the last batch applied, None before the first
         self._pending: list[BucketChange] = []  # claim changes of this tick, in order

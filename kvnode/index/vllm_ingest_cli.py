@@ -22,7 +22,12 @@ from prometheus_client.registry import Collector
 
 from pagekv.kvnode.index.publish_stats import INDEX_COUNTERS, histogram_family
 from pagekv.kvnode.index.vllm_ingest import IngestConfig, VllmIngester
-from pagekv.proto.credentials import add_redis_arguments, redis_url_from, tls_from
+from pagekv.proto.credentials import (
+    add_redis_arguments,
+    add_tls_arguments,
+    redis_url_from,
+    tls_from,
+)
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from pagekv.proto.serving import serve_metrics
 from pagekv.proto.vllm_chain import REFUSAL_REASONS
@@ -47,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the pod in the index")
     g.add_argument("--pod-id", required=True, help="its id in the index (one per vLLM pod)")
     g.add_argument("--openai-address", required=True, metavar="HOST:PORT",
-                   help="its OpenAI server, as the router should reach it")
+                   help="its OpenAI server, as the router should reach it (https://HOST:PORT "
+                        "for one served over TLS: see --vllm-tls-*)")
     g.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s,
                    help="the pod's lease in the index, renewed every third of it: how long "
                         "its claims outlive a dead ingester")
@@ -67,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="blocks it no longer holds whose full hash is remembered (a child "
                         "stored later needs its parent's)")
     add_redis_arguments(p, None)
+    add_tls_arguments(p, "vllm-tls", "TLS to the pod's OpenAI server (an https:// "
+                      "--openai-address), for the /health probe, as the router's --vllm-tls-*",
+                      "CA the pod's certificate must be signed by (default: the system's CAs); "
+                      "--vllm-tls-cert/--vllm-tls-key: the ingester's client certificate, for a "
+                      "vLLM started with --ssl-cert-reqs 2")
     g = p.add_argument_group("hashing (the vLLM pod's; the router refuses a mismatch)")
     g.add_argument("--model", required=True,
                    help="the model name, as the router and PageKV pods are given it")
@@ -92,6 +103,7 @@ def config_from(args: argparse.Namespace) -> IngestConfig:
         replay_timeout_s=args.replay_timeout_s, max_blocks=args.max_blocks,
         flush_interval_s=args.flush_interval_s,
         recent_blocks=args.recent_blocks, redis_tls=tls_from(args, "redis"),
+        openai_tls=tls_from(args, "vllm-tls"),
         health_interval_s=args.health_interval_s, health_failures=args.health_failures,
         load_from_metrics=args.load_from_metrics)
 

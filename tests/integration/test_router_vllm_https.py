@@ -25,10 +25,10 @@ import pytest
 
 from pagekv.deploy.redis_server import RedisProcess, free_port
 from pagekv.kvnode.index.publisher import IndexPublisher
-from pagekv.proto.credentials import TlsFiles
+from pagekv.proto.credentials import TlsFiles, client_ssl_context
 from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.index.writes import kind_fields
-from pagekv.router.http_client import ConnectFailed, HttpOrigin, client_ssl_context
+from pagekv.router.http_client import ConnectFailed, HttpOrigin
 from pagekv.router.openai_forward import VllmStub
 from tests.integration.router_fixtures import SCHEMA, tokens_req
 from tests.integration.tls_fixtures import Certs, make_certs

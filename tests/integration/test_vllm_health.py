@@ -1,20 +1,27 @@
 """The vLLM pod's /health probe (kvnode/index/vllm_health.py) against real HTTP servers on
 loopback: one kept-alive connection for every check, a new one after the pod closes it or
-goes away, and the answer or the failure said in words."""
+goes away, and the answer or the failure said in words; an https:// pod that asks for a client
+certificate (vLLM's --ssl-cert-reqs 2) checked with the ingester's --vllm-tls-* files."""
 
 from __future__ import annotations
 
 import socket
+import ssl
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from pagekv.kvnode.index.vllm_health import HealthProbe, health_url
+from pagekv.proto.credentials import TlsFiles, client_ssl_context
+from tests.integration.tls_fixtures import Certs, make_certs
 
 
 class _Server(ThreadingHTTPServer):
-    def __init__(self, http11: bool) -> None:
+    def __init__(self, http11: bool, tls: ssl.SSLContext | None = None) -> None:
         self.connections = 0
         self.status = 200
         self.cut = False
@@ -23,6 +30,8 @@ class _Server(ThreadingHTTPServer):
         handler = type("H", (_Handler,), {"protocol_version":
                                           "HTTP/1.1" if http11 else "HTTP/1.0"})
         super().__init__(("127.0.0.1", 0), handler)
+        if tls is not None:  # the handshake runs at accept; a refused client is an OSError
+            self.socket = tls.wrap_socket(self.socket, server_side=True)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     def process_request(self, request, client_address) -> None:
@@ -102,8 +111,64 @@ def test_nothing_listening_is_a_failure_not_a_hang() -> None:
 
 
 def test_only_http_urls() -> None:
-    with pytest.raises(ValueError, match="http://"):
-        HealthProbe("https://x:1/health", lambda why: None, lambda: None)
+    with pytest.raises(ValueError, match=r"http\(s\)://"):
+        HealthProbe("ftp://x:1/health", lambda why: None, lambda: None)
+
+
+def test_the_health_url_keeps_the_scheme_the_pod_is_registered_with() -> None:
+    assert health_url("10.0.0.5:8000") == "http://10.0.0.5:8000/health"
+    assert health_url("http://10.0.0.5:8000") == "http://10.0.0.5:8000/health"
+    # Was http://https://...: an HTTPS pod was never found up and left the index.
+    assert health_url("https://vllm-0:8443/") == "https://vllm-0:8443/health"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return make_certs(Path(tmp_path_factory.mktemp("certs")))
+
+
+def _mutual_tls_server(certs: Certs) -> _Server:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(certs.server.cert), str(certs.server.key))
+    context.load_verify_locations(cafile=certs.ca)
+    context.verify_mode = ssl.CERT_REQUIRED
+    return _Server(True, context)
+
+
+def test_an_https_pod_is_checked_with_the_ca_and_the_client_certificate(
+        certs: Certs) -> None:
+    server = _mutual_tls_server(certs)
+    url = health_url(f"https://127.0.0.1:{server.server_port}")
+    try:
+        probe = HealthProbe(url, lambda why: None, lambda: None, interval_s=1.0,
+                            ssl_context=client_ssl_context(certs.client))
+        assert [probe.check(), probe.check()] == [None, None]
+        server.status = 503
+        assert probe.check() == "HTTP 503"
+        assert server.connections == 1  # kept alive over TLS too
+        # Without a client certificate, or trusting another CA: a failure that says so.
+        for tls in (TlsFiles(ca=certs.ca), TlsFiles(ca=certs.other_ca)):
+            why = HealthProbe(url, lambda why: None, lambda: None, interval_s=1.0,
+                              ssl_context=client_ssl_context(tls)).check()
+            assert why is not None and ("SSL" in why or "Connection" in why or
+                                        "Disconnected" in why), why
+    finally:
+        server.close()
+
+
+def test_a_bad_tls_file_stops_the_ingester_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagekv", "ingest-vllm", "--zmq-endpoint", "tcp://127.0.0.1:1",
+         "--pod-id", "v0", "--openai-address", "https://127.0.0.1:1", "--model", "m",
+         "--block-size", "16", "--redis-url", "redis://127.0.0.1:1",
+         "--vllm-tls-ca", str(bad)],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(bad) in lines[0] and "Traceback" not in proc.stderr, \
+        proc.stderr
 
 
 def test_the_load_is_read_from_metrics_on_the_same_connection() -> None:
