@@ -135,8 +135,10 @@ class AsyncEngine:
         cache_salt: str | None = None,
         lora_id: str | None = None,
         kv_source: KvSource | None = None,
+        prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas as they are produced; closing the iterator aborts it."""
+        """Yield the request's deltas as they are produced; closing the iterator aborts it.
+        `prompt`: the prompt's text when the client sent text (RequestOutput.prompt)."""
         if len(self._streams) >= self.max_queue:
             raise QueueFull(f"{len(self._streams)} requests in flight (max_queue={self.max_queue})")
         loop = asyncio.get_running_loop()
@@ -150,7 +152,8 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(
-                    request_id, prompt_token_ids, params, cache_salt, lora_id, arrival, kv_source
+                    request_id, prompt_token_ids, params, cache_salt, lora_id, arrival, kv_source,
+                    prompt=prompt,
                 )
                 loop.call_soon_threadsafe(_set_result, admitted, None)
             except Exception as e:

@@ -87,3 +87,16 @@ def test_build_reraises_a_failed_construction():
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine.build(factory)
+
+
+def test_prompt_text_and_prompt_logprobs_stream_on_the_first_delta(aengine):
+    async def main():
+        p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+        return [d async for d in aengine.generate("t", [256, 104, 105], p, prompt="hi")]
+
+    deltas = asyncio.run(main())
+    assert all(d.prompt == "hi" for d in deltas)
+    first = deltas[0].prompt_logprobs
+    assert first is not None and first[0] is None and [e.token_id for e in first[1:]] == [104, 105]
+    assert all(len(e.top) == 2 for e in first[1:])
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
