@@ -314,7 +314,8 @@ class Engine:
         else:
             logits = self.runner.execute(batch)
         now = time.monotonic()
-        if sched.num_batched_tokens >= PREFILL_SAMPLE_MIN_TOKENS:
+        # A step that also scored prompt logprobs would overstate what a prefill costs.
+        if sched.num_batched_tokens >= PREFILL_SAMPLE_MIN_TOKENS and not scored:
             self._prefill_samples.append((time.perf_counter() - t0) / sched.num_batched_tokens)
 
         rows: list[int] = []

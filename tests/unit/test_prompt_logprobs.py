@@ -282,3 +282,16 @@ def test_runner_token_logits_are_execute_s_and_all_positions_rows():
     assert torch.allclose(rows, want, atol=1e-5)
     with pytest.raises(ValueError, match="not new tokens"):
         runner.execute_with_token_logits(batch, [(1, 5, 3)])
+
+
+def test_scoring_steps_are_not_prefill_cost_samples():
+    """The prefill cost published to the router is a plain prefill's: a step that also
+    scored prompt logprobs is left out."""
+    eng = Engine(model="pagekv-tiny", num_gpu_blocks=128, max_model_len=512,
+                 max_num_batched_tokens=256)
+    eng.add_request("r", PROMPT + PROMPT[:100], SCORED)
+    drain(eng)
+    assert eng.prefill_s_per_token is None
+    eng.add_request("plain", FILLERS[0] + FILLERS[1][:120], PLAIN)
+    drain(eng)
+    assert eng.prefill_s_per_token is not None
