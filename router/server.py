@@ -326,7 +326,8 @@ async def _bounded_step(what: str, step: Awaitable[object], timeout_s: float) ->
 
 class RouterServer:
     """The whole router process: Redis client, registry, gRPC server, health, metrics, and
-    (with http_port) OpenAI's HTTP API over the same GenerateStream handler."""
+    (with http_port) OpenAI's HTTP API over the same GenerateStream handler, with the
+    router's own tokenizer behind /tokenize and the metrics page on /metrics too."""
 
     def __init__(self, config: RouterConfig, host: str = "127.0.0.1", port: int = 0,
                  metrics_port: int = 0, metrics_host: str = "127.0.0.1",
@@ -404,6 +405,7 @@ class RouterServer:
             tokenizer=lambda: tokenizer, generate_stream=service.GenerateStream,
             ready=lambda: registry.ready.is_set() and not self.stopping,
             api_token=cfg.api_token, max_body_bytes=8 * cfg.prompt_limits.max_message_bytes,
+            prompt_limits=cfg.prompt_limits, metrics=self.metrics.registry,
             on_response=lambda route, status: self.metrics.http_responses.labels(
                 route=route, status=str(status)).inc())
 

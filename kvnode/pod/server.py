@@ -3,9 +3,10 @@
 - `pagekv.v1.Generation` (unary and streaming) over the AsyncEngine; a cancelled stream
   aborts its request and frees its blocks.
 - `pagekv.v1.KVNode` (Stats, ResetPrefixCache), grpc.health.v1, server reflection.
-- OpenAI's HTTP API on --http-port (proto/openai: it calls GenerateStream above in process).
-- Prometheus on --metrics-port; KV events published to the Redis index (when --redis-url),
-  and on ZeroMQ in vLLM's format (when --kv-events-zmq).
+- OpenAI's HTTP API on --http-port (proto/openai: it calls GenerateStream above in process),
+  with /tokenize, /detokenize and the metrics page (/metrics) beside it.
+- Prometheus on --metrics-port (the same registry); KV events published to the Redis index
+  (when --redis-url), and on ZeroMQ in vLLM's format (when --kv-events-zmq).
 - SIGTERM / SIGINT (the process and its flags: node_cli.py): health goes NOT_SERVING,
   in-flight requests drain (--drain-timeout-s), the pod's index entries are removed, then
   the process exits.
@@ -267,6 +268,7 @@ class PodServer:
             generate_stream=servicer.GenerateStream, ready=lambda: self.serving,
             max_model_len=lambda: self.built_engine().max_model_len,
             api_token=self.api_token, max_body_bytes=8 * self.prompt_limits.max_message_bytes,
+            prompt_limits=self.prompt_limits, metrics=self.registry,
             headers={"x-pagekv-served-by": self.pod_id},
             on_response=lambda route, status: self.http_responses.labels(
                 **self.metric_labels, route=route, status=str(status)).inc())
@@ -391,14 +393,15 @@ class PodServer:
             await asyncio.to_thread(self.kv_events.start)  # binds: a taken port fails here
             engine.event_sinks.append(self.kv_events.submit)
         aengine.start()
+        # One registry for both pages: the metrics port and the HTTP API's /metrics.
+        pub = self.publisher
+        self.registry.register(EngineCollector(
+            engine, self.metric_labels, pub.stats if pub else None,
+            (lambda: pub.lag_histogram) if pub else None,
+        ))
+        if self.kv_events is not None:
+            self.registry.register(self.kv_events.collector(self.metric_labels))
         if self.metrics_port is not None:
-            pub = self.publisher
-            self.registry.register(EngineCollector(
-                engine, self.metric_labels, pub.stats if pub else None,
-                (lambda: pub.lag_histogram) if pub else None,
-            ))
-            if self.kv_events is not None:
-                self.registry.register(self.kv_events.collector(self.metric_labels))
             self.metrics_server = metrics = serve_metrics(self.registry, self.host,
                                                           self.metrics_port)
             self.metrics_port = metrics.server_port

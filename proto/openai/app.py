@@ -1,8 +1,12 @@
 """OpenAI's HTTP API over a pod or a router, as an ASGI app (Starlette).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version. Every error is OpenAI's JSON error object with the status its clients expect
-(errors.py); a stack trace never leaves the process.
+GET /version; vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info
+(tokenization.py); GET /metrics, the Prometheus page the metrics port serves (the same
+registry), where vLLM serves it; GET /openapi.json, the routes described (openapi.py). Every
+error is OpenAI's JSON error object with the status its clients expect (errors.py); a stack
+trace never leaves the process. /metrics, /openapi.json, /health and /version are open; the
+rest need the API token when one is set.
 """
 
 from __future__ import annotations
@@ -13,26 +17,38 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
+from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagekv.proto.model_files.chat import ChatTemplateError, apply_chat_template
 from pagekv.proto.openai.backend import Backend, Tokenizer
 from pagekv.proto.openai.calls import Calls, ClientGone, EventStream, until_disconnect
 from pagekv.proto.openai.errors import ApiError, invalid
-from pagekv.proto.openai.params import Parsed, parse_chat, parse_completion
+from pagekv.proto.openai.openapi import openapi_document
+from pagekv.proto.openai.params import Parsed, parse_chat, parse_completion, read_str
+from pagekv.proto.openai.prompt_echo import prompt_echoes
 from pagekv.proto.openai.render import Renderer, TokenTexts
+from pagekv.proto.openai.tokenization import (
+    TokenizeAsk,
+    parse_detokenize,
+    parse_tokenize,
+    render_chat,
+    tokenize_reply,
+    tokenizer_info,
+)
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LARGE_TEXT = 64 << 10  # characters: render and tokenize off the event loop past this
 CLIENT_CLOSED = 499  # nginx's status for a client that hung up (never seen by that client)
@@ -52,6 +68,7 @@ class OpenAIFrontend:
         self.backend = backend
         self.token_texts: TokenTexts | None = None
         self._ignored_logged: set[str] = set()
+        self.openapi: dict[str, Any] = {}  # the app's routes described (build_app sets it)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _json(self, route: str, status: int, body: Any,
@@ -103,13 +120,21 @@ class OpenAIFrontend:
         return body
 
     def _check_model(self, parsed: Parsed) -> str:
+        return self._check_model_name(parsed.model)
+
+    def _check_model_name(self, model: str | None) -> str:
         names = self.backend.model_names
-        if parsed.model is not None and parsed.model not in names:
-            raise ApiError(404, f"The model `{parsed.model}` does not exist (this server "
+        if model is not None and model not in names:
+            raise ApiError(404, f"The model `{model}` does not exist (this server "
                            f"serves {', '.join(names)})", param="model", code="model_not_found")
         if not self.backend.ready():
             raise ApiError(503, f"the {self.backend.kind} is starting", code="starting")
-        return parsed.model or names[0]
+        return model or names[0]
+
+    def _texts(self, tokenizer: Tokenizer) -> TokenTexts:
+        if self.token_texts is None:
+            self.token_texts = TokenTexts(tokenizer.decode)
+        return self.token_texts
 
     def _log_ignored(self, fields: list[str]) -> None:
         new = [f for f in fields if f not in self._ignored_logged]
@@ -143,6 +168,68 @@ class OpenAIFrontend:
                 card["max_model_len"] = max_len
             cards.append(card)
         return self._json("/v1/models", 200, {"object": "list", "data": cards})
+
+    async def metrics(self, request: Request) -> Response:
+        """The registry the metrics port serves, in the format the scraper asks for."""
+        registry = self.backend.metrics
+        if registry is None:
+            return self._json("/metrics", 404, ApiError(
+                404, "this server keeps no metrics", code="not_found").body())
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        page = await asyncio.to_thread(encoder, registry)  # the collectors read the engine
+        self._count("/metrics", 200)
+        return Response(page, 200, headers=self.backend.headers, media_type=content_type)
+
+    async def openapi_json(self, request: Request) -> Response:
+        return self._json("/openapi.json", 200, self.openapi)
+
+    async def tokenize(self, request: Request) -> Response:
+        route = "/tokenize"
+        try:
+            self._check_auth(request)
+            ask = parse_tokenize(await self._body(request), self.backend.prompt_limits)
+            self._check_model_name(ask.model)
+            tokenizer = self.backend.tokenizer()
+            reply = await self._off_loop_if(ask.size() > LARGE_TEXT, self._tokenized, tokenizer,
+                                            ask)
+            return self._json(route, 200, reply)
+        except ApiError as exc:
+            return self._error(route, exc)
+
+    def _tokenized(self, tokenizer: Tokenizer, ask: TokenizeAsk) -> dict[str, Any]:
+        return tokenize_reply(tokenizer, ask, self.backend.max_model_len(),
+                              self._texts(tokenizer))
+
+    async def detokenize(self, request: Request) -> Response:
+        route = "/detokenize"
+        try:
+            self._check_auth(request)
+            body = await self._body(request)
+            self._check_model_name(read_str(body, "model"))
+            tokenizer = self.backend.tokenizer()
+            ids = parse_detokenize(body, tokenizer.vocab_size)
+            text = await self._off_loop_if(len(ids) > LARGE_TEXT // 4, tokenizer.decode, ids,
+                                           False)
+            return self._json(route, 200, {"prompt": text})
+        except ApiError as exc:
+            return self._error(route, exc)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        route = "/tokenizer_info"
+        try:
+            self._check_auth(request)
+            self._check_model_name(None)
+            return self._json(route, 200, tokenizer_info(self.backend.tokenizer(),
+                                                         self.backend.max_model_len()))
+        except ApiError as exc:
+            return self._error(route, exc)
+
+    @staticmethod
+    async def _off_loop_if(large: bool, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args), on a worker thread when the input is large (milliseconds of work)."""
+        if large:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     async def completions(self, request: Request) -> Response | EventStream:
         return await self._generate(request, chat=False)
@@ -187,20 +274,26 @@ class OpenAIFrontend:
             parsed, prompts = parse_completion(body)
         model = self._check_model(parsed)
         tokenizer = self.backend.tokenizer()
+        chat_echo = ""
         if chat:
             prompts = [await self._chat_prompt(tokenizer, messages, template_kwargs)]
+            if parsed.echo:
+                chat_echo = _chat_echo(messages, template_kwargs)
         self._log_ignored(parsed.ignored)
         rid = parsed.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
         requests = [self._request(rid if len(prompts) == 1 else f"{rid}-{k}", p, parsed)
                     for k, p in enumerate(prompts)]
-        if self.token_texts is None:
-            self.token_texts = TokenTexts(tokenizer.decode)
+        echoes = None if chat else await prompt_echoes(requests, parsed, tokenizer,
+                                                       self.backend.prompt_limits)
         renderer = Renderer(
             chat=chat, response_id=f"{'chatcmpl' if chat else 'cmpl'}-{rid}", model=model,
             n=parsed.n, num_prompts=len(prompts),
-            token_texts=TokenTexts.as_id if parsed.tokens_as_ids else self.token_texts,
+            token_texts=TokenTexts.as_id if parsed.tokens_as_ids else self._texts(tokenizer),
             logprobs=parsed.logprobs, streaming=parsed.stream,
-            include_usage=parsed.include_usage, token_ids=parsed.token_ids)
+            include_usage=parsed.include_usage, token_ids=parsed.token_ids,
+            echo=parsed.echo, echoes=echoes, echo_only=parsed.echo_only,
+            num_logprobs=parsed.num_logprobs,
+            prompt_logprobs=parsed.prompt_logprobs is not None, chat_echo=chat_echo)
         calls = Calls(self.backend, requests)
         headers = {"x-request-id": header_value(rid)}
         if parsed.ignored:
@@ -215,19 +308,9 @@ class OpenAIFrontend:
     async def _chat_prompt(self, tokenizer: Tokenizer, messages: list[dict[str, Any]],
                            kwargs: dict[str, Any]) -> list[int]:
         """The conversation rendered with the model's template and tokenized as the pods
-        would; the template writes its own special tokens, so no BOS is added (vLLM's rule)."""
-        def render() -> list[int]:
-            try:
-                text = apply_chat_template(tokenizer, messages, **kwargs)
-            except ChatTemplateError as exc:
-                raise invalid(str(exc), "messages") from None
-            except TypeError as exc:  # a chat_template_kwargs key the renderer reserves
-                raise invalid(f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
-            return tokenizer.encode(text, add_bos=False)
-
-        if sum(len(m["content"]) for m in messages) > LARGE_TEXT:
-            return await asyncio.to_thread(render)
-        return render()
+        would (tokenization.render_chat)."""
+        large = sum(len(m["content"]) for m in messages) > LARGE_TEXT
+        return await self._off_loop_if(large, render_chat, tokenizer, messages, kwargs)
 
     @staticmethod
     def _request(rid: str, prompt: str | list[int], parsed: Parsed) -> pb.GenerateRequest:
@@ -276,6 +359,15 @@ class OpenAIFrontend:
         return EventStream(stream, first, tail, {**self.backend.headers, **headers}, closed)
 
 
+def _chat_echo(messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+    """vLLM's chat echo: the last message's content, when it has the answer's role (the
+    assistant's; any role without a generation prompt, where the answer continues it)."""
+    last = messages[-1]
+    if last["role"] == "assistant" or not kwargs.get("add_generation_prompt", True):
+        return str(last["content"])
+    return ""
+
+
 def _check_unicode(body: Any) -> None:
     """JSON's \\ud800 escapes decode to lone surrogates, which no UTF-8 wire can carry:
     refuse them here, naming where, instead of failing deep inside."""
@@ -321,8 +413,15 @@ def build_app(backend: Backend) -> Starlette:
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
         Route("/v1/models", front.models, methods=["GET"]),
+        Route("/tokenize", front.tokenize, methods=["POST"]),
+        Route("/detokenize", front.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", front.tokenizer_info, methods=["GET"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/version", front.version, methods=["GET"]),
+        Route("/metrics", front.metrics, methods=["GET"]),
+        Route("/openapi.json", front.openapi_json, methods=["GET"]),
     ]
+    # Every route must be described: a route added without its description fails here.
+    front.openapi = openapi_document(routes, backend.kind, _version())
     return Starlette(routes=routes, exception_handlers={HTTPException: front.http_error,
                                                         Exception: front.internal_error})

@@ -12,7 +12,10 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
+from prometheus_client import CollectorRegistry
+
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.requests import PromptLimits
 
 
 class CallAborted(Exception):
@@ -61,6 +64,7 @@ class CallContext:
 
 
 class Tokenizer(Protocol):
+    vocab_size: int
     chat_template: str | None
     bos_token: str | None
     eos_token: str | None
@@ -89,3 +93,7 @@ class Backend:
     max_body_bytes: int = 8 << 20
     headers: dict[str, str] = field(default_factory=dict)  # sent on every response
     on_response: Callable[[str, int], None] | None = None   # (route, status): metrics
+    # The bounds the server checks a prompt against: the front end applies the same ones
+    # where it tokenizes a prompt itself (echo with logprobs, /tokenize).
+    prompt_limits: PromptLimits = field(default_factory=PromptLimits)
+    metrics: CollectorRegistry | None = None  # what /metrics serves (the metrics port's)

@@ -63,7 +63,8 @@ def from_grpc(code_name: str, details: str) -> ApiError:
 _FIELDS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
     "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-    "cache_salt", "request_id", "prompt", "ignore_eos"})
+    "cache_salt", "request_id", "prompt", "ignore_eos", "min_p", "prompt_logprobs",
+    "skip_special_tokens"})
 
 
 def _param_named_in(details: str) -> str | None:

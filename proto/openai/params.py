@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from pagekv.proto.openai.errors import invalid
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.requests import MAX_LOGPROBS
 
 UINT32_MAX = (1 << 32) - 1
 MAX_PROMPTS = 64  # prompts in one /v1/completions call (each is its own engine request)
@@ -38,13 +39,11 @@ def _is_empty(v: Any) -> bool:
 REFUSED: dict[str, Callable[[Any], bool]] = {
     "logit_bias": _is_empty,
     "suffix": _is_empty,
-    "echo": _is_false,
     "tools": _is_empty,
     "functions": _is_empty,
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "prompt_logprobs": lambda v: v is None,
     "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
@@ -57,13 +56,11 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": lambda v: v is None,
     "use_beam_search": _is_false,
     "include_stop_str_in_output": _is_false,
-    "skip_special_tokens": lambda v: v is None or v is True,
     "continue_final_message": _is_false,
     "chat_template": lambda v: v is None,  # a client's template would run in the server
     "truncate_prompt_tokens": lambda v: v is None,
     "allowed_token_ids": lambda v: v is None,
     "bad_words": _is_empty,
-    "min_p": lambda v: v in (None, 0, 0.0),
     "documents": lambda v: v is None,
     "mm_processor_kwargs": lambda v: v is None,
     "priority": lambda v: v in (None, 0),
@@ -76,6 +73,7 @@ _COMMON = {
     "frequency_penalty", "repetition_penalty", "min_tokens", "cache_salt", "request_id", "user",
     "best_of", "metadata", "store", "service_tier", "parallel_tool_calls", "length_penalty",
     "spaces_between_special_tokens", "return_tokens_as_token_ids", "return_token_ids",
+    "min_p", "skip_special_tokens", "prompt_logprobs", "echo",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
@@ -95,7 +93,13 @@ class Parsed:
     request_id: str | None
     logprobs: bool
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
-    token_ids: bool = False  # vLLM's return_token_ids: each choice's generated ids too
+    token_ids: bool = False  # vLLM's return_token_ids: each choice's ids and the prompt's
+    # vLLM's echo: completions prepend the prompt (its tokens to logprobs too); chat the
+    # last message when it is the answer's role.
+    echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (1 token computed)
+    num_logprobs: int | None = None  # completions' `logprobs` (top_logprobs shows k + 1)
+    prompt_logprobs: int | None = None  # vLLM's, shown as prompt_logprobs (not streamed)
     ignored: list[str] = field(default_factory=list)
 
 
@@ -192,16 +196,26 @@ def parse_common(body: dict[str, Any], *, chat: bool) -> Parsed:
             max_tokens = read_int(body, "max_tokens", 1, UINT32_MAX)
     else:
         # OpenAI's legacy completions default: 16 tokens (chat: up to the context length);
-        # an explicit null is up to the context length, as vLLM reads it.
-        max_tokens = read_int(body, "max_tokens", 1, UINT32_MAX)
+        # an explicit null is up to the context length, as vLLM reads it. With echo, 0 asks
+        # for the prompt alone: one token is computed and left out (vLLM's rule).
+        max_tokens = read_int(body, "max_tokens", 0 if read_bool(body, "echo") else 1,
+                              UINT32_MAX)
         max_tokens = 16 if "max_tokens" not in body else max_tokens
     if max_tokens is not None:
-        sp.max_tokens = max_tokens
+        sp.max_tokens = max(max_tokens, 1)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = read_number(body, name)
         if value is not None:
             setattr(sp, name, value)
+    min_p = read_number(body, "min_p")
+    if min_p is not None:
+        if not 0.0 <= min_p <= 1.0:
+            raise invalid(f"min_p must be in [0, 1], got {_show(min_p)}", "min_p")
+        sp.min_p = min_p
+    skip_special = _typed(body, "skip_special_tokens", bool, "a boolean")
+    if skip_special is not None:
+        sp.skip_special_tokens = skip_special
     top_k = read_int(body, "top_k", -1, (1 << 31) - 1)
     if top_k is not None and top_k > 0:
         sp.top_k = top_k
@@ -231,21 +245,38 @@ def parse_common(body: dict[str, Any], *, chat: bool) -> Parsed:
             raise invalid("stream_options must be an object", "stream_options")
         include_usage = read_bool(options, "include_usage")
     read_str(body, "user")  # accepted as OpenAI does; not used
+    prompt_logprobs = read_int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if prompt_logprobs and stream:  # vLLM's rule: a stream's events have no place for them
+        raise invalid("prompt_logprobs is not available when stream is true",
+                      "prompt_logprobs")
     return Parsed(model=read_str(body, "model"), sampling=sp, n=n, stream=stream,
                   include_usage=include_usage, cache_salt=read_str(body, "cache_salt") or "",
                   request_id=read_str(body, "request_id"), logprobs=False,
                   tokens_as_ids=read_bool(body, "return_tokens_as_token_ids"),
-                  token_ids=read_bool(body, "return_token_ids"), ignored=ignored)
+                  token_ids=read_bool(body, "return_token_ids"), echo=read_bool(body, "echo"),
+                  echo_only=read_bool(body, "echo") and max_tokens == 0,
+                  prompt_logprobs=None if stream else prompt_logprobs, ignored=ignored)
 
 
 def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]]]:
-    """A /v1/completions body: its parameters and its prompts (text or token ids each)."""
+    """A /v1/completions body: its parameters and its prompts (text or token ids each).
+    Echo with logprobs puts the prompt's tokens first in logprobs: the engine is asked for
+    the prompt's logprobs then (as many top tokens as `prompt_logprobs`, else `logprobs`)."""
     parsed = parse_common(body, chat=False)
     logprobs = read_int(body, "logprobs", 0, UINT32_MAX)
     if logprobs is not None:
         parsed.sampling.logprobs = logprobs
         parsed.logprobs = True
+        parsed.num_logprobs = logprobs
+    _ask_prompt_logprobs(parsed, logprobs if parsed.echo else None)
     return parsed, _prompts(body.get("prompt"))
+
+
+def _ask_prompt_logprobs(parsed: Parsed, for_echo: int | None) -> None:
+    """Set the engine's prompt_logprobs where the response shows them."""
+    wanted = parsed.prompt_logprobs if parsed.prompt_logprobs is not None else for_echo
+    if wanted is not None:
+        parsed.sampling.prompt_logprobs = wanted
 
 
 def _is_ids(v: Any) -> bool:
@@ -283,14 +314,19 @@ def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, Any]], dict
     elif body.get("top_logprobs") is not None:
         read_int(body, "top_logprobs", 0, UINT32_MAX)
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    _ask_prompt_logprobs(parsed, None)
+    return parsed, parse_messages(body.get("messages")), template_kwargs(body)
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's extra variables: chat_template_kwargs and add_generation_prompt."""
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
-    kwargs = {**kwargs, "add_generation_prompt": read_bool(body, "add_generation_prompt", True)}
-    return parsed, _messages(body.get("messages")), kwargs
+    return {**kwargs, "add_generation_prompt": read_bool(body, "add_generation_prompt", True)}
 
 
-def _messages(v: Any) -> list[dict[str, Any]]:
+def parse_messages(v: Any) -> list[dict[str, Any]]:
     if not isinstance(v, list) or not v:
         raise invalid("messages must be a non-empty array of messages", "messages")
     out = []

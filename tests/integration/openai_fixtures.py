@@ -47,7 +47,8 @@ class HttpTarget:
 
 # vLLM's extra parameters (and PageKV's): the official client sends them in extra_body.
 EXTRA_PARAMS = {"ignore_eos", "top_k", "repetition_penalty", "min_tokens", "stop_token_ids",
-                "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "request_id"}
+                "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "request_id",
+                "min_p", "skip_special_tokens", "prompt_logprobs"}
 
 
 def with_extras(kw: dict[str, Any]) -> dict[str, Any]:

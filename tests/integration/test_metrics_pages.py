@@ -1,5 +1,6 @@
 """Every metrics page passes `promtool check metrics`; /metrics is the only path served;
-pods label by model_name; grpc health List answers on pods and the router."""
+pods label by model_name; grpc health List answers on pods and the router; the HTTP API
+ports serve the same registry on /metrics too (vLLM's place for it)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,53 @@ def test_head_is_get_without_a_body(cluster: LocalCluster) -> None:
             resp = conn.getresponse()
             assert resp.status == status and resp.read() == b""
             conn.close()
+
+
+# -- /metrics on the HTTP API ports too, where vLLM serves it (#26) ----------------------------
+
+def api_pages(c: LocalCluster) -> dict[str, str]:
+    return {child.name: f"http://127.0.0.1:{child.http_port}"
+            for child in [*c.pods, c.router]}
+
+
+def families_of(text: str) -> dict[str, set[tuple[tuple[str, str], ...]]]:
+    """Each family's series, by their labels (values change between scrapes)."""
+    out: dict[str, set[tuple[tuple[str, str], ...]]] = {}
+    for fam in text_string_to_metric_families(text):
+        out[fam.name] = {tuple(sorted(s.labels.items())) for s in fam.samples}
+    return out
+
+
+def test_every_api_port_serves_the_metrics_ports_registry(cluster: LocalCluster) -> None:
+    metrics_ports = pages(cluster)
+    for name, base in api_pages(cluster).items():
+        fetch(base + "/metrics")  # counted once: both pages have that series from here on
+        text = fetch(base + "/metrics")  # a scrape over HTTP, as Prometheus does
+        r = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode == 0, f"{name}: {r.stdout}{r.stderr}"
+        on_api, on_port = families_of(text), families_of(fetch(metrics_ports[name] + "/metrics"))
+        assert set(on_api) == set(on_port), (name, set(on_api) ^ set(on_port))
+        http_family = "pagekv_router_http_requests" if name == "router" else \
+            "pagekv_http_requests"
+        for fam in on_api:  # the same series (the scrapes' own count aside)
+            if not fam.startswith(http_family):
+                assert on_api[fam] == on_port[fam], (name, fam)
+        assert any(fam.startswith("pagekv_") for fam in on_api)
+
+
+def test_api_ports_metrics_page_negotiates_and_answers_head(cluster: LocalCluster) -> None:
+    import http.client
+
+    for base in api_pages(cluster).values():
+        req = urllib.request.Request(base + "/metrics",
+                                     headers={"Accept": "application/openmetrics-text"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert resp.read().decode().rstrip().endswith("# EOF")
+        host, port = base.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("HEAD", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read() == b""
+        conn.close()

@@ -241,3 +241,123 @@ def test_return_token_ids_and_a_null_max_tokens_read_as_vllm_reads_them(
             {"model": MODEL, "prompt": prompt, **GREEDY, **body}).encode())
         assert status == 200, raw
         assert json.loads(raw)["usage"]["completion_tokens"] == n
+
+
+# -- vLLM's echo, prompt_logprobs, min_p, skip_special_tokens (#26) ---------------------------
+
+def prompt_logprobs_offline(offline: LLM, ids: list[int], k: int) -> list:
+    """The offline engine's prompt logprobs for `ids` (entry 0 None)."""
+    out = offline.generate([ids],
+                           SamplingParams(max_tokens=1, prompt_logprobs=k))[0]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    return out.prompt_logprobs
+
+
+def test_echo_with_logprobs_puts_the_prompt_first(http_target: HttpTarget, offline: LLM
+                                                  ) -> None:
+    """OpenAI's legacy shape, as vLLM serves it (what lm-evaluation-harness reads): the
+    prompt's text before the choice's, its tokens first in logprobs with a null first
+    logprob, then the generated ones."""
+    client = http_target.client()
+    ids = [256, *PROMPT.encode()]  # the byte tokenizer's BOS + bytes
+    plain = complete(client, model=MODEL, prompt=PROMPT, max_tokens=3, logprobs=2, **GREEDY,
+                     return_tokens_as_token_ids=True)
+    out = complete(client, model=MODEL, prompt=PROMPT, max_tokens=3, logprobs=2, echo=True,
+                   **GREEDY, return_tokens_as_token_ids=True)
+    choice, gen = out.choices[0], plain.choices[0]
+    assert choice.text == PROMPT + gen.text
+    lp = choice.logprobs
+    assert token_ids_of(lp) == ids + token_ids_of(gen.logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = prompt_logprobs_offline(offline, ids, 2)
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([w.logprob for w in want[1:]],
+                                                          abs=1e-4)
+    for top, w in zip(lp.top_logprobs[1:len(ids)], want[1:], strict=True):
+        # The prompt's token first, then the 2 best (the token once if among them).
+        assert list(top)[0] == f"token_id:{w.token_id}"
+        assert top == pytest.approx({f"token_id:{w.token_id}": w.logprob,
+                                     **{f"token_id:{t}": v for t, v in w.top}}, abs=1e-4)
+    assert lp.token_logprobs[len(ids):] == pytest.approx(gen.logprobs.token_logprobs,
+                                                         abs=1e-5)
+    assert lp.text_offset == [len("token_id:") * i + sum(
+        len(str(t)) for t in token_ids_of(lp)[:i]) for i in range(len(lp.tokens))]
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 3
+
+
+def test_echo_alone_streamed_and_of_token_ids(http_target: HttpTarget) -> None:
+    client = http_target.client()
+    # max_tokens 0: the prompt alone (vLLM computes one token and leaves it out).
+    only = complete(client, model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0,
+                    **GREEDY)
+    assert only.choices[0].text == PROMPT
+    assert len(only.choices[0].logprobs.tokens) == len(PROMPT) + 1
+    whole = complete(client, model=MODEL, prompt=PROMPT, max_tokens=6, echo=True, logprobs=1,
+                     n=2, **GREEDY)
+    events = list(complete(client, model=MODEL, prompt=PROMPT, max_tokens=6, echo=True,
+                           logprobs=1, n=2, stream=True, **GREEDY))
+    for i in (0, 1):
+        mine = [e.choices[0] for e in events if e.choices and e.choices[0].index == i]
+        assert mine[0].text.startswith(PROMPT)  # the prompt comes in the first event
+        assert mine[0].logprobs.token_logprobs[0] is None
+        assert "".join(c.text for c in mine) == whole.choices[i].text
+        assert [t for c in mine for t in c.logprobs.tokens] == whole.choices[i].logprobs.tokens
+        assert [v for c in mine for v in c.logprobs.token_logprobs] == pytest.approx(
+            whole.choices[i].logprobs.token_logprobs, abs=1e-5)
+    # A token-id prompt echoes as its text, special tokens included (vLLM's decode).
+    ids = [256, *b"token ids"]
+    echoed = complete(client, model=MODEL, prompt=ids, max_tokens=2, echo=True, **GREEDY)
+    alone = complete(client, model=MODEL, prompt=ids, max_tokens=2, **GREEDY)
+    assert echoed.choices[0].text == "<s>token ids" + alone.choices[0].text
+    # return_token_ids: the prompt comes back as prompt_token_ids, not as text (vLLM).
+    both = complete(client, model=MODEL, prompt=PROMPT, max_tokens=2, echo=True,
+                    return_token_ids=True, **GREEDY)
+    assert both.choices[0].model_extra["prompt_token_ids"] == [256, *PROMPT.encode()]
+    assert both.choices[0].text == complete(client, model=MODEL, prompt=PROMPT, max_tokens=2,
+                                            **GREEDY).choices[0].text
+
+
+def test_prompt_logprobs_are_vllms_and_the_engines(http_target: HttpTarget, offline: LLM
+                                                   ) -> None:
+    ids = [256, *PROMPT.encode()]
+    status, _, raw = raw_post(http_target, "/completions", json.dumps(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 2, "prompt_logprobs": 3,
+         **GREEDY}).encode())
+    assert status == 200, raw
+    want = prompt_logprobs_offline(offline, ids, 3)
+    for choice in json.loads(raw)["choices"]:
+        got = choice["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ids)
+        for g, w in zip(got[1:], want[1:], strict=True):
+            assert g[str(w.token_id)]["logprob"] == pytest.approx(w.logprob, abs=1e-4)
+            assert g[str(w.token_id)]["decoded_token"] == chr(w.token_id)
+            tops = [(int(t), e["rank"], e["logprob"]) for t, e in g.items() if e["rank"]]
+            assert [(t, r) for t, r, _ in tops] == [(t, r) for r, (t, _) in
+                                                    enumerate(w.top, 1)]
+            assert [v for _, _, v in tops] == pytest.approx([v for _, v in w.top], abs=1e-4)
+            in_top = [r for r, (t, _) in enumerate(w.top, 1) if t == w.token_id]
+            assert g[str(w.token_id)]["rank"] == (in_top[0] if in_top else None)
+    # Not on a stream (vLLM's rule), and not asked: absent.
+    plain = complete(http_target.client(), model=MODEL, prompt=PROMPT, max_tokens=2, **GREEDY)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+
+
+def test_min_p_and_skip_special_tokens_reach_the_engine(http_target: HttpTarget,
+                                                        offline: LLM) -> None:
+    client = http_target.client()
+    # A seed whose draw holds a special token early (the byte tokenizer's BOS or EOS).
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 2.0,
+          "seed": 30, "ignore_eos": True, "return_token_ids": True}
+    loose = complete(client, **kw).choices[0]
+    ids = loose.model_extra["token_ids"]
+    assert {256, 257} & set(ids), "no special token drawn: the test would prove nothing"
+    kept = complete(client, **kw, extra_body={"skip_special_tokens": False}).choices[0]
+    assert kept.model_extra["token_ids"] == ids  # the same tokens, other text
+    want = offline.generate([PROMPT], SamplingParams(max_tokens=24, temperature=2.0, seed=30,
+                                                     ignore_eos=True,
+                                                     skip_special_tokens=False))[0].outputs[0]
+    assert want.token_ids == ids and kept.text == want.text != loose.text
+    assert ("<s>" in kept.text or "</s>" in kept.text) and "</s>" not in loose.text
+    strict = complete(client, **kw, extra_body={"min_p": 0.5}).choices[0]
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=24, temperature=2.0, seed=30,
+                                                    ignore_eos=True, min_p=0.5))[0].outputs[0]
+    assert strict.model_extra["token_ids"] == ref.token_ids != ids

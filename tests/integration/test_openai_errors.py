@@ -1,8 +1,8 @@
 """The OpenAI API's failures, as the official client and plain HTTP see them: each error in
-OpenAI's JSON shape with the status a client expects (400 naming the field, 401, 404, 409,
-413, 429, 503, 500 without a stack trace), a fuzz pass of malformed bodies (each a 4xx with a
-reason, the server still serving), and a client that hangs up aborting its request and
-freeing its blocks."""
+OpenAI's JSON shape with the status a client expects (400 naming the field — min_p's and
+prompt_logprobs' bounds alike over gRPC —, 401, 404, 409, 413, 429, 503, 500 without a stack
+trace), a fuzz pass of malformed bodies (each a 4xx with a reason, the server still
+serving), and a client that hangs up aborting its request and freeing its blocks."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ import random
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
 
 from pagekv.deploy.redis_server import free_port
 from pagekv.kvnode.engine.config import EngineArgs
+from pagekv.proto.openai.errors import from_grpc
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from tests.integration.contract_fixtures import running_somewhere, wait_idle
 from tests.integration.openai_fixtures import (
@@ -66,7 +69,15 @@ def post(target: HttpTarget, body: object, path: str = "/completions") -> tuple[
     ({"prompt": [99999]}, None),  # outside the vocabulary: the pod's message names the id
     ({"prompt": None}, "prompt"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": "high"}, "min_p"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),  # vLLM's rule
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"max_tokens": 0, "echo": False}, "max_tokens"),  # 0 only with echo
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -106,6 +117,25 @@ def test_chat_errors(http_target: HttpTarget) -> None:
     status, err = post(http_target, {"model": MODEL, "messages": [{"role": "user"}],
                                      "top_logprobs": 2}, "/chat/completions")
     assert status == 400 and err["param"] == "top_logprobs"
+
+
+def test_the_wire_bounds_min_p_and_prompt_logprobs_alike(http_target: HttpTarget) -> None:
+    """gRPC callers are refused by the same bounds (proto.requests.check_request), in words
+    that name the field."""
+    import grpc
+
+    from tests.integration.contract_fixtures import sampling, text_req
+
+    for kw, words, param in ((dict(min_p=1.5), "sampling.min_p must be in [0, 1], got 1.5",
+                              "min_p"),
+                             (dict(prompt_logprobs=21),
+                              "sampling.prompt_logprobs is 21; the limit is 20",
+                              "prompt_logprobs")):
+        with pytest.raises(grpc.RpcError) as info:
+            http_target.grpc.gen.Generate(text_req("x", sampling(2, **kw)), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == words
+        assert from_grpc("INVALID_ARGUMENT", words).param == param
 
 
 def test_unknown_model_is_404(http_target: HttpTarget) -> None:
@@ -191,6 +221,21 @@ def test_api_token_is_401_without_the_bearer() -> None:
             pod.client("wrong").models.list()
         out = pod.client("s3cret").completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert out.usage.completion_tokens == 1
+        # vLLM's tokenizer routes are API calls too; the metrics page is not (its port's
+        # page is open as well).
+        base = pod.base_url.removesuffix("/v1")
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            req = urllib.request.Request(base + path, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(req, timeout=10)
+            assert info.value.code == 401
+            req.add_header("Authorization", "Bearer s3cret")
+            assert urllib.request.urlopen(req, timeout=10).status == 200
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(base + "/tokenizer_info", timeout=10)
+        assert info.value.code == 401
+        assert urllib.request.urlopen(base + "/metrics", timeout=10).status == 200
 
 
 def test_full_queue_is_429() -> None:
@@ -220,9 +265,6 @@ def test_engine_failure_is_500_without_a_stack_trace() -> None:
 
 
 def test_starting_pod_is_503_and_health_says_so() -> None:
-    import urllib.error
-    import urllib.request
-
     from pagekv.kvnode.engine import engine as engine_mod
 
     started = threading.Event()
