@@ -6,9 +6,17 @@ The request goes out as the token ids the router hashed (`prompt`: a list of int
 streamed, with usage at the end (`stream_options.include_usage`), the generated ids
 (`return_token_ids`, vLLM >= 0.10.2; older servers ignore it and chunks carry text only) and,
 with logprobs, tokens as ids (`return_tokens_as_token_ids`). SamplingParams fields map to
-vLLM's names; an unset field is left out, so the vLLM server's defaults apply, except
-max_tokens: null means up to the context length, as unset does on a PageKV pod. No `model`:
-vLLM serves its own. No kv_source: a vLLM pod cannot pull.
+vLLM's names (min_p, skip_special_tokens too); an unset field is left out, so the vLLM
+server's defaults apply, except max_tokens: null means up to the context length, as unset
+does on a PageKV pod. No `model`: vLLM serves its own. No kv_source: a vLLM pod cannot pull.
+
+prompt_logprobs: vLLM refuses them on a stream (its events have no place for them), so they
+are asked for as `echo` with `logprobs` (vLLM then computes them, as many top tokens as
+`logprobs`: the larger of the two asked for), whose first event of each choice puts the
+prompt's tokens first in its logprobs; openai_stream.py takes them out of there, each cut to
+the number of top tokens asked for. With return_token_ids the echo adds no prompt text
+(vLLM's rule); a server that ignores return_token_ids would prepend it, so such a server's
+echo is refused (INVALID_ARGUMENT) rather than read.
 
 The events become a PageKV pod's GenerateChunks in router/openai_stream.py.
 
@@ -24,6 +32,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import ssl
 import struct
 import types
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator
@@ -32,7 +41,6 @@ from typing import Any
 import grpc
 
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
-import ssl
 from pagekv.router.http_client import BrokenResponse, ConnectFailed, HttpOrigin, Response
 from pagekv.router.openai_stream import (
     StreamReader,
@@ -86,9 +94,17 @@ def completion_body(request: pb.GenerateRequest) -> dict[str, Any]:
         body["ignore_eos"] = True
     if sp.min_tokens:
         body["min_tokens"] = sp.min_tokens
+    if sp.HasField("min_p"):
+        body["min_p"] = _float32(sp.min_p)
+    if sp.HasField("skip_special_tokens"):
+        body["skip_special_tokens"] = sp.skip_special_tokens
     if sp.HasField("logprobs"):
         body["logprobs"] = sp.logprobs
         body["return_tokens_as_token_ids"] = True  # "token_id:<id>": ids, not texts
+    if sp.HasField("prompt_logprobs"):  # through echo: see the module's docstring
+        body["echo"] = True
+        body["logprobs"] = max(sp.prompt_logprobs, body.get("logprobs", 0))
+        body["return_tokens_as_token_ids"] = True
     if request.cache_salt:
         body["cache_salt"] = request.cache_salt
     if request.request_id:

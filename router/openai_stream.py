@@ -119,22 +119,26 @@ def _token_id(token: Any) -> int | None:
     return None
 
 
-def _logprobs(lp: dict[str, Any], ids: list[int]) -> list[pb.TokenLogprobs]:
-    """Completions' logprobs object (tokens as "token_id:<id>") as TokenLogprobs; where a
-    token is not in that form, the generated id at its place is taken."""
+def _logprobs(lp: dict[str, Any], ids: list[int], k: int | None, start: int = 0,
+              stop: int | None = None) -> list[pb.TokenLogprobs]:
+    """Positions start..stop of completions' logprobs object (tokens as "token_id:<id>") as
+    TokenLogprobs with the k best tokens (vLLM's top_logprobs hold the chosen token too);
+    where a token is not in that form, the id at its place in `ids` is taken. A position
+    with no logprob (an echoed prompt's first token) is skipped."""
     out = []
-    tops = lp.get("top_logprobs") or []
-    for i, (token, value) in enumerate(zip(lp.get("tokens") or [], lp.get("token_logprobs")
-                                           or [], strict=False)):
+    tokens = (lp.get("tokens") or [])[start:stop]
+    values = (lp.get("token_logprobs") or [])[start:stop]
+    tops = (lp.get("top_logprobs") or [])[start:stop]
+    for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
         tid = _token_id(token)
         if tid is None and i < len(ids):
             tid = ids[i]
-        if tid is None:
+        if tid is None or value is None:
             continue
-        entry = pb.TokenLogprobs(sampled=pb.Logprob(
-            token_id=tid, logprob=float("-inf") if value is None else value))
+        entry = pb.TokenLogprobs(sampled=pb.Logprob(token_id=tid, logprob=value))
         top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
-        for tok, v in sorted(top.items(), key=lambda kv: -kv[1]):  # best first
+        best = sorted(top.items(), key=lambda kv: -kv[1])  # best first
+        for tok, v in best[:k]:
             if (t := _token_id(tok)) is not None:
                 entry.top.add(token_id=t, logprob=v)
         out.append(entry)
@@ -151,6 +155,13 @@ class StreamReader:
         self.held: pb.GenerateChunk | None = None
         self.usage: pb.Usage | None = None
         self.tokens = 0
+        sp = request.sampling
+        self.logprobs_k = sp.logprobs if sp.HasField("logprobs") else None
+        # prompt_logprobs came as echo (openai_forward.py): each choice's first event holds
+        # the prompt's positions first, which go out once, on the stream's first chunk.
+        self.prompt_k = sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None
+        self.echoed: set[int] = set()  # the choices whose first event was read
+        self.prompt_logprobs: list[pb.TokenLogprobs] | None = None  # not yet sent
 
     def take(self, event: Any) -> list[pb.GenerateChunk]:
         message = _event_error_message(event)
@@ -188,20 +199,43 @@ class StreamReader:
         finish = FINISH_REASONS.get(finished, pb.FINISH_REASON_STOP) if finished \
             else pb.FINISH_REASON_UNSPECIFIED
         lp = choice.get("logprobs")
+        index = int(choice.get("index") or 0)
+        start = self._echo(choice, index, lp)
         if not (text or ids or finish or lp):
             return None  # e.g. the first event's prompt_token_ids alone
         self.tokens += len(ids)
-        chunk = pb.GenerateChunk(request_id=self.rid, index=int(choice.get("index") or 0),
-                                 token_ids=ids, text=text, finish_reason=finish)
+        chunk = pb.GenerateChunk(request_id=self.rid, index=index, token_ids=ids, text=text,
+                                 finish_reason=finish)
+        if self.prompt_logprobs is not None:
+            chunk.prompt_logprobs.extend(self.prompt_logprobs)
+            self.prompt_logprobs = []  # sent: an empty list from here on
         reason = choice.get("stop_reason")
         if finish == pb.FINISH_REASON_STOP and reason is not None:
             if isinstance(reason, int) and not isinstance(reason, bool):
                 chunk.stop_token_id = reason
             else:
                 chunk.stop_string = str(reason)
-        if isinstance(lp, dict):
-            chunk.logprobs.extend(_logprobs(lp, ids))
+        if isinstance(lp, dict) and self.logprobs_k is not None:
+            chunk.logprobs.extend(_logprobs(lp, ids, self.logprobs_k, start))
         return chunk
+
+    def _echo(self, choice: dict[str, Any], index: int, lp: Any) -> int:
+        """Where a choice's own logprobs start: past the echoed prompt in its first event
+        (whose positions are read into prompt_logprobs, once), else 0."""
+        if self.prompt_k is None or index in self.echoed:
+            return 0
+        self.echoed.add(index)
+        if "token_ids" not in choice:
+            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs needs a vLLM "
+                            "pod that returns token ids (return_token_ids, vLLM >= 0.10.2)")
+        prompt = [int(t) for t in choice.get("prompt_token_ids")
+                  or self.request.token_ids.ids]
+        if not isinstance(lp, dict) or not prompt:
+            raise rpc_error(grpc.StatusCode.INTERNAL, "the vLLM pod's echo carries no "
+                            "logprobs for the prompt")
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = _logprobs(lp, prompt, self.prompt_k, 0, len(prompt))
+        return len(prompt)
 
     def finish(self) -> pb.GenerateChunk:
         """The stream's last chunk: the held one (or an empty one) with the usage."""
@@ -237,6 +271,9 @@ def response_of(chunks: list[pb.GenerateChunk]) -> pb.GenerateResponse:
         c = by_index.get(chunk.index)
         if c is None:
             c = by_index[chunk.index] = pb.Completion(index=chunk.index)
+        if chunk.prompt_logprobs:  # the contract's place in a response: completion 0
+            first = by_index.setdefault(0, pb.Completion(index=0))
+            first.prompt_logprobs.extend(chunk.prompt_logprobs)
         c.token_ids.extend(chunk.token_ids)
         c.text += chunk.text
         c.logprobs.extend(chunk.logprobs)

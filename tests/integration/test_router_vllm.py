@@ -198,6 +198,39 @@ def test_generate_through_the_router_is_the_vllm_pods_own_answer(fleet, make_rou
                                                           for t in mine]
 
 
+def test_prompt_logprobs_and_vllms_new_fields_reach_a_vllm_pod(fleet, make_router) -> None:
+    """#26's fields through the router to a vLLM-kind pod (prompt_logprobs by way of vLLM's
+    echo on a stream) come back as the pod's own gRPC answer gives them."""
+    router = make_router(fleet.ingested.url)
+    router.wait_pods(2)
+    req = tokens_req(prompt_of(5, 37), max_tokens=3)
+    req.sampling.prompt_logprobs = 2
+    req.sampling.logprobs = 1
+    via = router.stub.Generate(req, timeout=30)
+    mine = fleet.stub(via.served_by).Generate(req, timeout=30)
+    assert len(via.completions[0].prompt_logprobs) == 36
+
+    def same(got: Any, want: Any) -> None:
+        assert [(t.sampled.token_id, [x.token_id for x in t.top]) for t in got] == [
+            (t.sampled.token_id, [x.token_id for x in t.top]) for t in want]
+        assert [t.sampled.logprob for t in got] == pytest.approx(
+            [t.sampled.logprob for t in want], abs=1e-5)
+
+    same(via.completions[0].prompt_logprobs, mine.completions[0].prompt_logprobs)
+    same(via.completions[0].logprobs, mine.completions[0].logprobs)
+    assert list(via.completions[0].token_ids) == list(mine.completions[0].token_ids)
+    chunks = list(router.stub.GenerateStream(req, timeout=30))
+    same(chunks[0].prompt_logprobs, mine.completions[0].prompt_logprobs)
+    assert not any(c.prompt_logprobs for c in chunks[1:])
+    # min_p and skip_special_tokens under vLLM's names: the pod's own sampling.
+    drawn = tokens_req(prompt_of(6, 20), max_tokens=12)
+    drawn.sampling.temperature, drawn.sampling.seed, drawn.sampling.min_p = 1.5, 4, 0.25
+    drawn.sampling.skip_special_tokens = False
+    got = router.stub.Generate(drawn, timeout=30)
+    assert got.completions[0] == fleet.stub(got.served_by).Generate(drawn, timeout=30
+                                                                    ).completions[0]
+
+
 def test_the_routers_openai_api_reaches_a_vllm_pod(fleet, make_router) -> None:
     router = make_router(fleet.ingested.url)
     router.wait_pods(2)

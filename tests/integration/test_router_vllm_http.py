@@ -147,6 +147,19 @@ def test_the_body_carries_every_sampling_field_under_vllms_name() -> None:
     bare = completion_body(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])))
     assert bare == {"prompt": [1], "stream": True, "stream_options": {"include_usage": True},
                     "return_token_ids": True, "max_tokens": None}
+    # vLLM's names for #26's fields; prompt_logprobs through echo (a stream cannot carry
+    # vLLM's own prompt_logprobs field), with as many top tokens as the larger ask.
+    sp = pb.SamplingParams(min_p=0.05, skip_special_tokens=False, prompt_logprobs=3,
+                           logprobs=1)
+    body = completion_body(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=sp))
+    assert {k: body[k] for k in ("min_p", "skip_special_tokens", "echo", "logprobs",
+                                 "return_tokens_as_token_ids")} == {
+        "min_p": 0.05, "skip_special_tokens": False, "echo": True, "logprobs": 3,
+        "return_tokens_as_token_ids": True}
+    assert "prompt_logprobs" not in body
+    only = completion_body(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=(
+        pb.SamplingParams(prompt_logprobs=0))))
+    assert (only["echo"], only["logprobs"]) == (True, 0)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         completion_body(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), lora_id=3))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -206,8 +219,74 @@ def test_token_ids_logprobs_and_a_stop_string_come_back() -> None:
             assert chunk.request_id == "cmpl-vllm-1"  # none given: vLLM's id
             assert [(t.sampled.token_id, t.sampled.logprob) for t in chunk.logprobs] == [
                 (11, -0.5), (12, -1.5)]
-            assert [x.token_id for x in chunk.logprobs[0].top] == [3, 11]  # best first
+            # vLLM's top_logprobs hold the chosen token too: the 1 best is what a pod sends.
+            assert [x.token_id for x in chunk.logprobs[0].top] == [3]
             assert chunk.usage.cached_tokens == 0  # vLLM without prompt tokens details
+            await stub.close()
+
+    asyncio.run(go())
+
+
+def echo_logprobs(prompt: list[int], gen: list[int], k: int) -> dict[str, Any]:
+    """vLLM's echo logprobs: the prompt's positions (the first null), then the generated
+    ones; each top holds the chosen token and the k best (ids 900.. here)."""
+    ids = prompt + gen
+    tops: list[Any] = [None] + [
+        {f"token_id:{t}": -1.0 - i, **{f"token_id:{900 + j}": -0.1 * (j + 1)
+                                        for j in range(k)}} for i, t in enumerate(ids[1:])]
+    return {"tokens": [f"token_id:{t}" for t in ids],
+            "token_logprobs": [None] + [-1.0 - i for i in range(len(ids) - 1)],
+            "top_logprobs": tops, "text_offset": list(range(len(ids)))}
+
+
+def test_prompt_logprobs_come_back_from_vllms_echo() -> None:
+    prompt = [5, 6, 7, 8]
+    async def go() -> None:
+        async with ScriptedOpenAI() as server:
+            stub = VllmStub(server.address)
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=(
+                pb.SamplingParams(prompt_logprobs=2, logprobs=1, n=2)))
+            first = [choice(i, "", token_ids=[20 + i], prompt_token_ids=prompt,
+                            logprobs=echo_logprobs(prompt, [20 + i], 2)) for i in (0, 1)]
+            later = [choice(i, "x", "length", token_ids=[30 + i],
+                            logprobs={"tokens": [f"token_id:{30 + i}"],
+                                      "token_logprobs": [-0.5], "text_offset": [0],
+                                      "top_logprobs": [{f"token_id:{30 + i}": -0.5,
+                                                        "token_id:900": -0.1,
+                                                        "token_id:901": -0.2}]})
+                     for i in (0, 1)]
+            server.replies = [sse(*(event(c) for c in [*first, *later]),
+                                  event(usage={"prompt_tokens": 4, "completion_tokens": 4}))]
+            chunks = await stream(stub, req)
+            # Once, on the stream's first chunk: entry j is prompt token j + 1.
+            got = chunks[0].prompt_logprobs
+            assert [(e.sampled.token_id, e.sampled.logprob) for e in got] == [
+                (6, -1.0), (7, -2.0), (8, -3.0)]
+            assert [[x.token_id for x in e.top] for e in got] == [[900, 901]] * 3
+            assert all(not c.prompt_logprobs for c in chunks[1:])
+            # Each choice's own logprobs: its tokens only, the 1 best asked for.
+            for c in chunks:
+                assert [e.sampled.token_id for e in c.logprobs] == list(c.token_ids)
+                assert all([x.token_id for x in e.top] == [900] for e in c.logprobs)
+            assert [list(c.token_ids) for c in chunks] == [[20], [21], [30], [31]]
+            # Unary: on completion 0.
+            server.replies = [sse(*(event(c) for c in [*first, *later]))]
+            response = await stub.Generate(req, timeout=10)
+            assert len(response.completions[0].prompt_logprobs) == 3
+            assert not response.completions[1].prompt_logprobs
+            # prompt_logprobs alone: no generated logprobs come back.
+            server.replies = [sse(event(first[0]), event(later[0]))]
+            chunks = await stream(stub, pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                sampling=pb.SamplingParams(prompt_logprobs=1)))
+            assert len(chunks[0].prompt_logprobs) == 3 and not any(c.logprobs for c in chunks)
+            assert [[x.token_id for x in e.top] for e in chunks[0].prompt_logprobs] == [[900]] * 3
+            # A server that ignores return_token_ids would echo the prompt's text: refused.
+            old = {k: v for k, v in first[0].items() if k not in ("token_ids",
+                                                                   "prompt_token_ids")}
+            server.replies = [sse(event(old))]
+            code, details = await failure(stream(stub, req))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in details
             await stub.close()
 
     asyncio.run(go())
