@@ -4,7 +4,9 @@ gRPC statuses (router/openai_forward.py sends the request).
 The chunks have a PageKV pod's shape: text and token ids per event, finish reason and stop
 reason on a completion's last chunk, the usage on the very last chunk. vLLM sends the usage
 as an event of its own after the last completion's; that completion's chunk is held until
-then and the two become one. `prompt_tokens_details.cached_tokens` (sent by vLLM with
+then and the two become one. Asked for prompt_logprobs (sent as echo: openai_forward.py),
+the prompt's positions are taken out of each choice's first event and go out once, on the
+first chunk. `prompt_tokens_details.cached_tokens` (sent by vLLM with
 --enable-prompt-tokens-details) counts as pool hits: vLLM reports no tiers (a PageKV pod's
 own OpenAI server does, in its `pagekv` object, and those are taken).
 """
