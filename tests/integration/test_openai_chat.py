@@ -127,3 +127,29 @@ def test_text_parts_and_async_client(via: tuple[str, str]) -> None:
             await client.close()
 
     assert asyncio.run(run()) == [plain.choices[0].message.content] * 2
+
+
+def test_chat_prompt_logprobs_are_the_conversations(via: tuple[str, str]) -> None:
+    """vLLM's chat prompt_logprobs sit on the response: those of the rendered conversation,
+    as /v1/completions gives them for the same ids (from /tokenize)."""
+    import json
+    import urllib.request
+
+    def post(path: str, body: dict) -> dict:
+        req = urllib.request.Request(via[0].removesuffix("/v1") + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())
+
+    chat = post("/v1/chat/completions", {"model": CHAT_MODEL, "messages": MESSAGES,
+                                         "max_tokens": 2, "temperature": 0,
+                                         "prompt_logprobs": 1})
+    ids = post("/tokenize", {"messages": MESSAGES})["tokens"]
+    plain = post("/v1/completions", {"model": CHAT_MODEL, "prompt": ids, "max_tokens": 2,
+                                     "temperature": 0, "prompt_logprobs": 1})
+    got, want = chat["prompt_logprobs"], plain["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids) == chat["usage"]["prompt_tokens"]
+    assert [sorted(g) for g in got[1:]] == [sorted(w) for w in want[1:]]
+    for g, w, t in zip(got[1:], want[1:], ids[1:], strict=True):
+        assert g[str(t)]["logprob"] == pytest.approx(w[str(t)]["logprob"], abs=1e-5)
+    assert "prompt_logprobs" not in chat["choices"][0]
