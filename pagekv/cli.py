@@ -123,9 +123,11 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
             mod = importlib.import_module(module)
         except ImportError as e:  # a part not installed here must not break the others
             # e.g. a light router host without torch: say what to install, in one line
-            extra = " 'pagekv[ray]'" if name == "ray-up" else " pagekv (with its dependencies)"
+            # (PageKV is on no package index: the wheel is built from the repository.)
+            wheel = "dist/pagekv-*.whl" + ("[ray]" if name == "ray-up" else "")
             parser.get_default("_missing")[name] = (
-                f"{name}: needs {e.name or e} installed: pip install{extra}")
+                f"{name}: needs {e.name or e} installed: pip install '{wheel}' (the wheel built "
+                f"from the repository, with its dependencies; README, Install)")
             continue
         mod.add_arguments(p)
         p.set_defaults(run_command=mod.main)

@@ -104,8 +104,8 @@ def test_public_api_and_light_parts_without_torch(light_venv: Path) -> None:
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["node", "--model", "pagekv-tiny"], "needs torch installed: pip install pagekv"),
-    (["ray-up", "--local"], "pip install 'pagekv[ray]'"),
+    (["node", "--model", "pagekv-tiny"], "needs torch installed: pip install 'dist/pagekv-*.whl'"),
+    (["ray-up", "--local"], "pip install 'dist/pagekv-*.whl[ray]'"),
     (["up", "--nodes", "1"], "no redis-server found"),
 ])
 def test_a_missing_piece_is_one_line(light_venv: Path, argv: list[str], says: str) -> None:
