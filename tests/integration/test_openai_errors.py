@@ -174,7 +174,8 @@ def test_fuzzed_bodies_get_4xx_with_a_reason(http_target: HttpTarget) -> None:
     fields = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
               "stop", "stop_token_ids", "logprobs", "stream", "stream_options", "min_tokens",
               "presence_penalty", "frequency_penalty", "repetition_penalty", "cache_salt",
-              "request_id", "user", "ignore_eos", "best_of"]
+              "request_id", "user", "ignore_eos", "best_of", "echo", "min_p",
+              "prompt_logprobs", "skip_special_tokens"]
     bodies: list[bytes] = [b"", b"{", b"[]", b"null", b"\xff\xfe\x00", b'{"prompt": "a"',
                            b"[" * 100_000 + b"]" * 100_000, b'{"prompt": "\\ud800"}',
                            good[: len(good) // 2], good.replace(b"{", b"[", 1)]
