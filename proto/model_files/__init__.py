@@ -10,14 +10,23 @@ a directory's tokenizer.json — each with the model's chat template.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pagekv.proto.model_files.errors import ModelLoadError
 from pagekv.proto.model_files.presets import BUILTIN_PREFIX, FILE_PRESETS, model_path
 from pagekv.proto.model_files.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = ["ModelLoadError", "Tokenizer", "chat_template_of", "directory_tokenizer",
-           "prompt_tokenizer"]
+           "prompt_tokenizer", "special_token_ids"]
+
+# BOS and EOS of transformers' config classes when config.json leaves them out (the pod's
+# loader, kvnode/model/config.py's HF_DEFAULTS, uses the same; a test keeps the two equal).
+DEFAULT_SPECIAL_IDS: dict[str, tuple[int | None, int | None]] = {
+    "LlamaForCausalLM": (1, 2), "MistralForCausalLM": (1, 2), "Qwen2ForCausalLM": (None, None)}
+_ARCHITECTURE_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                         "qwen2": "Qwen2ForCausalLM"}
 
 
 def prompt_tokenizer(model: str) -> Tokenizer:
@@ -36,11 +45,34 @@ def prompt_tokenizer(model: str) -> Tokenizer:
         with GGUFFile(path) as gguf:
             return gguf_tokenizer(gguf.metadata)
     if path.is_dir():
-        return directory_tokenizer(path)
+        # The ids as the pod reads them: a template's {{ bos_token }} renders the same here.
+        config = path / "config.json"
+        try:
+            raw = json.loads(config.read_text()) if config.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{config} does not read as JSON: {e}") from e
+        return directory_tokenizer(path, *special_token_ids(raw if isinstance(raw, dict) else {}))
     raise ModelLoadError(
         f"model {model!r} is neither a built-in preset ({BUILTIN_PREFIX}*), a file preset "
         f"({', '.join(FILE_PRESETS)}), a .gguf file nor a local model directory"
     )
+
+
+def special_token_ids(config: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """config.json's BOS id and first EOS id, as the pod's loader reads them: a field saved as
+    null is none, one left out is its architecture's default (transformers')."""
+    archs = config.get("architectures")
+    arch = (archs[0] if isinstance(archs, list) and archs else
+            _ARCHITECTURE_OF_TYPE.get(str(config.get("model_type")), ""))
+    default_bos, default_eos = DEFAULT_SPECIAL_IDS.get(str(arch), (None, None))
+
+    def first_id(name: str, default: int | None) -> int | None:
+        value = config.get(name, default)
+        if isinstance(value, list):  # several EOS ids: the first is the tokenizer's
+            value = value[0] if value else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return first_id("bos_token_id", default_bos), first_id("eos_token_id", default_eos)
 
 
 def directory_tokenizer(path: Path, bos_token_id: int | None = None,

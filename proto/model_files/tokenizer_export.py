@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pagekv.proto.command_line import CliError
-from pagekv.proto.model_files import directory_tokenizer
+from pagekv.proto.model_files import directory_tokenizer, special_token_ids
 from pagekv.proto.model_files.errors import ModelLoadError
 from pagekv.proto.model_files.presets import BUILTIN_PREFIX, FILE_PRESETS, model_path
 from pagekv.proto.model_files.tokenizer import ByteTokenizer, Tokenizer
@@ -124,20 +124,12 @@ def _json_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _first_id(value: Any) -> int | None:
-    """config.json's bos/eos: an id, a list of ids (the first is the tokenizer's), or null."""
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) else None
-
-
 def _directory_files(path: Path) -> dict[str, str]:
     config = _json_file(path / "config.json") if (path / "config.json").is_file() else {}
     if not (path / TOKENIZER_FILE).is_file():
         raise ModelLoadError(f"{path} has no {TOKENIZER_FILE} (a Hugging Face fast tokenizer)")
     try:
-        tokenizer = directory_tokenizer(path, _first_id(config.get("bos_token_id")),
-                                        _first_id(config.get("eos_token_id")))
+        tokenizer = directory_tokenizer(path, *special_token_ids(config))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
         raise ModelLoadError(f"{path / TOKENIZER_FILE} does not load: {e}") from e
     max_pos = config.get("max_position_embeddings")

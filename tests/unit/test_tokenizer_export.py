@@ -265,3 +265,39 @@ def test_an_unwritable_place_is_one_line_and_leaves_nothing_behind(tmp_path: Pat
     # /proc takes no new directories, even for root (who may write anywhere else).
     one_error_line(export("pagekv-tiny", Path("/proc/pagekv-tokenizer")), "cannot write")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("build", [byte_level_checkpoint, sentencepiece_style_checkpoint])
+def test_the_routers_tokenizer_renders_a_checkpoints_chat_as_its_pod(tmp_path: Path,
+                                                                     build) -> None:
+    """The router tokenizes chat with prompt_tokenizer (no torch); it read a directory without
+    config.json's BOS/EOS, so a template's {{ bos_token }} rendered empty there and the router
+    hashed (and sent) other ids than the pod would have made."""
+    from pagekv.proto.model_files import prompt_tokenizer
+    from pagekv.proto.model_files.chat import apply_chat_template
+
+    build(tmp_path)
+    pod, router = load_tokenizer(str(tmp_path)), prompt_tokenizer(str(tmp_path))
+    assert (router.bos_token, router.eos_token) == (pod.bos_token, pod.eos_token)
+    assert pod.bos_token is not None
+    for prompt in (True, False):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+        assert (apply_chat_template(router, messages, add_generation_prompt=prompt)
+                == apply_chat_template(pod, messages, add_generation_prompt=prompt))
+
+
+@pytest.mark.parametrize("config, ids", [
+    ({"architectures": ["LlamaForCausalLM"]}, (1, 2)),  # left out: the class's defaults
+    ({"model_type": "mistral"}, (1, 2)),
+    ({"architectures": ["Qwen2ForCausalLM"], "eos_token_id": 7}, (None, 7)),
+    ({"architectures": ["LlamaForCausalLM"], "bos_token_id": None, "eos_token_id": [9, 3]},
+     (None, 9)),  # null is none; the first of several EOS ids is the tokenizer's
+    ({"bos_token_id": True, "eos_token_id": "2"}, (None, None)),  # not ids
+])
+def test_special_ids_are_read_as_the_pods_loader_reads_them(config, ids) -> None:
+    from pagekv.kvnode.model.config import HF_DEFAULTS
+    from pagekv.proto.model_files import DEFAULT_SPECIAL_IDS, special_token_ids
+
+    assert special_token_ids(config) == ids
+    assert DEFAULT_SPECIAL_IDS == {arch: (d["bos_token_id"], d["eos_token_id"])
+                                   for arch, d in HF_DEFAULTS.items()}
