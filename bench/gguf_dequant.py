@@ -6,8 +6,10 @@ scales kept normal), written with gguf-py's writer; each row times opening the f
 PageKV's reader and dequantizing every tensor to float32 through ``gguf_quant.dequantize`` (the
 loader's path, less the copy into the model), the median of --repeat runs.
 
+Each row's time is also given as a ratio to PageKV's own Q4_1 (the baseline, same run).
+
     python -m bench.gguf_dequant [--layers 12] [--hidden 768] [--intermediate 2048]
-                                 [--vocab 32768] [--repeat 3]
+                                 [--vocab 32768] [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
@@ -89,12 +91,17 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="2 layers, one timed run (make bench)")
     args = ap.parse_args()
+    if args.quick:
+        args.layers, args.repeat = 2, 1
     tensors = shapes(args.layers, args.hidden, args.intermediate, args.vocab)
     n_values = sum(r * c for r, c in tensors.values())
     print(machine_info())
     print(f"{len(tensors)} tensors, {n_values / 1e6:.1f} M values dequantized to float32")
-    print(f"{'type':<8} {'by':<8} {'file MiB':>9} {'seconds':>8} {'M values/s':>11}")
+    print(f"{'type':<8} {'by':<8} {'file MiB':>9} {'seconds':>8} {'M values/s':>11} "
+          f"{'÷ Q4_1':>7}")
+    baseline: float | None = None
     with tempfile.TemporaryDirectory() as tmp:
         for qtype in TYPES:
             path = write_file(Path(tmp) / f"{qtype}.gguf", qtype, tensors)
@@ -102,8 +109,11 @@ def main() -> None:
             times = [load_once(path) for _ in range(args.repeat)]
             median = statistics.median(times)
             by = "gguf-py" if uses_gguf_py(type_id(qtype)) else "PageKV"
+            if qtype == "Q4_1":
+                baseline = median
+            ratio = f"{median / baseline:.2f}x" if baseline else "-"
             print(f"{qtype:<8} {by:<8} {path.stat().st_size / 2**20:>9.1f} {median:>8.3f} "
-                  f"{n_values / median / 1e6:>11.1f}")
+                  f"{n_values / median / 1e6:>11.1f} {ratio:>7}")
             path.unlink()
 
 
