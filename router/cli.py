@@ -167,7 +167,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(_serve(args, config))
-    except ValueError as exc:  # e.g. a model whose tokenizer cannot be found
+    # A model whose tokenizer cannot be found, a port in use (gRPC: RuntimeError; HTTP:
+    # OSError): one line, not a traceback.
+    except (ValueError, RuntimeError, OSError) as exc:
         logger.error("router cannot start: %s", exc)
         return 2
     return 0

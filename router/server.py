@@ -363,6 +363,9 @@ class RouterServer:
         guard = TokenGuard(cfg.api_token, None, on_refused=lambda method, code:
                            self.metrics.auth_refused.labels(method=method, code=code).inc())
         server = grpc.aio.server(options=[
+            # gRPC's default SO_REUSEPORT would let a second router bind this port and take a
+            # share of its clients: refused instead, as pods do.
+            ("grpc.so_reuseport", 0),
             # A bigger request could only be refused: gRPC does it before reading it.
             ("grpc.max_receive_message_length", cfg.prompt_limits.max_message_bytes),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -377,9 +380,13 @@ class RouterServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = bind(server, f"{self.host}:{self.port}", cfg.tls)
+        address = f"{self.host}:{self.port}"
+        try:
+            self.port = bind(server, address, cfg.tls)
+        except RuntimeError:  # newer grpc raises where older ones returned 0
+            self.port = 0
         if not self.port:
-            raise RuntimeError(f"could not bind {self.host}:{self.port}")
+            raise RuntimeError(f"could not bind {address} (in use?)")
         await server.start()
         self._server = server
         self.metrics.serve(self.metrics_port, self.metrics_host)

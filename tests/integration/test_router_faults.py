@@ -232,3 +232,26 @@ def test_stop_returns_when_a_step_swallows_its_cancellation(redis_server, make_r
     assert "closing the pod registry did not end" in caplog.text
     assert swallowed >= 1  # it was cancelled, and went on ignoring it
 
+
+
+def test_a_second_router_on_the_same_port_is_refused(redis_server, make_router, loop) -> None:
+    """gRPC binds with SO_REUSEPORT unless told not to: a second router then shared the
+    first's port (and its clients) without an error."""
+    from pagekv.router.config import RouterConfig
+    from pagekv.router.server import RouterServer
+
+    first = make_router(redis_server.url)
+    second = RouterServer(RouterConfig(redis_url=redis_server.url), host="127.0.0.1",
+                          port=first.port)
+    with pytest.raises(RuntimeError, match=f"could not bind 127.0.0.1:{first.port}"):
+        asyncio.run_coroutine_threadsafe(second.start(), loop).result(30)
+    asyncio.run_coroutine_threadsafe(second.stop(0), loop).result(30)
+    # `pagekv router` says so in one line, exit 2.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pagekv", "router", "--host", "127.0.0.1",
+                           "--port", str(first.port), "--redis-url", redis_server.url],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert f"router cannot start: could not bind 127.0.0.1:{first.port}" in done.stderr
