@@ -41,29 +41,15 @@ def processes_mentioning(needle: str) -> list[int]:
 
 def test_up_generate_and_sigterm_leaves_no_orphans(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagekv", "up", "--nodes", "2", "--router-port", "0", "--router-http-port", "0",
-         "--run-dir", str(run_dir), "--node-arg=--num-gpu-blocks=64",
-         "--node-arg=--max-model-len=512"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc, output = start_up("--nodes", "2", "--router-port", "0", "--router-http-port", "0",
+                            "--run-dir", str(run_dir), "--node-arg=--num-gpu-blocks=64",
+                            "--node-arg=--max-model-len=512")
     try:
-        lines = []
-        router = None
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.match(r"router:\s+grpc (\S+)", line)
-            if m:
-                router = m.group(1)
-            if line.startswith("try: pagekv generate"):
-                break
-        assert router, "".join(lines)
-        redis_port = re.search(r"redis:\s+redis://127\.0\.0\.1:(\d+)", "".join(lines)).group(1)
-        assert "metrics" in "".join(lines)
+        found = re.search(r"^router:\s+grpc (\S+)", output, re.M)
+        assert found, output
+        router = found.group(1)
+        redis_port = re.search(r"redis:\s+redis://127\.0\.0\.1:(\d+)", output).group(1)
+        assert "metrics" in output
 
         out = pagekv("generate", "Hello cluster", "--router", router, "--max-tokens", "5",
                      "--ignore-eos")
