@@ -5,8 +5,10 @@ GET /version; vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info
 (tokenization.py); GET /metrics, the Prometheus page the metrics port serves (the same
 registry), where vLLM serves it; GET /openapi.json, the routes described (openapi.py). Every
 error is OpenAI's JSON error object with the status its clients expect (errors.py); a stack
-trace never leaves the process. /metrics, /openapi.json, /health and /version are open; the
-rest need the API token when one is set.
+trace never leaves the process. /openapi.json, /health and /version are open; the rest need
+the API token when one is set — /metrics too: unlike the metrics port, which an operator binds
+to a private interface, the API port faces the clients, and its page names pods, the model,
+load and hit rates (Prometheus sends the token with `authorization: credentials`).
 """
 
 from __future__ import annotations
@@ -171,6 +173,10 @@ class OpenAIFrontend:
 
     async def metrics(self, request: Request) -> Response:
         """The registry the metrics port serves, in the format the scraper asks for."""
+        try:
+            self._check_auth(request)
+        except ApiError as exc:
+            return self._error("/metrics", exc)
         registry = self.backend.metrics
         if registry is None:
             return self._json("/metrics", 404, ApiError(

@@ -278,8 +278,10 @@ OPERATIONS: dict[tuple[str, str], Schema] = {
                                           "kind": _t("string")}), "The version")}},
     ("get", "/metrics"): {
         "summary": "Prometheus metrics: the page the metrics port serves",
+        "security": _SECURED,
         "responses": {"200": {"description": "The exposition (text, or OpenMetrics when "
                               "asked)", "content": {"text/plain": {"schema": _t("string")}}},
+                      **_errors(401),
                       "404": _reply("Error", "This server keeps no metrics")}},
     ("get", "/openapi.json"): {
         "summary": "This document",

@@ -222,8 +222,8 @@ def test_api_token_is_401_without_the_bearer() -> None:
             pod.client("wrong").models.list()
         out = pod.client("s3cret").completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert out.usage.completion_tokens == 1
-        # vLLM's tokenizer routes are API calls too; the metrics page is not (its port's
-        # page is open as well).
+        # vLLM's tokenizer routes are API calls too, and so is the metrics page on the API
+        # port: it faces the clients (the metrics port is the operator's, bound privately).
         base = pod.base_url.removesuffix("/v1")
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
             req = urllib.request.Request(base + path, json.dumps(body).encode(),
@@ -236,7 +236,12 @@ def test_api_token_is_401_without_the_bearer() -> None:
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(base + "/tokenizer_info", timeout=10)
         assert info.value.code == 401
-        assert urllib.request.urlopen(base + "/metrics", timeout=10).status == 200
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(base + "/metrics", timeout=10)
+        assert info.value.code == 401 and b"pagekv_" not in info.value.read()
+        page = urllib.request.urlopen(urllib.request.Request(
+            base + "/metrics", headers={"Authorization": "Bearer s3cret"}), timeout=10)
+        assert page.status == 200 and b"pagekv_" in page.read()
 
 
 def test_full_queue_is_429() -> None:
