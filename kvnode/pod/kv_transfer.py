@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter, Gauge
 
-from pagekv.kvnode.engine.kv_export import ExportRun
+from pagekv.kvnode.engine.kv_export import ExportRun, KvExporter
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,14 @@ class TransferConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.pull_deadline_s > 0:
             raise ValueError(f"pull_deadline_s must be > 0, got {self.pull_deadline_s}")
+
+
+@dataclass(slots=True)
+class _OpenState:
+    """One pull's open, as the engine thread sees it (KvTransferService._open)."""
+
+    run: ExportRun | None = None
+    abandoned: bool = False
 
 
 class KvTransferService:
@@ -125,8 +133,7 @@ class KvTransferService:
         exporter = eng.exporter
         hashes = list(request.block_hashes)
         parent = request.parent_hash or None
-        run: ExportRun = await asyncio.to_thread(pod.aengine.call,
-                                                 lambda: exporter.open(hashes, parent))
+        run = await self._open(exporter, hashes, parent)
         budget = min(request.max_bytes or self.max_bytes, self.max_bytes)
         per_message = max(1, self.chunk_bytes // eng.kv_layout.block_bytes)
         sent = 0
@@ -152,6 +159,35 @@ class KvTransferService:
             pod.aengine.post(lambda: exporter.close(run))
         logger.debug("served %s: %d of %d blocks asked, %d bytes", request.request_id or "-",
                      len(run.hashes), len(hashes), sent)
+
+    async def _open(self, exporter: KvExporter, hashes: list[bytes], parent: bytes | None
+                    ) -> ExportRun:
+        """The run, its blocks pinned — and never pinned for good by a caller that gives up
+        first: a busy engine runs the open after the puller's deadline has cancelled this
+        call (or `call`'s own timeout has passed), and nothing would close that run. Both the
+        open and the giving up run on the engine thread, in the order they were queued, so
+        whichever comes second closes it."""
+        aengine = self.pod.aengine
+        state = _OpenState()
+
+        def open_run() -> ExportRun:
+            run = exporter.open(hashes, parent)
+            if state.abandoned:
+                exporter.close(run)
+            else:
+                state.run = run
+            return run
+
+        def give_up() -> None:
+            state.abandoned = True
+            if state.run is not None:
+                exporter.close(state.run)
+
+        try:
+            return await asyncio.to_thread(aengine.call, open_run)
+        except BaseException:  # cancelled, or the engine did not answer in time
+            aengine.post(give_up)
+            raise
 
     def _count(self, run: ExportRun, lo: int, entries: list[bytes]) -> None:
         for m in run.media[lo : lo + len(entries)]:

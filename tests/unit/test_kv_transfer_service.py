@@ -288,3 +288,31 @@ def test_stream_stops_at_the_first_block_not_held(aengine):
                                                      FakeContext()))))
     assert none == []
     assert settled(aengine) == (0, 0)
+
+
+def test_a_pull_given_up_while_the_engine_is_busy_pins_nothing(aengine):
+    """A busy holder opens (pins) the run only after the puller's deadline has cancelled the
+    call: that run used to stay pinned for good (free blocks fell by a run per pull)."""
+    import threading
+
+    eng = aengine.engine
+    _, svc = make(aengine)
+    req = ask(eng, chain(PROMPT, eng))
+    for cancel_after_open in (False, True):
+        busy = threading.Event()
+        aengine.post(lambda busy=busy: busy.wait(5))  # the engine thread, mid-step
+
+        async def main(busy=busy, cancel_after_open=cancel_after_open) -> None:
+            pull = asyncio.ensure_future(drain(svc.pull_blocks(req, FakeContext())))
+            await asyncio.sleep(0.2)  # the open is queued behind the busy step
+            if cancel_after_open:
+                # The engine frees up and opens the run; the cancel lands right after.
+                busy.set()
+                await asyncio.sleep(0)
+            pull.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+            busy.set()
+
+        asyncio.run(main())
+        assert settled(aengine) == (0, 0), cancel_after_open
