@@ -20,6 +20,7 @@ from pagekv.proto.credentials import (
 )
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from pagekv.proto.heap import freeze_startup_heap
+from pagekv.proto.openai.limits import add_http_limit_arguments, http_limits_from
 from pagekv.proto.requests import add_prompt_limit_arguments, prompt_limits_from
 from pagekv.router.config import DEFAULT_COSTS, POLICIES, RouterConfig
 from pagekv.router.placement import COLD_PLACEMENTS
@@ -97,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--random-seed", type=int, default=None,
                        help="seed of --policy random")
     add_prompt_limit_arguments(parser)
+    add_http_limit_arguments(parser)
     add_server_tls_arguments(parser)
     add_token_argument(parser, "--api-token", API_TOKEN_ENV,
                        "bearer token that clients' Generate and GenerateStream calls need")
@@ -135,7 +137,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
         reap_dead_after_s=args.reap_dead_after_s,
         redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,
-        prompt_limits=prompt_limits_from(args),
+        prompt_limits=prompt_limits_from(args), http_limits=http_limits_from(args),
         tls=tls_from(args), api_token=token_from(args.api_token, API_TOKEN_ENV),
         pod_tls=tls_from(args, "pod-tls"),
         pod_api_token=token_from(args.pod_api_token, POD_API_TOKEN_ENV),

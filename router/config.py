@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from pagekv.proto.index.connect import check_tls_url
+from pagekv.proto.openai.limits import HttpLimits
 from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import PromptLimits
 from pagekv.router.placement import COLD_PLACEMENTS
@@ -69,6 +70,7 @@ class RouterConfig:
     random_seed: int | None = None    # for --policy random (reproducible benchmarks)
     # --max-prompt-bytes / --max-prompt-tokens: the pods' own, so refusals read the same
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)  # --http-port's (limits.py)
     # Security (README "Security"). tls: the router's own port; pod_tls / pod_api_token:
     # what it presents to pods (its own, never a client's); redis_tls: rediss:// files;
     # vllm_tls: the CA of https:// vLLM pods and the router's client certificate for them.

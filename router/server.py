@@ -413,6 +413,7 @@ class RouterServer:
             ready=lambda: registry.ready.is_set() and not self.stopping,
             api_token=cfg.api_token, max_body_bytes=8 * cfg.prompt_limits.max_message_bytes,
             prompt_limits=cfg.prompt_limits, metrics=self.metrics.registry,
+            limits=cfg.http_limits,
             on_response=lambda route, status: self.metrics.http_responses.labels(
                 route=route, status=str(status)).inc())
 

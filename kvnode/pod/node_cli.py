@@ -25,6 +25,7 @@ from pagekv.proto.credentials import (
     token_from,
 )
 from pagekv.proto.heap import freeze_startup_heap
+from pagekv.proto.openai.limits import add_http_limit_arguments, http_limits_from
 from pagekv.proto.requests import add_prompt_limit_arguments, prompt_limits_from
 from pagekv.proto.vllm_events import HASH_FORMS, WIRE_FORMS
 from pagekv.tiers.dir_lock import describe_holder_as
@@ -51,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     add_prompt_limit_arguments(p)
+    add_http_limit_arguments(p)
     add_redis_arguments(p, None)
     add_server_tls_arguments(p)
     add_token_argument(p, "--admin-token", ADMIN_TOKEN_ENV,
@@ -138,6 +140,7 @@ def main(args: argparse.Namespace) -> int:
         tls=tls_from(args), admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
         api_token=token_from(args.api_token, API_TOKEN_ENV), redis_tls=tls_from(args, "redis"),
         prompt_limits=prompt_limits_from(args), http_port=args.http_port,
+        http_limits=http_limits_from(args),
         served_model_names=args.served_model_name, transfer=transfer_config_from(args),
         kv_events=kv_events_config_from(args),
     )

@@ -41,6 +41,7 @@ from pagekv.proto.credentials import (
 from pagekv.proto.grpc_security import TokenGuard, bind, transport
 from pagekv.proto.index import IndexSchema, check_tls_url
 from pagekv.proto.openai import Backend, HttpServer
+from pagekv.proto.openai.limits import HttpLimits
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from pagekv.proto.redact import redact_url
@@ -198,6 +199,7 @@ class PodServer:
         redis_tls: TlsFiles | None = None,
         prompt_limits: PromptLimits | None = None,
         http_port: int | None = None,
+        http_limits: HttpLimits | None = None,
         served_model_names: list[str] | None = None,
         transfer: TransferConfig | None = None,
         kv_events: ZmqEventsConfig | None = None,
@@ -226,6 +228,7 @@ class PodServer:
         self.schema: IndexSchema | None = None
         self.http_port = http_port
         self.http: HttpServer | None = None
+        self.http_limits = http_limits or HttpLimits()
         self.served_model_names = served_model_names or [engine_args.model]
         self.api_token = api_token
         self.serving = False  # the engine is up and the pod not draining: HTTP's /health
@@ -268,7 +271,7 @@ class PodServer:
             generate_stream=servicer.GenerateStream, ready=lambda: self.serving,
             max_model_len=lambda: self.built_engine().max_model_len,
             api_token=self.api_token, max_body_bytes=8 * self.prompt_limits.max_message_bytes,
-            prompt_limits=self.prompt_limits, metrics=self.registry,
+            prompt_limits=self.prompt_limits, metrics=self.registry, limits=self.http_limits,
             headers={"x-pagekv-served-by": self.pod_id},
             on_response=lambda route, status: self.http_responses.labels(
                 **self.metric_labels, route=route, status=str(status)).inc())

@@ -27,13 +27,14 @@ from urllib.parse import quote
 from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagekv.proto.openai.backend import Backend, Tokenizer
 from pagekv.proto.openai.calls import Calls, ClientGone, EventStream, until_disconnect
 from pagekv.proto.openai.errors import ApiError, invalid
+from pagekv.proto.openai.limits import REQUEST_TIMEOUT_HEADER
 from pagekv.proto.openai.openapi import openapi_document
 from pagekv.proto.openai.params import Parsed, parse_chat, parse_completion, read_str
 from pagekv.proto.openai.prompt_echo import prompt_echoes
@@ -83,9 +84,11 @@ class OpenAIFrontend:
             self.backend.on_response(route, status)
 
     def _error(self, route: str, exc: ApiError) -> JSONResponse:
-        if exc.status >= 500:
+        if exc.status >= 500 and exc.status != 504:  # a deadline is the client's business
             logger.warning("%s -> %d: %s", route, exc.status, exc.message)
-        return self._json(route, exc.status, exc.body())
+        # A body refused part-way leaves the rest unread: the connection cannot carry on.
+        closing = {"connection": "close"} if exc.status in (408, 413) else None
+        return self._json(route, exc.status, exc.body(), closing)
 
     def _check_auth(self, request: Request) -> None:
         token = self.backend.api_token
@@ -104,12 +107,21 @@ class OpenAIFrontend:
             raise ApiError(413, f"the request body is larger than the limit of {cap} bytes",
                            code="body_too_large")
         parts, size = [], 0
-        async for piece in request.stream():
-            size += len(piece)
-            if size > cap:
-                raise ApiError(413, f"the request body is larger than the limit of {cap} bytes",
-                               code="body_too_large")
-            parts.append(piece)
+        pause = self.backend.limits.body_timeout_s
+        try:
+            async with asyncio.timeout(pause) as stall:
+                async for piece in request.stream():
+                    stall.reschedule(asyncio.get_running_loop().time() + pause)
+                    size += len(piece)
+                    if size > cap:
+                        raise ApiError(413, f"the request body is larger than the limit of "
+                                       f"{cap} bytes", code="body_too_large")
+                    parts.append(piece)
+        except TimeoutError:
+            raise ApiError(408, f"the request body stalled (no bytes for {pause:g} s)",
+                           code="body_timeout") from None
+        except ClientDisconnect:
+            raise ClientGone() from None
         try:
             body = json.loads(b"".join(parts))
         except RecursionError:
@@ -254,6 +266,15 @@ class OpenAIFrontend:
                           ApiError(status, message, code="not_found" if status == 404
                                    else None).body())
 
+    async def client_gone(self, request: Request, exc: Exception) -> Response:
+        """A client that hung up before its response (mid-body, mid-wait): nginx's 499 in
+        the metrics, one debug line — not a server error."""
+        path = request.url.path
+        route = path if path in self.openapi.get("paths", {}) else "other"
+        logger.debug("%s %s: the client hung up", request.method, path)
+        self._count(route, CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
+
     async def internal_error(self, request: Request, exc: Exception) -> Response:
         """An exception that escaped a route: logged with its trace, a bare 500 for the client."""
         logger.exception("HTTP %s %s failed", request.method, request.url.path)
@@ -272,6 +293,8 @@ class OpenAIFrontend:
             return Response(status_code=CLIENT_CLOSED)
 
     async def _run(self, request: Request, route: str, chat: bool) -> Response | EventStream:
+        timeout_s = self.backend.limits.deadline_s(request.headers.get(REQUEST_TIMEOUT_HEADER))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._check_auth(request)
         body = await self._body(request)
         if chat:
@@ -300,13 +323,14 @@ class OpenAIFrontend:
             echo=parsed.echo, echoes=echoes, echo_only=parsed.echo_only,
             num_logprobs=parsed.num_logprobs,
             prompt_logprobs=parsed.prompt_logprobs is not None, chat_echo=chat_echo)
-        calls = Calls(self.backend, requests)
+        calls = Calls(self.backend, requests, deadline)
         headers = {"x-request-id": header_value(rid)}
         if parsed.ignored:
             headers["x-pagekv-ignored-fields"] = header_value(",".join(parsed.ignored)[:1024])
         if parsed.stream:
-            return await self._stream(request, route, calls, renderer, headers)
-        await until_disconnect(request.receive, self._collect(calls, renderer))
+            return await self._stream(request, route, calls, renderer, headers, timeout_s)
+        await until_disconnect(request.receive, self._collect(calls, renderer),
+                               calls.contexts[0].deadline, timeout_s)
         out = renderer.response()
         headers.update(_decision_headers(out["pagekv"]))
         return self._json(route, 200, out, headers)
@@ -334,7 +358,7 @@ class OpenAIFrontend:
             renderer.add(k, chunk)
 
     async def _stream(self, request: Request, route: str, calls: Calls, renderer: Renderer,
-                      headers: dict[str, str]) -> EventStream:
+                      headers: dict[str, str], timeout_s: float | None) -> EventStream:
         async def events() -> AsyncGenerator[dict[str, Any] | None, None]:
             async for k, chunk in calls.events():
                 yield renderer.add(k, chunk)
@@ -350,7 +374,8 @@ class OpenAIFrontend:
             return []
 
         try:
-            first = await until_disconnect(request.receive, first_event())
+            deadline = calls.contexts[0].deadline
+            first = await until_disconnect(request.receive, first_event(), deadline, timeout_s)
         except BaseException:
             await stream.aclose()
             raise
@@ -359,10 +384,11 @@ class OpenAIFrontend:
         def tail() -> list[dict[str, Any]]:
             return [renderer.usage_event()] if renderer.include_usage else []
 
-        def closed(completed: bool) -> None:
-            self._count(route, 200 if completed else CLIENT_CLOSED)
+        def closed(status: int) -> None:
+            self._count(route, status)
 
-        return EventStream(stream, first, tail, {**self.backend.headers, **headers}, closed)
+        return EventStream(stream, first, tail, {**self.backend.headers, **headers}, closed,
+                           deadline, timeout_s)
 
 
 def _chat_echo(messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
@@ -430,4 +456,6 @@ def build_app(backend: Backend) -> Starlette:
     # Every route must be described: a route added without its description fails here.
     front.openapi = openapi_document(routes, backend.kind, _version())
     return Starlette(routes=routes, exception_handlers={HTTPException: front.http_error,
+                                                        ClientDisconnect: front.client_gone,
+                                                        ClientGone: front.client_gone,
                                                         Exception: front.internal_error})

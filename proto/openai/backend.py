@@ -8,12 +8,14 @@ failover — and the front end only translates OpenAI's JSON to the contract and
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from pagekv.proto.openai.limits import HttpLimits
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.requests import PromptLimits
 
@@ -44,8 +46,8 @@ class HandlerContext(Protocol):
 class CallContext:
     """A HandlerContext for a handler called in process (by the HTTP front end)."""
 
-    def __init__(self, timeout_s: float | None = None) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, deadline: float | None = None) -> None:
+        self.deadline = deadline  # time.monotonic() at which the call's time is up
         self.initial_metadata: list[tuple[str, str]] = []
         self.trailing_metadata: list[tuple[str, str]] = []
 
@@ -54,7 +56,7 @@ class CallContext:
         raise CallAborted(getattr(code, "name", str(code)), details)
 
     def time_remaining(self) -> float | None:
-        return self.timeout_s
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     async def send_initial_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
         self.initial_metadata.extend(metadata)
@@ -91,6 +93,7 @@ class Backend:
     max_model_len: Callable[[], int | None] = lambda: None  # once ready
     api_token: str | None = None    # Authorization: Bearer <token> for /v1/*
     max_body_bytes: int = 8 << 20
+    limits: HttpLimits = field(default_factory=HttpLimits)  # headers, timeouts, deadline
     headers: dict[str, str] = field(default_factory=dict)  # sent on every response
     on_response: Callable[[str, int], None] | None = None   # (route, status): metrics
     # The bounds the server checks a prompt against: the front end applies the same ones

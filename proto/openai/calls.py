@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -48,10 +49,12 @@ def sse(event: dict[str, Any]) -> bytes:
 class Calls:
     """One engine request per prompt, through the backend's own GenerateStream handler."""
 
-    def __init__(self, backend: Backend, requests: list[pb.GenerateRequest]) -> None:
+    def __init__(self, backend: Backend, requests: list[pb.GenerateRequest],
+                 deadline: float | None = None) -> None:
         self.backend = backend
         self.requests = requests
-        self.contexts = [CallContext() for _ in requests]
+        # The handlers see the deadline as a gRPC call's (the router's pod calls carry it).
+        self.contexts = [CallContext(deadline) for _ in requests]
 
     def metadata(self) -> dict[str, str]:
         """What the handlers sent as initial metadata (the router: the pod it chose), one
@@ -114,18 +117,35 @@ async def wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+def seconds_left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def past_deadline(timeout_s: float | None) -> ApiError:
+    return ApiError(504, f"the request ran past its deadline ({timeout_s:g} s)",
+                    type="timeout_error", code="deadline_exceeded")
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T],
+                           deadline: float | None = None,
+                           timeout_s: float | None = None) -> T:
+    """`work`'s result; cancelled if the client hangs up (ClientGone) or `deadline`
+    (time.monotonic()) passes first (504: the request's `timeout_s` ran out)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(wait_disconnect(receive))
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, timeout=seconds_left(deadline),
+                           return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():  # the client went (or this handler was cancelled)
+        if not task.done():  # the client went, the time ran out, or this was cancelled
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        expired = not watch.done()
         watch.cancel()
     if task.cancelled():
+        if expired:
+            raise past_deadline(timeout_s)
         raise ClientGone()
     return task.result()
 
@@ -141,12 +161,15 @@ class EventStream:
     def __init__(self, events: AsyncGenerator[dict[str, Any] | None, None],
                  first: list[dict[str, Any]],
                  tail: Callable[[], list[dict[str, Any]]], headers: dict[str, str],
-                 on_close: Callable[[bool], None] | None = None) -> None:
+                 on_close: Callable[[int], None] | None = None,
+                 deadline: float | None = None, timeout_s: float | None = None) -> None:
         self.events = events
         self.first = first
         self.tail = tail
         self.headers = headers
-        self.on_close = on_close
+        self.on_close = on_close  # (status): 200 done, 499 the client went, 504 out of time
+        self.deadline = deadline
+        self.timeout_s = timeout_s
         self.status_code = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -156,22 +179,29 @@ class EventStream:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         producer = asyncio.ensure_future(self._produce(send))
         watch = asyncio.ensure_future(wait_disconnect(receive))
-        completed = False
+        completed = expired = False
         try:
-            await asyncio.wait({producer, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({producer, watch}, timeout=seconds_left(self.deadline),
+                               return_when=asyncio.FIRST_COMPLETED)
             completed = producer.done() and not producer.cancelled()
+            expired = not completed and not watch.done()
         finally:
-            if not producer.done():  # the client hung up: stop the engine's work now
-                producer.cancel()
+            if not producer.done():  # the client hung up or the time ran out: stop the
+                producer.cancel()    # engine's work now
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await producer
             watch.cancel()
             with contextlib.suppress(Exception):
                 await self.events.aclose()
             if self.on_close is not None:
-                self.on_close(completed)
+                self.on_close(200 if completed else 504 if expired else 499)
         if completed:
             producer.result()
+        elif expired:  # the status is gone: an error event, then [DONE], as for any error
+            body = past_deadline(self.timeout_s).body()
+            await send({"type": "http.response.body", "body": sse(body), "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                        "more_body": False})
 
     async def _produce(self, send: Send) -> None:
         for event in self.first:

@@ -1,9 +1,10 @@
 """The HTTP listener: uvicorn in the process's own event loop, beside the gRPC server.
 
 uvicorn (with httptools' parser) is the ASGI server the field's OpenAI servers run on
-(vLLM's among them). It runs here inside the pod's or router's running loop, so an HTTP
-request reaches the gRPC handler it calls without a thread hop; its own signal handling is
-off (the process's SIGTERM drain decides when it stops).
+(vLLM's among them); http_protocol.py adds the header limits it lacks. It runs here inside
+the pod's or router's running loop, so an HTTP request reaches the gRPC handler it calls
+without a thread hop; its own signal handling is off (the process's SIGTERM drain decides
+when it stops).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import uvicorn
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.openai.app import build_app
 from pagekv.proto.openai.backend import Backend
+from pagekv.proto.openai.http_protocol import LimitedHttpProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,12 @@ class HttpServer:
         self.port = sock.getsockname()[1]
         tls = self.tls if self.tls is not None and self.tls.cert else None
         mutual = tls is not None and bool(tls.ca)  # mutual TLS, as on the gRPC port
-        config = uvicorn.Config(build_app(self.backend), http="httptools", lifespan="off",
+        b = self.backend
+        count = b.on_response
+        # httptools' parser, inside a protocol that bounds the headers (http_protocol.py).
+        protocol = LimitedHttpProtocol.bounded_by(
+            b.limits, None if count is None else lambda status: count("other", status))
+        config = uvicorn.Config(build_app(b), http=protocol, ws="none", lifespan="off",
                                 log_level="warning", access_log=False, timeout_keep_alive=30,
                                 timeout_graceful_shutdown=5,
                                 ssl_certfile=tls.cert if tls is not None else None,
@@ -71,8 +78,8 @@ class HttpServer:
                 self._task.result()  # a failed start raises here
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.005)
-        logger.info("OpenAI API (%s) on %s://%s:%d/v1", self.backend.kind, self.scheme,
-                    self.host, self.port)
+        logger.info("OpenAI API (%s) on %s://%s:%d/v1; %s", b.kind, self.scheme,
+                    self.host, self.port, b.limits.describe())
         return self.port
 
     async def stop(self, drain_timeout_s: float = 5.0) -> None:
