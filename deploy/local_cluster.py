@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -37,6 +38,7 @@ from pagekv.deploy.redis_server import RedisProcess, free_port
 from pagekv.proto.credentials import (
     ADMIN_TOKEN_ENV,
     API_TOKEN_ENV,
+    PEER_API_TOKEN_ENV,
     POD_API_TOKEN_ENV,
     REDIS_URL_ENV,
     TlsFiles,
@@ -170,6 +172,9 @@ class LocalCluster:
     tls_client_auth: bool = False
     admin_token: str | None = field(default=None, repr=False)
     api_token: str | None = field(default=None, repr=False)
+    # The pods' peer token (KVNode.PullBlocks); with any other token and none given, a random
+    # one per run: peers never pull with a client's token.
+    peer_token: str | None = field(default=None, repr=False)
     redis_tls: TlsFiles | None = None  # an external rediss:// index
     prometheus_config: Path | None = None  # written by start(), in the run directory
     # Set (by a signal handler, say) to give up a start(): it stops what it started.
@@ -204,8 +209,14 @@ class LocalCluster:
                     flags += [f"--{prefix}-{part}", getattr(files, part)]
         env = {REDIS_URL_ENV: self.redis_url or "", API_TOKEN_ENV: self.api_token or "",
                ADMIN_TOKEN_ENV: "" if router else self.admin_token or "",
-               POD_API_TOKEN_ENV: (self.api_token or "") if router else ""}
+               POD_API_TOKEN_ENV: (self.api_token or "") if router else "",
+               PEER_API_TOKEN_ENV: "" if router else self._peer_token()}
         return flags, env
+
+    def _peer_token(self) -> str:
+        if self.peer_token is None and (self.api_token or self.admin_token):
+            self.peer_token = secrets.token_urlsafe(24)
+        return self.peer_token or ""
 
     def _run_dir(self) -> Path:
         """Where the children's logs and state go: `run_dir`, a temporary one by default."""

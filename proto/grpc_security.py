@@ -109,6 +109,16 @@ class TokenGuard(grpc.aio.ServerInterceptor):
         self.admin_methods = frozenset(admin_methods)
         self.on_refused = on_refused
         self._warned: set[tuple[str, str]] = set()
+        # Calls only peer pods make (KVNode.PullBlocks): the peer token alone opens them.
+        self.peer_token: str | None = None
+        self.peer_methods: frozenset[str] = frozenset()
+
+    def serve_peers(self, peer_token: str | None, peer_methods: Sequence[str]) -> None:
+        """`peer_methods` take the peer token only: never the API token (a client's) nor the
+        admin token. Without a peer token they are open only on a pod with no token at all;
+        a pod that guards anything else refuses them to everyone."""
+        self.peer_token = peer_token
+        self.peer_methods = frozenset(peer_methods)
 
     @property
     def active(self) -> bool:
@@ -124,6 +134,8 @@ class TokenGuard(grpc.aio.ServerInterceptor):
         """None when the call may proceed, else (code, message)."""
         if method.startswith(OPEN_PREFIXES):
             return None
+        if method in self.peer_methods:
+            return self._check_peer(method.rsplit("/", 1)[-1], metadata)
         admin = method in self.admin_methods
         if not (self.admin_token if admin else self.api_token):
             return None  # this role has no token configured: open
@@ -145,6 +157,28 @@ class TokenGuard(grpc.aio.ServerInterceptor):
             return (grpc.StatusCode.PERMISSION_DENIED,
                     f"the API token does not allow {method.rsplit('/', 1)[-1]}: it needs the "
                     "admin token")
+        return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
+
+    def _check_peer(self, short: str, metadata: Sequence[Any] | None
+                    ) -> tuple[grpc.StatusCode, str] | None:
+        if not self.peer_token:
+            if not self.active:
+                return None  # a pod open to everything (no token of any role)
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{short} is served to peer pods only, and this pod has no peer token "
+                    "(--peer-api-token)")
+        header = next((m.value for m in (metadata or ()) if m.key == "authorization"), None)
+        scheme, _, token = str(header or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    f"{short} needs the peer token: send the metadata "
+                    "'authorization: Bearer <token>'")
+        if _same(token, self.peer_token):
+            return None
+        if any([_same(token, t) for t in (self.api_token, self.admin_token) if t]):
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{short} is served to peer pods only: it needs the peer token")
         return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
 
     async def intercept_service(

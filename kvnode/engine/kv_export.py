@@ -1,5 +1,8 @@
 """The serving side of a cross-pod pull, in the engine: find a chain's blocks, pin, read, pack.
 
+`is_chain_of` first: the caller's prompt tokens and salt must hash to the chain it asks for
+(a tenant's blocks go only to a pull made for that tenant's request).
+
 `open` (on the engine thread) walks the asked chain through the pool, then the tiers, and
 stops at the first block this pod does not hold. The pool blocks of the run get a reference
 each, as a request's would, so no eviction can hand them out for reuse while a peer reads
@@ -20,9 +23,20 @@ import torch
 
 from pagekv.kvnode.memory.block_pool import KVCacheBlock
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
+from pagekv.proto.hashing import hash_prompt, lora_key
 from pagekv.proto.medium import Medium
 from pagekv.tiers.chain import TierChain
 from pagekv.tiers.peer_entries import KvLayout, pack_block
+
+
+@dataclass(frozen=True, slots=True)
+class ChainClaim:
+    """What a puller shows to be served a chain: the prompt tokens of its blocks from the
+    root on, and the cache salt and LoRA adapter its request was hashed with."""
+
+    tokens: list[int]
+    cache_salt: str | None = None
+    lora_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +62,23 @@ class KvExporter:
         self.chain = chain
         self.layout = layout
         self.open_runs = 0  # runs not closed yet (a leak check for tests and /metrics)
+
+    def is_chain_of(self, block_hashes: Sequence[bytes], parent_hash: bytes | None,
+                    claim: ChainClaim) -> bool:
+        """Any thread. Whether `block_hashes` (continuing `parent_hash`) end the chain the
+        claim's tokens give when hashed as this pod hashes a request. The salt is in block
+        0's hash and every hash is its parent's child, so only a caller holding the salt and
+        the very prompt gets another request's blocks: hashes read from the index are not
+        enough, and this pod keeps nothing per block to decide it."""
+        bs = self.manager.block_size
+        blocks = len(claim.tokens) // bs
+        first = blocks - len(block_hashes)
+        if not block_hashes or len(claim.tokens) % bs or first < 0:
+            return False
+        chain = hash_prompt(self.manager.hash_config, bs, claim.tokens, claim.cache_salt,
+                            lora_key(claim.lora_id))
+        return (chain[first:] == list(block_hashes)
+                and (parent_hash or None) == (chain[first - 1] if first else None))
 
     def open(self, block_hashes: Sequence[bytes], parent_hash: bytes | None = None
              ) -> ExportRun:

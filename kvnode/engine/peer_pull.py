@@ -81,6 +81,11 @@ class PullAsk:
     hashes: list[bytes]
     parent: bytes | None
     deadline: float  # time.monotonic() by which the pull must be over
+    # What the peer checks the chain against (kv_export.ChainClaim): the request's tokens
+    # through the last block asked, and its salt and adapter.
+    tokens: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+    lora_id: str | None = None
 
 
 class PullHandle:
@@ -201,7 +206,9 @@ class PeerPuller:
                hit: PrefixHit) -> None:
         hashes = list(req.block_hashes[start:end])
         ask = PullAsk(req.request_id, hashes, req.block_hashes[start - 1] if start else None,
-                      time.monotonic() + self.deadline_s)
+                      time.monotonic() + self.deadline_s,
+                      req.all_token_ids[:end * self.block_size], req.cache_salt,
+                      None if req.lora_id is None else str(req.lora_id))
         pinned = list(hit.blocks)  # the prefix the pulled blocks continue stays in the pool
         self.manager.pin(pinned)
         handle = PullHandle()

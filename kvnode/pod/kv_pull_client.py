@@ -41,6 +41,9 @@ _REASONS = {
     grpc.StatusCode.UNAVAILABLE: PEER_UNAVAILABLE,
     grpc.StatusCode.CANCELLED: PEER_UNAVAILABLE,  # the peer went away mid-stream
     grpc.StatusCode.UNKNOWN: PEER_UNAVAILABLE,
+    # The peer token missing or not the peer's: the fleet's settings differ.
+    grpc.StatusCode.UNAUTHENTICATED: CONFIG_MISMATCH,
+    grpc.StatusCode.PERMISSION_DENIED: CONFIG_MISMATCH,
 }
 
 
@@ -76,7 +79,8 @@ class PeerFetcher:
         request = pb.PullBlocksRequest(
             block_hashes=ask.hashes, parent_hash=ask.parent or b"",
             hash_config=self.hash_config, kv_layout=self.layout.json,
-            request_id=ask.request_id)
+            request_id=ask.request_id, chain_token_ids=ask.tokens,
+            cache_salt=ask.cache_salt or "", lora_id=ask.lora_id or "")
         call = self._stub(source.address).PullBlocks(request, timeout=timeout,
                                                      metadata=self.metadata)
         handle.on_cancel(call.cancel)

@@ -1,7 +1,11 @@
 """`KVNode.PullBlocks`: a pod serves the KV blocks of a chain to a peer that pulls them.
 
-Checks first (the pod serving, the same hash configuration and KV layout, the list's size,
-a free transfer slot: `--kv-transfer-max-concurrent`), then the run this pod holds is found
+Only peer pods reach it (the peer token: proto/grpc_security.py's TokenGuard). Checks first
+(the pod serving, the same hash configuration and KV layout, the list's size, a free transfer
+slot: `--kv-transfer-max-concurrent`); a refused configuration is told only what differs, the
+values are logged here. Then the caller must show the chain is its own request's: the hashes
+asked are the ones its prompt tokens and cache salt give (kv_export.ChainClaim), or it gets an
+empty stream, as for blocks not held. Then the run this pod holds is found
 and its pool blocks pinned on the engine thread (kvnode.engine.kv_export). The blocks go out
 a message at a time (about `chunk_bytes` each), as the entries the engine's exporter packed
 (tiers.peer_entries: this module never looks inside one); each message waits for gRPC's flow
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter, Gauge
 
-from pagekv.kvnode.engine.kv_export import ExportRun, KvExporter
+from pagekv.kvnode.engine.kv_export import ChainClaim, ExportRun, KvExporter
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -39,7 +43,7 @@ class TransferConfig:
     serve_max_bytes: int = 1 << 30    # --kv-transfer-max-bytes: per call
     compress: bool = False            # --kv-transfer-compress: LZ4 entries (slow links)
     chunk_bytes: int = 4 << 20        # bytes of blocks per stream message
-    peer_token: str | None = None     # the API token peers expect (default: the pod's own)
+    peer_token: str | None = None     # the fleet's peer token: presented, and required here
 
     def __post_init__(self) -> None:
         for name in ("pull_max_concurrent", "serve_max_concurrent", "serve_max_bytes",
@@ -80,23 +84,32 @@ class KvTransferService:
         self._active = Gauge("pagekv_kv_transfers_active", "Pull calls being served now",
                              names, registry=pod.registry).labels(**labels)
         self._labels = labels
+        self._warned: set[str] = set()
 
     def _refuse(self, reason: str) -> None:
         self._refused.labels(**self._labels, reason=reason).inc()
 
-    def mismatch(self, request: pb.PullBlocksRequest) -> str:
-        """Why this pod's blocks would not be the puller's ("" : they would)."""
+    def mismatch(self, request: pb.PullBlocksRequest) -> tuple[str, str] | None:
+        """None when this pod's blocks would be the puller's, else (what differs, the detail
+        with both sides' values, for this pod's log only: a caller learns nothing of this
+        pod's configuration from a refusal)."""
         def shown(c: pb.HashConfig) -> str:
             return f"{c.algo}/{c.seed_fingerprint}/{c.block_size}"
 
         mine, theirs = self.pod.wire_hash_config(), request.hash_config
         key = ("algo", "seed_fingerprint", "block_size")  # not the namespace: the puller's own
         if [getattr(theirs, k) for k in key] != [getattr(mine, k) for k in key]:
-            return f"hash configuration {shown(theirs)} (puller) vs {shown(mine)} (this pod)"
+            return "hash configuration", f"{shown(theirs)} (puller) vs {shown(mine)} (this pod)"
         layout = self.pod.engine.kv_layout.json
         if request.kv_layout != layout:
-            return f"KV layout {request.kv_layout} (puller) vs {layout} (this pod)"
-        return ""
+            return "KV layout", f"{request.kv_layout[:512]} (puller) vs {layout} (this pod)"
+        return None
+
+    def _log_mismatch(self, what: str, detail: str, peer: str) -> None:
+        # One warning per kind: a misconfigured or hostile peer retrying must not flood the log.
+        log = logger.debug if what in self._warned else logger.warning
+        self._warned.add(what)
+        log("refused a pull from %s: its %s differs: %s", peer, what, detail)
 
     async def pull_blocks(self, request: pb.PullBlocksRequest, context):
         pod = self.pod
@@ -107,10 +120,12 @@ class KvTransferService:
             self._refuse("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"at most {MAX_PULL_BLOCKS} block hashes per pull")
-        reason = self.mismatch(request)
-        if reason:
+        differs = self.mismatch(request)
+        if differs is not None:
             self._refuse("config_mismatch")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+            self._log_mismatch(*differs, context.peer())
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the puller's {differs[0]} differs from this pod's")
         if self.active >= self.max_concurrent:
             self._refuse("busy")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -133,6 +148,15 @@ class KvTransferService:
         exporter = eng.exporter
         hashes = list(request.block_hashes)
         parent = request.parent_hash or None
+        claim = ChainClaim(list(request.chain_token_ids), request.cache_salt or None,
+                           request.lora_id or None)
+        # Hashing the claim is microseconds a block: off the loop for a long chain.
+        if not await asyncio.to_thread(exporter.is_chain_of, hashes, parent, claim):
+            # Nothing, as for blocks this pod does not hold: not even whether it holds them.
+            self._refuse("not_callers_chain")
+            logger.debug("pull %s: the hashes asked are not the chain the caller's tokens "
+                         "and salt give: nothing served", request.request_id or "-")
+            return
         run = await self._open(exporter, hashes, parent)
         budget = min(request.max_bytes or self.max_bytes, self.max_bytes)
         per_message = max(1, self.chunk_bytes // eng.kv_layout.block_bytes)

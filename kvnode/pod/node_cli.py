@@ -114,7 +114,8 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
                    default=d.compress, help="LZ4 the served blocks when it shrinks them "
                                             "(slow links; costs CPU on both sides)")
     add_token_argument(p, "--peer-api-token", PEER_API_TOKEN_ENV,
-                       "bearer token presented to peers when pulling (default: --api-token)")
+                       "the fleet's peer token: presented to peers when pulling KV, and the "
+                       "only token this pod's KVNode.PullBlocks accepts (never --api-token)")
 
 
 def transfer_config_from(args: argparse.Namespace) -> TransferConfig:

@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 # What --admin-token guards: the calls that change a pod's state for everyone. Stats is
 # read-only (the metrics page shows as much): it is an API call, under --api-token.
 ADMIN_METHODS = (f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/ResetPrefixCache",)
+# What only peer pods call, with the peer token: PullBlocks hands out any tenant's KV blocks.
+PEER_METHODS = (f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/PullBlocks",)
 
 
 class PodStarting(RuntimeError):
@@ -245,6 +247,7 @@ class PodServer:
         self.kv_events_config = kv_events
         self.kv_events: VllmEventPublisher | None = None
         self.transfer_config = transfer or TransferConfig()
+        self.guard.serve_peers(self.transfer_config.peer_token, PEER_METHODS)
         self.transfer = KvTransferService(self, self.transfer_config)
         self.fetcher: PeerFetcher | None = None
         self.pull_seconds = Histogram(
@@ -314,7 +317,7 @@ class PodServer:
             ("grpc.so_reuseport", 0),
             # A bigger request could only be refused: gRPC does it before reading it.
             ("grpc.max_receive_message_length", self.prompt_limits.max_message_bytes),
-        ], interceptors=[self.guard] if self.guard.active else [])
+        ], interceptors=[self.guard] if self.guard.active or self.guard.peer_token else [])
         servicer = PodServicer(self)
         for service in ("Generation", "KVNode"):
             add_servicer(self.server, pb.DESCRIPTOR.services_by_name[service], servicer)
@@ -360,8 +363,9 @@ class PodServer:
         if not cfg.pull or not self.args.enable_prefix_caching:
             logger.info("cross-pod KV pull: off")
             return
+        # The peer token only: a client's API token never opens a peer's PullBlocks.
         self.fetcher = PeerFetcher(self.wire_hash_config(), engine.kv_layout, self.tls,
-                                   cfg.peer_token or self.api_token)
+                                   cfg.peer_token)
         labels = self.metric_labels
 
         def observe(result: PullResult) -> None:
@@ -370,8 +374,11 @@ class PodServer:
         engine.enable_peer_pull(self.fetcher, cfg.pull_max_concurrent, cfg.pull_deadline_s,
                                 observe)
         logger.info("cross-pod KV pull: on (%d at once, %.1fs deadline); serving peers: %d at "
-                    "once, %d MiB per call", cfg.pull_max_concurrent, cfg.pull_deadline_s,
-                    cfg.serve_max_concurrent, cfg.serve_max_bytes >> 20)
+                    "once, %d MiB per call, %s", cfg.pull_max_concurrent, cfg.pull_deadline_s,
+                    cfg.serve_max_concurrent, cfg.serve_max_bytes >> 20,
+                    "peer token required" if cfg.peer_token else
+                    "refused to all (no --peer-api-token)" if self.guard.active else
+                    "OPEN to anyone who reaches the port")
 
     async def _start_engine(self) -> None:
         # Building the engine loads weights: keep the event loop free meanwhile. It is built

@@ -39,6 +39,9 @@ class _Servicer(pb_grpc.KVNodeServicer, pb_grpc.GenerationServicer):
     async def GenerateStream(self, request, context):
         yield pb.GenerateChunk(request_id="r", text="hi")
 
+    async def PullBlocks(self, request, context):
+        yield pb.PullBlocksChunk(entries=[b"block"])
+
 
 class _Server:
     """An aio server on the test loop: health, KVNode, Generation; TLS and tokens as given."""
@@ -154,3 +157,45 @@ def test_a_role_without_a_token_stays_open(serve) -> None:
             kv.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=5)
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "authorization: Bearer" in exc.value.details()
+
+
+PEER = ("/pagekv.v1.KVNode/PullBlocks",)
+
+
+def pull_code(address: str, token: str | None) -> grpc.StatusCode:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            list(pb_grpc.KVNodeStub(ch).PullBlocks(
+                pb.PullBlocksRequest(), metadata=bearer(token) if token else None, timeout=5))
+        except grpc.RpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_peer_methods_take_the_peer_token_only(serve) -> None:
+    """PullBlocks hands out KV blocks: a client's API token (or the admin's) is refused
+    there, PERMISSION_DENIED; only the fleet's peer token opens it."""
+    guard = TokenGuard("api-tok", "admin-tok", ADMIN)
+    guard.serve_peers("peer-tok", PEER)
+    address = serve(None, guard)
+    assert pull_code(address, "peer-tok") == grpc.StatusCode.OK
+    assert pull_code(address, "api-tok") == grpc.StatusCode.PERMISSION_DENIED
+    assert pull_code(address, "admin-tok") == grpc.StatusCode.PERMISSION_DENIED
+    assert pull_code(address, None) == grpc.StatusCode.UNAUTHENTICATED
+    assert pull_code(address, "wrong") == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(address) as ch:  # and the peer token is no API token
+        with pytest.raises(grpc.RpcError) as exc:
+            pb_grpc.KVNodeStub(ch).Stats(pb.StatsRequest(), metadata=bearer("peer-tok"),
+                                         timeout=5)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_guarded_pod_without_a_peer_token_serves_no_peer(serve) -> None:
+    guard = TokenGuard("api-tok", None, ADMIN)
+    guard.serve_peers(None, PEER)
+    address = serve(None, guard)
+    for token in ("api-tok", None, "anything"):
+        assert pull_code(address, token) == grpc.StatusCode.PERMISSION_DENIED
+    open_guard = TokenGuard(None, None, ADMIN)  # a pod with no token at all stays open
+    open_guard.serve_peers(None, PEER)
+    assert pull_code(serve(None, open_guard), None) == grpc.StatusCode.OK

@@ -11,8 +11,12 @@ class Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
+        self.details = details
 
 
 class FakeContext:
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise Aborted(code, details)

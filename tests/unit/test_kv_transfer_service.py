@@ -69,8 +69,22 @@ def chain(tokens: list[int], engine: Engine) -> list[bytes]:
     return hash_prompt(engine.kv_manager.hash_config, engine.args.block_size, tokens)
 
 
+LONGER = PROMPT[:CACHED * 16] + [5] * 48  # the cached run, then 3 blocks never computed
+
+
+def claimed_tokens(engine: Engine, hashes: list[bytes]) -> list[int]:
+    """The tokens of the test prompt whose chain holds `hashes`, through the last of them: what
+    a puller shows (kv_export.ChainClaim)."""
+    for tokens in (PROMPT, LONGER):
+        full = chain(tokens, engine)
+        if hashes and hashes[-1] in full:
+            return tokens[:(full.index(hashes[-1]) + 1) * engine.args.block_size]
+    return []
+
+
 def ask(engine: Engine, hashes: list[bytes], **fields) -> pb.PullBlocksRequest:
     mgr, args = engine.kv_manager, engine.args
+    fields.setdefault("chain_token_ids", claimed_tokens(engine, hashes))
     fields.setdefault("hash_config", pb.HashConfig(
         algo=args.hash_algo, seed_fingerprint=mgr.hash_config.fingerprint(),
         block_size=args.block_size))
@@ -222,6 +236,8 @@ def test_another_hash_config_is_failed_precondition(aengine, change):
     with pytest.raises(Aborted) as info:
         asyncio.run(drain(svc.pull_blocks(req, FakeContext())))
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    # What differs, never this pod's values (a caller learns nothing of its configuration).
+    assert info.value.details == "the puller's hash configuration differs from this pod's"
     assert refused(pod, "config_mismatch") == 1
     assert svc.active == 0 and settled(aengine) == (0, 0)
 
@@ -235,7 +251,7 @@ def test_another_kv_layout_is_failed_precondition(aengine):
         asyncio.run(drain(svc.pull_blocks(ask(eng, chain(PROMPT, eng), kv_layout=other),
                                           FakeContext())))
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "layout" in str(info.value)
+    assert info.value.details == "the puller's KV layout differs from this pod's"
     assert refused(pod, "config_mismatch") == 1
     assert settled(aengine) == (0, 0)
 
@@ -271,15 +287,15 @@ def test_stream_closed_early_releases_the_pins(aengine):
 def test_stream_stops_at_the_first_block_not_held(aengine):
     eng = aengine.engine
     _, svc = make(aengine)
-    longer = PROMPT[:CACHED * 16] + [5] * 48  # the cached run, then 3 blocks never computed
-    hashes = chain(longer, eng)
+    hashes = chain(LONGER, eng)
     assert hashes[:CACHED] == chain(PROMPT, eng) and len(hashes) == CACHED + 3
     got = entries(asyncio.run(drain(svc.pull_blocks(ask(eng, hashes), FakeContext()))))
     assert len(unpack_chain(eng.kv_layout, got, hashes, None)) == CACHED
-    # a gap: a held block after a missing one is not sent either
+    # hashes that are not one chain (a gap): nothing at all, they are no request's
     gap = [hashes[0], hashes[1], hashes[CACHED + 1], *hashes[3:CACHED]]
-    got = entries(asyncio.run(drain(svc.pull_blocks(ask(eng, gap), FakeContext()))))
-    assert len(got) == 2
+    got = entries(asyncio.run(drain(svc.pull_blocks(
+        ask(eng, gap, chain_token_ids=LONGER[:CACHED * 16]), FakeContext()))))
+    assert got == []
     # asked from the middle of the chain: entries continue the parent given
     mid = entries(asyncio.run(drain(svc.pull_blocks(
         ask(eng, hashes[2:], parent_hash=hashes[1]), FakeContext()))))
@@ -316,3 +332,40 @@ def test_a_pull_given_up_while_the_engine_is_busy_pins_nothing(aengine):
 
         asyncio.run(main())
         assert settled(aengine) == (0, 0), cancel_after_open
+
+
+def test_only_the_chain_the_callers_tokens_and_salt_give_is_served(aengine):
+    """Blocks cached for a salted request go only to a pull that shows that salt and those
+    tokens: the hashes alone (readable in the index) or another salt get an empty stream,
+    as blocks not held do."""
+    eng = aengine.engine
+    pod, svc = make(aengine)
+    tenant = [(i * 5) % 240 + 3 for i in range(100)]
+
+    async def run(salt: str) -> None:
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        async for _ in aengine.generate("salted", tenant, params, salt):
+            pass
+
+    asyncio.run(run("tenant:b"))
+    cfg, bs = eng.kv_manager.hash_config, eng.args.block_size
+    held = hash_prompt(cfg, bs, tenant, "tenant:b")[:CACHED]
+    tokens = tenant[:CACHED * bs]
+
+    def pulled(**claim) -> int:
+        req = ask(eng, held, chain_token_ids=claim.pop("tokens", tokens), **claim)
+        return len(entries(asyncio.run(drain(svc.pull_blocks(req, FakeContext())))))
+
+    assert pulled(cache_salt="tenant:b") == CACHED
+    assert pulled(cache_salt="tenant:a") == 0    # another tenant's salt
+    assert pulled() == 0                           # no salt
+    assert pulled(tokens=[]) == 0                  # the hashes alone
+    assert pulled(cache_salt="tenant:b", tokens=tokens[:-1]) == 0  # not whole blocks
+    assert pulled(cache_salt="tenant:b", lora_id="3") == 0         # another adapter
+    # from the middle of the chain: the parent must be the claim's too
+    mid = ask(eng, held[2:], parent_hash=held[1], chain_token_ids=tokens, cache_salt="tenant:b")
+    assert len(entries(asyncio.run(drain(svc.pull_blocks(mid, FakeContext()))))) == CACHED - 2
+    mid.parent_hash = held[0]
+    assert entries(asyncio.run(drain(svc.pull_blocks(mid, FakeContext())))) == []
+    assert refused(pod, "not_callers_chain") == 6
+    assert settled(aengine) == (0, 0)

@@ -297,20 +297,26 @@ class StatsResponse(_message.Message):
     def __init__(self, pod_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "hash_config", "kv_layout", "max_bytes", "request_id")
+    __slots__ = ("block_hashes", "parent_hash", "hash_config", "kv_layout", "max_bytes", "request_id", "chain_token_ids", "cache_salt", "lora_id")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     HASH_CONFIG_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     hash_config: HashConfig
     kv_layout: str
     max_bytes: int
     request_id: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., kv_layout: _Optional[str] = ..., max_bytes: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    chain_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    lora_id: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., kv_layout: _Optional[str] = ..., max_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., chain_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ...) -> None: ...
 
 class PullBlocksChunk(_message.Message):
     __slots__ = ("entries",)
