@@ -160,7 +160,7 @@ def recovery_after(calls: list[Outcome], restored: float, served: Callable[[Outc
     return max([min(good), *bad]) - restored
 
 
-def _load(bed: NetnsBed, concurrency: int, deadline_s: float, groups: int = 4,
+def start_load(bed: NetnsBed, concurrency: int, deadline_s: float, groups: int = 4,
           per_group: int = 4, seed: int = 0) -> CheckedLoad:
     work = prompts(groups, per_group, seed=seed)
     expected = cold_tokens(bed.address(bed.pod_names[0]), work, 4)
@@ -171,7 +171,7 @@ def router_pod_cut(bed: NetnsBed, victim: str, warm_s: float = 3.0, cut_s: float
                    after_s: float = 8.0, concurrency: int = 4, deadline_s: float = 10.0,
                    seed: int = 0) -> dict:
     """The router's link to `victim` cut under load (Redis still sees the pod alive)."""
-    load = _load(bed, concurrency, deadline_s, seed=seed)
+    load = start_load(bed, concurrency, deadline_s, seed=seed)
     time.sleep(warm_s)
     bed.mesh.cut("router", victim)
     cut = time.monotonic()
@@ -193,7 +193,7 @@ def pod_redis_cut(bed: NetnsBed, victim: str, warm_s: float = 3.0, cut_s: float 
                   seed: int = 1) -> dict:
     """`victim`'s link to Redis cut under load: its lease runs out, the router drops it;
     restored, it republishes and serves again."""
-    load = _load(bed, concurrency, deadline_s, seed=seed)
+    load = start_load(bed, concurrency, deadline_s, seed=seed)
     time.sleep(warm_s)
     bed.mesh.cut(victim, "redis")
     time.sleep(cut_s)
@@ -206,14 +206,14 @@ def pod_redis_cut(bed: NetnsBed, victim: str, warm_s: float = 3.0, cut_s: float 
             "leaked_blocks": leaked_blocks(bed)}
 
 
-def pod_pod_cut_during_pull(bed: NetnsBed, holder: str, puller: str, rate: str = "8mbit",
+def pod_pod_cut_during_pull(bed: NetnsBed, holder: str, puller: str, rate: str = "5mbit",
                             prompt_tokens: int = 720, pulls: int = 2, cut_s: float = 4.0, after_s: float = 20.0, concurrency: int = 2,
                             deadline_s: float = 15.0, seed: int = 2) -> dict:
-    """The holder <-> puller link (slowed to `rate`, so a pull takes seconds) cut while the
+    """The holder <-> puller link (slowed to `rate`, so a pull takes a while) cut while the
     puller pulls a prompt's blocks from the holder (the kv_source a router would send),
     with the router's load running; restored, pulls across it must succeed again."""
     rng = random.Random(seed)
-    load = _load(bed, concurrency, deadline_s, seed=seed)
+    load = start_load(bed, concurrency, deadline_s, seed=seed)
     bed.mesh.set_rate(holder, puller, rate)
     source = pb.KvSource(pod_id=holder, address=bed.address(holder),
                          num_blocks=(prompt_tokens - 1) // BLOCK)
@@ -267,7 +267,7 @@ def pod_pod_cut_during_pull(bed: NetnsBed, holder: str, puller: str, rate: str =
     calls, stuck = load.stop()
     s = summary(calls, deadline_s, stuck)
     pulls_s = summary(results, deadline_s)
-    return {**s, "pulls": len(results), "uncut_pull_s": uncut_s,
+    return {**s, "rate": rate, "pulls": len(results), "uncut_pull_s": uncut_s,
             "full_pull_tokens": results[0].peer_tokens, "pull_failed": pulls_s["failed"],
             "pull_wrong": pulls_s["wrong"], "pull_hung": pulls_s["hung"],
             "pulled_tokens_during_cut": [o.peer_tokens for o in results[1:pulls + 1]],

@@ -29,6 +29,7 @@ REDIS_PORT = 6379
 ROUTER_PORT = 50050
 POD_PORT = 50051
 METRICS_PORT = 9100
+ROUTER_HTTP_PORT = 8000  # the router's OpenAI API
 CLIENT = "client"
 
 
@@ -65,6 +66,9 @@ class NetnsBed:
 
     def redis_url(self) -> str:
         return f"redis://{self.address('redis')}/0"
+
+    def router_http(self) -> tuple[str, int]:
+        return self.mesh.address("router"), ROUTER_HTTP_PORT
 
     def metrics_url(self, host: str) -> str:
         return f"http://{self.mesh.address(host)}:{METRICS_PORT}/metrics"
@@ -117,7 +121,8 @@ class NetnsBed:
     def _start_router(self) -> None:
         self._spawn("router", pagekv_cmd(
             "router", "--model", self.model, "--host", self.mesh.address("router"), "--port",
-            str(ROUTER_PORT), "--metrics-port", str(METRICS_PORT), "--redis-url",
+            str(ROUTER_PORT), "--metrics-port", str(METRICS_PORT), "--http-port",
+            str(ROUTER_HTTP_PORT), "--redis-url",
             self.redis_url(), *self.router_args))
 
     def stop_pod(self, name: str, grace: float = 10.0) -> None:
