@@ -38,12 +38,15 @@ from pagekv.deploy.redis_server import RedisProcess, free_port
 from pagekv.proto.credentials import (
     ADMIN_TOKEN_ENV,
     API_TOKEN_ENV,
+    METRICS_TOKEN_ENV,
     PEER_API_TOKEN_ENV,
     POD_API_TOKEN_ENV,
     REDIS_URL_ENV,
     TlsFiles,
+    add_metrics_token_argument,
     add_redis_tls_arguments,
     add_token_argument,
+    metrics_token_from,
     redis_url_from,
     tls_from,
     token_from,
@@ -53,6 +56,7 @@ from pagekv.proto.redact import redact_url
 
 logger = logging.getLogger(__name__)
 PROMETHEUS_CONFIG = "prometheus.yml"  # in the run directory
+METRICS_TOKEN_FILE = "metrics.token"  # beside it: the metrics ports' token, for Prometheus
 
 
 class ClusterStartFailed(RuntimeError):
@@ -175,6 +179,9 @@ class LocalCluster:
     # The pods' peer token (KVNode.PullBlocks); with any other token and none given, a random
     # one per run: peers never pull with a client's token.
     peer_token: str | None = field(default=None, repr=False)
+    # Every child's metrics port needs it (--metrics-token); prometheus.yml reads it from
+    # metrics.token in the run directory.
+    metrics_token: str | None = field(default=None, repr=False)
     redis_tls: TlsFiles | None = None  # an external rediss:// index
     prometheus_config: Path | None = None  # written by start(), in the run directory
     # Set (by a signal handler, say) to give up a start(): it stops what it started.
@@ -210,7 +217,8 @@ class LocalCluster:
         env = {REDIS_URL_ENV: self.redis_url or "", API_TOKEN_ENV: self.api_token or "",
                ADMIN_TOKEN_ENV: "" if router else self.admin_token or "",
                POD_API_TOKEN_ENV: (self.api_token or "") if router else "",
-               PEER_API_TOKEN_ENV: "" if router else self._peer_token()}
+               PEER_API_TOKEN_ENV: "" if router else self._peer_token(),
+               METRICS_TOKEN_ENV: self.metrics_token or ""}
         return flags, env
 
     def _peer_token(self) -> str:
@@ -316,11 +324,17 @@ class LocalCluster:
         """prometheus.yml in the run directory: a scrape job for the pods' and one for the
         routers' metrics ports (their dedicated ones, free ports picked for this run)."""
         routers = [c for c in self.children if c not in self.pods]
+        token_file = None
+        if self.metrics_token:
+            token_file = self._run_dir() / METRICS_TOKEN_FILE
+            token_file.touch(mode=0o600)  # made private before the token is in it
+            token_file.chmod(0o600)
+            token_file.write_text(self.metrics_token)
         self.prometheus_config = write_scrape_config(
             self._run_dir() / PROMETHEUS_CONFIG,
             [f"{self.host}:{p.metrics_port}" for p in self.pods],
             [f"{self.host}:{r.metrics_port}" for r in routers],
-            f"the PageKV cluster in {self._run_dir()}")
+            f"the PageKV cluster in {self._run_dir()}", token_file)
         logger.info("Prometheus configuration for this cluster: %s", self.prometheus_config)
         return self.prometheus_config
 
@@ -457,6 +471,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        "the pods' admin token")
     add_token_argument(group, "--api-token", API_TOKEN_ENV,  # type: ignore[arg-type]
                        "the pods' and the router's API token (the router uses it for the pods)")
+    add_metrics_token_argument(group)  # type: ignore[arg-type]  # (a group: see above)
     add_redis_tls_arguments(p)
 
 
@@ -474,6 +489,7 @@ def cluster_from(args: argparse.Namespace) -> LocalCluster:
                         tls_client_auth=args.tls_client_auth,
                         admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
                         api_token=token_from(args.api_token, API_TOKEN_ENV),
+                        metrics_token=metrics_token_from(args),
                         redis_tls=tls_from(args, "redis"))
 
 

@@ -20,9 +20,11 @@ POD_JOB = "pagekv-pods"
 ROUTER_JOB = "pagekv-router"
 
 
-def scrape_config(pod_targets: list[str], router_targets: list[str]) -> dict:
+def scrape_config(pod_targets: list[str], router_targets: list[str],
+                  credentials_file: Path | None = None) -> dict:
     """The compose configuration with these `host:port` targets (the metrics ports, serving
-    /metrics) for its pod and router jobs."""
+    /metrics) for its pod and router jobs; `credentials_file`: the file holding the metrics
+    ports' bearer token (--metrics-token), which those jobs then send."""
     config = yaml.safe_load(COMPOSE_CONFIG.read_text())
     config["rule_files"] = [str(RULES)]
     targets = {POD_JOB: pod_targets, ROUTER_JOB: router_targets}
@@ -32,19 +34,23 @@ def scrape_config(pod_targets: list[str], router_targets: list[str]) -> dict:
         raise ValueError(f"{COMPOSE_CONFIG} has no job {', '.join(sorted(missing))}")
     for name, hosts in targets.items():
         jobs[name]["static_configs"] = [{"targets": hosts}]
+        if credentials_file is not None:
+            jobs[name]["authorization"] = {"type": "Bearer",
+                                           "credentials_file": str(credentials_file)}
     config["scrape_configs"] = [job for job in jobs.values()
                                 if job["job_name"] not in targets or targets[job["job_name"]]]
     return config
 
 
 def write_scrape_config(path: Path, pod_targets: list[str], router_targets: list[str],
-                        about: str) -> Path:
+                        about: str, credentials_file: Path | None = None) -> Path:
     """Write the configuration to `path` (atomically: a Prometheus reloading it never reads
     half a file), headed by a comment saying what it is `about`."""
     header = (f"# Prometheus for {about}, written by `pagekv up`: its metrics ports change\n"
               f"# with every run. Settings and jobs: {COMPOSE_CONFIG}.\n"
               f"# Run: prometheus --config.file={path}\n")
-    body = yaml.safe_dump(scrape_config(pod_targets, router_targets), sort_keys=False)
+    body = yaml.safe_dump(scrape_config(pod_targets, router_targets, credentials_file),
+                          sort_keys=False)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(header + body)
     tmp.replace(path)

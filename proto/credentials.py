@@ -21,6 +21,7 @@ ADMIN_TOKEN_ENV = "PAGEKV_ADMIN_TOKEN"
 API_TOKEN_ENV = "PAGEKV_API_TOKEN"
 POD_API_TOKEN_ENV = "PAGEKV_POD_API_TOKEN"
 PEER_API_TOKEN_ENV = "PAGEKV_PEER_API_TOKEN"  # a pod's token when it pulls KV from a peer
+METRICS_TOKEN_ENV = "PAGEKV_METRICS_TOKEN"  # what a metrics port's /metrics requires
 REDIS_URL_ENV = "PAGEKV_REDIS_URL"
 
 
@@ -186,3 +187,15 @@ def add_token_argument(parser: argparse.ArgumentParser, flag: str, env: str,
                        help_text: str) -> None:
     parser.add_argument(flag, default=None, metavar="TOKEN",
                         help=f"{help_text} (or ${env}, better: a flag shows in `ps`)")
+
+
+def add_metrics_token_argument(parser: argparse.ArgumentParser) -> None:
+    """--metrics-token, the same on pods, the router and the vLLM ingester."""
+    add_token_argument(parser, "--metrics-token", METRICS_TOKEN_ENV,
+                       "bearer token the metrics port's /metrics requires ('Authorization: "
+                       "Bearer TOKEN'; Prometheus: authorization.credentials_file); default: "
+                       "open to anyone who reaches the port")
+
+
+def metrics_token_from(args: argparse.Namespace) -> str | None:
+    return token_from(args.metrics_token, METRICS_TOKEN_ENV)

@@ -9,6 +9,7 @@ code, so what both servers need has to live below both.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import threading
 import time
@@ -71,10 +72,28 @@ def _metrics_only(app: WSGIApplication) -> WSGIApplication:
     return wrapped
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
+def _bearer_only(app: WSGIApplication, token: str) -> WSGIApplication:
+    """`app` for requests with 'Authorization: Bearer <token>' (what Prometheus sends with
+    authorization.credentials_file), 401 for any other, which says only what is needed."""
+    want = token.encode()
+
+    def wrapped(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        scheme, _, given = str(environ.get("HTTP_AUTHORIZATION", "")).partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), want):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("WWW-Authenticate", 'Bearer realm="metrics"')])
+        return [b"metrics need 'Authorization: Bearer <token>' (--metrics-token)\n"]
+    return wrapped
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int,
+                  token: str | None = None) -> WSGIServer:
     """Serve `registry` on http://host:port/metrics from a daemon thread; returns the server
-    (its `server_port` is the bound port, for port 0). Call `shutdown()` to stop it."""
-    server = make_server(host, port, _metrics_only(make_wsgi_app(registry)),
+    (its `server_port` is the bound port, for port 0). Call `shutdown()` to stop it.
+    `token`: every request must carry it as a bearer token (else 401)."""
+    app = _metrics_only(make_wsgi_app(registry))
+    server = make_server(host, port, _bearer_only(app, token) if token else app,
                          server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="pagekv-metrics", daemon=True).start()
     return server

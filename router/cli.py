@@ -10,10 +10,12 @@ import signal
 from pagekv.proto.credentials import (
     API_TOKEN_ENV,
     POD_API_TOKEN_ENV,
+    add_metrics_token_argument,
     add_redis_arguments,
     add_server_tls_arguments,
     add_tls_arguments,
     add_token_argument,
+    metrics_token_from,
     redis_url_from,
     tls_from,
     token_from,
@@ -38,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50050, help="gRPC port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=9100,
                         help="Prometheus /metrics port (0: not served)")
+    add_metrics_token_argument(parser)
     parser.add_argument("--http-port", type=int, default=None,
                         help="serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions, "
                              "/v1/models), routed by prefix like gRPC (default: off)")
@@ -150,6 +153,7 @@ async def _serve(args: argparse.Namespace, config: RouterConfig) -> None:
     server = RouterServer(config, host=args.host, port=args.port,
                           metrics_port=args.metrics_port,
                           metrics_host=args.host, http_port=args.http_port)
+    server.metrics.token = metrics_token_from(args)
     await server.start()
     freeze_startup_heap(logger)
     stop = asyncio.Event()

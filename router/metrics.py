@@ -20,6 +20,7 @@ _ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.token: str | None = None  # --metrics-token: the page needs it as a bearer token
         r = self.registry
         self.requests = Counter(
             "pagekv_router_requests_total", "Requests forwarded, by pod and routing reason",
@@ -106,5 +107,6 @@ class RouterMetrics:
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Expose /metrics on `port` (0 = not served)."""
         if port:
-            self.http = serve_metrics(self.registry, host, port)
-            logger.info("router metrics on http://%s:%d/metrics", host, port)
+            self.http = serve_metrics(self.registry, host, port, self.token)
+            logger.info("router metrics on http://%s:%d/metrics (%s)", host, port,
+                        "bearer token required" if self.token else "open")

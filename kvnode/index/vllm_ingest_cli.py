@@ -23,8 +23,10 @@ from prometheus_client.registry import Collector
 from pagekv.kvnode.index.publish_stats import INDEX_COUNTERS, histogram_family
 from pagekv.kvnode.index.vllm_ingest import IngestConfig, VllmIngester
 from pagekv.proto.credentials import (
+    add_metrics_token_argument,
     add_redis_arguments,
     add_tls_arguments,
+    metrics_token_from,
     redis_url_from,
     tls_from,
 )
@@ -89,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "its PYTHONHASHSEED)")
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    add_metrics_token_argument(p)
 
 
 def config_from(args: argparse.Namespace) -> IngestConfig:
@@ -200,7 +203,8 @@ def main(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         registry = CollectorRegistry()
         registry.register(IngestCollector(ingester))
-        metrics = serve_metrics(registry, args.metrics_host, args.metrics_port)
+        metrics = serve_metrics(registry, args.metrics_host, args.metrics_port,
+                                metrics_token_from(args))
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, metrics.server_port)
     if not ingester.start():
         logger.warning("Redis index unreachable; ingesting anyway, will retry")

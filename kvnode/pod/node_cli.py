@@ -17,9 +17,11 @@ from pagekv.proto.credentials import (
     ADMIN_TOKEN_ENV,
     API_TOKEN_ENV,
     PEER_API_TOKEN_ENV,
+    add_metrics_token_argument,
     add_redis_arguments,
     add_server_tls_arguments,
     add_token_argument,
+    metrics_token_from,
     redis_url_from,
     tls_from,
     token_from,
@@ -39,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    add_metrics_token_argument(p)
     p.add_argument("--http-port", type=int, default=None,
                    help="serve OpenAI's HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models) on this port (default: off)")
@@ -139,7 +142,8 @@ def main(args: argparse.Namespace) -> int:
         engine_args, pod_id, args.host, args.port, args.metrics_port,
         redis_url_from(args), args.advertise_address, args.max_queue, args.lease_ttl_s,
         tls=tls_from(args), admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
-        api_token=token_from(args.api_token, API_TOKEN_ENV), redis_tls=tls_from(args, "redis"),
+        api_token=token_from(args.api_token, API_TOKEN_ENV),
+        metrics_token=metrics_token_from(args), redis_tls=tls_from(args, "redis"),
         prompt_limits=prompt_limits_from(args), http_port=args.http_port,
         http_limits=http_limits_from(args),
         served_model_names=args.served_model_name, transfer=transfer_config_from(args),

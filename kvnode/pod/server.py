@@ -198,6 +198,7 @@ class PodServer:
         tls: TlsFiles | None = None,
         admin_token: str | None = None,
         api_token: str | None = None,
+        metrics_token: str | None = None,
         redis_tls: TlsFiles | None = None,
         prompt_limits: PromptLimits | None = None,
         http_port: int | None = None,
@@ -233,6 +234,7 @@ class PodServer:
         self.http_limits = http_limits or HttpLimits()
         self.served_model_names = served_model_names or [engine_args.model]
         self.api_token = api_token
+        self.metrics_token = metrics_token  # the metrics port's bearer token (None: open)
         self.serving = False  # the engine is up and the pod not draining: HTTP's /health
         check_tls_url(redis_url, redis_tls)
         self.tls = tls
@@ -413,9 +415,10 @@ class PodServer:
             self.registry.register(self.kv_events.collector(self.metric_labels))
         if self.metrics_port is not None:
             self.metrics_server = metrics = serve_metrics(self.registry, self.host,
-                                                          self.metrics_port)
+                                                          self.metrics_port, self.metrics_token)
             self.metrics_port = metrics.server_port
-            logger.info("metrics on http://%s:%d/metrics", self.host, self.metrics_port)
+            logger.info("metrics on http://%s:%d/metrics (%s)", self.host, self.metrics_port,
+                        "bearer token required" if self.metrics_token else "open")
         if self.publisher is not None and not await asyncio.to_thread(self.publisher.start):
             logger.warning("Redis index at %s unreachable; serving anyway, will retry",
                            redact_url(self.redis_url))
