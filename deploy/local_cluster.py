@@ -50,6 +50,7 @@ from pagekv.proto.credentials import (
     redis_url_from,
     tls_from,
     token_from,
+from pagekv.proto.tenants import add_tenants_argument, tenants_from
 )
 from pagekv.proto.grpc_security import open_channel
 from pagekv.proto.redact import redact_url
@@ -176,6 +177,7 @@ class LocalCluster:
     tls_client_auth: bool = False
     admin_token: str | None = field(default=None, repr=False)
     api_token: str | None = field(default=None, repr=False)
+    tenants: str | None = None  # --tenants FILE for every pod and the router
     # The pods' peer token (KVNode.PullBlocks); with any other token and none given, a random
     # one per run: peers never pull with a client's token.
     peer_token: str | None = field(default=None, repr=False)
@@ -207,6 +209,8 @@ class LocalCluster:
     def _security(self, router: bool) -> tuple[list[str], dict[str, str]]:
         """(flags, environment) of one child. '' unsets a token the parent's environment
         may carry: a cluster's children get exactly the cluster's secrets."""
+        if self.tenants:
+            flags += ["--tenants", self.tenants]
         flags: list[str] = []
         tls = self.server_tls()
         for prefix, files in (("tls", tls), ("redis", self.redis_tls),
@@ -457,6 +461,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_arguments(p)
     group = p.add_argument_group("security (README \"Security\")")
     group.add_argument("--tls-cert", default=None, metavar="PEM",
+    add_tenants_argument(group)
                        help="every pod's and the router's certificate (its names must cover "
                             "the addresses dialled, e.g. IP 127.0.0.1)")
     group.add_argument("--tls-key", default=None, metavar="PEM")
@@ -466,6 +471,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="mutual TLS: servers also require client certificates signed by "
                             "--tls-ca (the router and health checks present --tls-cert)")
     # add_token_argument (proto.credentials) is annotated for an ArgumentParser, but it only
+    tenants_from(args)  # a bad file: one line now, not each child's exit
     # calls add_argument, which a group has too (argparse._ActionsContainer, their base).
     add_token_argument(group, "--admin-token", ADMIN_TOKEN_ENV,  # type: ignore[arg-type]
                        "the pods' admin token")
@@ -490,7 +496,7 @@ def cluster_from(args: argparse.Namespace) -> LocalCluster:
                         admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
                         api_token=token_from(args.api_token, API_TOKEN_ENV),
                         metrics_token=metrics_token_from(args),
-                        redis_tls=tls_from(args, "redis"))
+                        redis_tls=tls_from(args, "redis"), tenants=args.tenants)
 
 
 def try_line(cluster: LocalCluster) -> str:

@@ -3,9 +3,10 @@
 `bind` serves a port over TLS (mutual when the server's TlsFiles has a CA) or plaintext;
 `open_channel` dials one the same way. `TokenGuard` is a server interceptor: admin methods
 need the admin token, health and reflection need nothing (probes and discovery), every other
-method needs the API token (the admin token works there too); a role without a configured
-token is open. A refused call gets UNAUTHENTICATED (no, malformed or unknown token) or
-PERMISSION_DENIED (the API token on an admin method), never the handler.
+method needs the API token (the admin token, and with a tenants file a tenant's token, work
+there too); a role without a configured token is open. A refused call gets UNAUTHENTICATED
+(no, malformed or unknown token) or PERMISSION_DENIED (the API token on an admin method),
+never the handler.
 
 With `proto/serving.py` the only contract modules that import grpc (see the layer test):
 the client side (`pagekv generate`, `pagekv.Client`, the router's pod channels, health
@@ -22,6 +23,7 @@ from typing import Any, Literal, overload
 import grpc
 
 from pagekv.proto.credentials import TlsFiles
+from pagekv.proto.tenants import TenantMap
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +105,11 @@ class TokenGuard(grpc.aio.ServerInterceptor):
 
     def __init__(self, api_token: str | None, admin_token: str | None,
                  admin_methods: Sequence[str] = (),
-                 on_refused: Callable[[str, str], None] | None = None) -> None:
+                 on_refused: Callable[[str, str], None] | None = None,
+                 tenants: TenantMap | None = None) -> None:
         self.api_token = api_token
         self.admin_token = admin_token
+        self.tenants = tenants  # its tokens are API tokens too (proto/tenants.py)
         self.admin_methods = frozenset(admin_methods)
         self.on_refused = on_refused
         self._warned: set[tuple[str, str]] = set()
@@ -122,11 +126,13 @@ class TokenGuard(grpc.aio.ServerInterceptor):
 
     @property
     def active(self) -> bool:
-        return bool(self.api_token or self.admin_token)
+        return bool(self.api_token or self.admin_token or self.tenants)
 
     def describe(self) -> str:
         admin = "token required" if self.admin_token else "OPEN to anyone who reaches the port"
-        api = "token required" if self.api_token else "open"
+        api = "token required" if self.api_token or self.tenants else "open"
+        if self.tenants is not None:
+            api += f" (a tenant's, {self.tenants.describe()})"
         return f"admin calls: {admin}; API calls: {api}; health and reflection: open"
 
     def check(self, method: str, metadata: Sequence[Any] | None
@@ -137,11 +143,14 @@ class TokenGuard(grpc.aio.ServerInterceptor):
         if method in self.peer_methods:
             return self._check_peer(method.rsplit("/", 1)[-1], metadata)
         admin = method in self.admin_methods
-        if not (self.admin_token if admin else self.api_token):
+        tenants = None if admin else self.tenants
+        if not (self.admin_token if admin else self.api_token) and tenants is None:
             return None  # this role has no token configured: open
         accepted = [t for t in (self.admin_token, None if admin else self.api_token) if t]
         role = "an admin" if admin else "an API"
         header = next((m.value for m in (metadata or ()) if m.key == "authorization"), None)
+        if header is None and tenants is not None and tenants.has_subjects:
+            return None  # a client certificate may name the tenant: the handler reads it
         if header is None:
             return (grpc.StatusCode.UNAUTHENTICATED,
                     f"{method.rsplit('/', 1)[-1]} needs {role} token: send the metadata "
@@ -151,7 +160,9 @@ class TokenGuard(grpc.aio.ServerInterceptor):
             return (grpc.StatusCode.UNAUTHENTICATED,
                     "the authorization metadata must read 'Bearer <token>'")
         token = token.strip()
-        if any(_same(token, t) for t in accepted):
+        if any([_same(token, t) for t in accepted]):
+            return None
+        if tenants is not None and tenants.tenant_for_token(token) is not None:
             return None
         if admin and self.api_token and _same(token, self.api_token):
             return (grpc.StatusCode.PERMISSION_DENIED,

@@ -22,6 +22,7 @@ from pagekv.proto.credentials import (
 )
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
 from pagekv.proto.heap import freeze_startup_heap
+from pagekv.proto.tenants import add_tenants_argument, tenants_from
 from pagekv.proto.openai.limits import add_http_limit_arguments, http_limits_from
 from pagekv.proto.requests import add_prompt_limit_arguments, prompt_limits_from
 from pagekv.router.config import DEFAULT_COSTS, POLICIES, RouterConfig
@@ -115,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "system's CAs); --vllm-tls-cert/--vllm-tls-key: the router's client "
                       "certificate for vLLM servers that require one (vLLM's --ssl-ca-certs "
                       "with --ssl-cert-reqs 2)")
+    add_tenants_argument(parser)
     add_token_argument(parser, "--pod-api-token", POD_API_TOKEN_ENV,
                        "the router's own bearer token for the pods' --api-token (a client's "
                        "token is never forwarded)")
@@ -142,7 +144,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,
         prompt_limits=prompt_limits_from(args), http_limits=http_limits_from(args),
         tls=tls_from(args), api_token=token_from(args.api_token, API_TOKEN_ENV),
-        pod_tls=tls_from(args, "pod-tls"),
+        pod_tls=tls_from(args, "pod-tls"), tenants=tenants_from(args),
         pod_api_token=token_from(args.pod_api_token, POD_API_TOKEN_ENV),
         redis_tls=tls_from(args, "redis"), vllm_tls=tls_from(args, "vllm-tls"),
         served_model_names=args.served_model_name,

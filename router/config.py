@@ -33,6 +33,7 @@ from pagekv.proto.index.connect import check_tls_url
 from pagekv.proto.openai.limits import HttpLimits
 from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import PromptLimits
+from pagekv.proto.tenants import TenantMap
 from pagekv.router.placement import COLD_PLACEMENTS
 from pagekv.router.scoring import CostModel
 
@@ -80,6 +81,9 @@ class RouterConfig:
     pod_api_token: str | None = field(default=None, repr=False)
     redis_tls: TlsFiles | None = None
     vllm_tls: TlsFiles | None = None
+    # --tenants: clients' salts derived from their tenant (proto/tenant_identity.py); the
+    # pods must load the same file (checked at join: proto/auth_profile.py).
+    tenants: TenantMap | None = field(default=None, repr=False)
     # --http-port's OpenAI API: the model names it answers to (default: [model])
     served_model_names: list[str] | None = None
 

@@ -85,6 +85,11 @@ class RouterMetrics:
         self.excluded_pods = Gauge(
             "pagekv_router_excluded_pods",
             "Live pods the router refuses: hash configuration mismatch (any namespace)",
+        self.join_refused = Counter(
+            "pagekv_router_join_refused_total",
+            "Pods refused at join because an auth setting differs from the fleet's, by the "
+            "setting (api_token, admin_token, tls, tenants, unreadable)", ["setting"],
+            registry=r)
             registry=r)
         self.inflight = Gauge(
             "pagekv_router_inflight_requests", "Requests being forwarded right now",

@@ -34,6 +34,13 @@ from typing import Any
 
 import grpc
 
+from pagekv.proto.auth_profile import (
+    AUTH_CONFIG_FIELD,
+    AuthProfile,
+    auth_mismatch,
+    fleet_auth_key,
+    mismatched_settings,
+)
 from pagekv.proto.credentials import TlsFiles, bearer, client_ssl_context
 from pagekv.proto.grpc_security import channel_credentials, open_channel
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodInfo, config_mismatch
@@ -160,6 +167,10 @@ class PodRegistry:
         self._dead_since: dict[tuple[str, str], float] = {}  # (pod, epoch) -> first seen
         self._task: asyncio.Task[None] | None = None
         self._reaping: asyncio.Task[None] | None = None  # one reap at a time, off the refresh
+        # What pods must publish as their auth settings (proto/auth_profile.py); None: not
+        # checked. Written to the index once read, for pods to check themselves at join.
+        self.fleet_auth: AuthProfile | None = None
+        self._fleet_auth_written = False
         # Read once: a bad file fails the router's start, not each new pod's channel.
         self._pod_credentials = channel_credentials(pod_tls) if pod_tls is not None else None
         try:  # for https:// vLLM pods only
@@ -247,6 +258,9 @@ class PodRegistry:
         read_at = time.monotonic()  # leases are counted from before the read: never late
         try:
             infos = await self.index.list_live_pods()
+            if self.fleet_auth is not None and not self._fleet_auth_written:
+                await self.index.redis.set(fleet_auth_key(self.schema), self.fleet_auth.encode())
+                self._fleet_auth_written = True
             if not infos and await self._index_wiped():
                 return False
             now = time.monotonic()
@@ -327,12 +341,31 @@ class PodRegistry:
     def _mismatch(self, info: PodInfo, mine: dict[str, str]) -> str:
         diff = config_mismatch(mine, info.hash_config)
         if not diff:
-            return ""
+            return self._auth_refusal(info)
         reason = f"hash config mismatch: {diff} (router vs pod)"
         if (info.pod_id, reason) not in self._warned:
             self._warned.add((info.pod_id, reason))
             logger.warning("pod %s at %s refused: %s; its block hashes cannot match this "
                            "router's", info.pod_id, info.address, reason)
+        return reason
+
+    def _auth_refusal(self, info: PodInfo) -> str:
+        """Why a pod whose auth settings differ from the fleet's is refused ('' if they
+        agree, or it publishes none: a vLLM pod's ingester, an older publisher)."""
+        published = info.hash_config.get(AUTH_CONFIG_FIELD)
+        if self.fleet_auth is None or published is None or info.kind == POD_KIND_VLLM:
+            return ""
+        pod = AuthProfile.decode(published)
+        diff = auth_mismatch(self.fleet_auth, pod)
+        if not diff:
+            return ""
+        reason = f"auth settings differ from the fleet's: {diff}"
+        if (info.pod_id, reason) not in self._warned:
+            self._warned.add((info.pod_id, reason))
+            for setting in mismatched_settings(self.fleet_auth, pod):
+                self.metrics.join_refused.labels(setting=setting).inc()
+            logger.warning("pod %s at %s refused at join: %s; it is never routed to",
+                           info.pod_id, info.address, reason)
         return reason
 
     async def _check_namespaces(self) -> None:

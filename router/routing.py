@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagekv.proto.auth_profile import AuthProfile
 from pagekv.proto.hashing import HashConfig, RequestBlockHasher, lora_key, max_hit_blocks
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch, bucket_of
 from pagekv.proto.index.connect import is_cluster
@@ -109,6 +110,8 @@ class Router:
         self._bucket_down_until: dict[int, float] = {}  # bucket -> monotonic time
         self._counter = 0
         self._rng = random.Random(config.random_seed)
+        self.registry.fleet_auth = AuthProfile.of_fleet(config.pod_api_token, config.pod_tls,
+                                                        config.tenants)
 
     # -- request preparation ---------------------------------------------------------------
     def prepare(self, request: pagekv_pb2.GenerateRequest) -> Prepared:

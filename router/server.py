@@ -39,6 +39,7 @@ from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import BadRequest, already_in_flight, check_request, prompt_is_large
 from pagekv.proto.serving import HealthServicer, add_servicer
+from pagekv.proto.tenant_identity import NoTenant, TenantSalting
 from pagekv.router.config import RouterConfig
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.pods import PodEntry
@@ -81,6 +82,8 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         # Client request ids in flight through this router. A pod refuses an id it is already
         # serving, but two calls with one id may be routed to different pods: refuse here too.
         self.inflight_ids: set[str] = set()
+        # No fleet token: a router's callers are clients, each of its tenant.
+        self.salting = TenantSalting(router.config.tenants)
 
     async def _claim_id(self, request: pagekv_pb2.GenerateRequest,
                         context: HandlerContext) -> str:
@@ -100,6 +103,8 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                      context: HandlerContext) -> tuple[Prepared, Decision]:
         try:
             check_request(request, self.router.config.prompt_limits)  # before any real work
+            if self.salting.active:  # the tenant's salt, hashed here and sent to the pod
+                request.cache_salt = self.salting.salt(context, request.cache_salt) or ""
             if prompt_is_large(request):  # milliseconds of tokenizing and hashing: not here
                 prepared = await asyncio.to_thread(self.router.prepare, request)
             else:
@@ -107,6 +112,9 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         except BadRequest as exc:
             self.metrics.failures.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NoTenant as exc:
+            self.metrics.failures.labels(code="PERMISSION_DENIED").inc()
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:  # hashing rejected a field (e.g. a salt it cannot encode)
             self.metrics.failures.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {exc}")
@@ -361,7 +369,8 @@ class RouterServer:
                            redact_url(cfg.redis_url), exc)
         # The router serves no admin calls: only --api-token applies here.
         guard = TokenGuard(cfg.api_token, None, on_refused=lambda method, code:
-                           self.metrics.auth_refused.labels(method=method, code=code).inc())
+                           self.metrics.auth_refused.labels(method=method, code=code).inc(),
+                           tenants=cfg.tenants)
         server = grpc.aio.server(options=[
             # gRPC's default SO_REUSEPORT would let a second router bind this port and take a
             # share of its clients: refused instead, as pods do.

@@ -27,6 +27,7 @@ from pagekv.proto.credentials import (
     token_from,
 )
 from pagekv.proto.heap import freeze_startup_heap
+from pagekv.proto.tenants import add_tenants_argument, tenants_from
 from pagekv.proto.openai.limits import add_http_limit_arguments, http_limits_from
 from pagekv.proto.requests import add_prompt_limit_arguments, prompt_limits_from
 from pagekv.proto.vllm_events import HASH_FORMS, WIRE_FORMS
@@ -60,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_tls_arguments(p)
     add_token_argument(p, "--admin-token", ADMIN_TOKEN_ENV,
                        "bearer token that KVNode.ResetPrefixCache requires (without one, "
+    add_tenants_argument(p)
                        "anyone who reaches the port may clear the cache)")
     add_token_argument(p, "--api-token", API_TOKEN_ENV,
                        "bearer token that Generate, GenerateStream and Stats require")
@@ -147,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
         prompt_limits=prompt_limits_from(args), http_port=args.http_port,
         http_limits=http_limits_from(args),
         served_model_names=args.served_model_name, transfer=transfer_config_from(args),
-        kv_events=kv_events_config_from(args),
+        kv_events=kv_events_config_from(args), tenants=tenants_from(args),
     )
 
     async def run() -> None:

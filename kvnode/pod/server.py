@@ -35,11 +35,20 @@ from pagekv.kvnode.pod.kv_pull_client import PeerFetcher
 from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
 from pagekv.kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
 from pagekv.kvnode.pod.prom import EngineCollector, RequestMetricsExporter
+from pagekv.proto.auth_profile import (
+    AUTH_CONFIG_FIELD,
+    AuthProfile,
+    auth_mismatch,
+    fleet_auth_key,
+)
+from pagekv.proto.command_line import CliError
 from pagekv.proto.credentials import (
     TlsFiles,
 )
 from pagekv.proto.grpc_security import TokenGuard, bind, transport
-from pagekv.proto.index import IndexSchema, check_tls_url
+from pagekv.proto.index import REDIS_ERRORS, IndexSchema, check_tls_url
+from pagekv.proto.index.connect import connect
+from pagekv.proto.index.schema import text
 from pagekv.proto.openai import Backend, HttpServer
 from pagekv.proto.openai.limits import HttpLimits
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
@@ -54,6 +63,8 @@ from pagekv.proto.requests import (
     prompt_is_large,
 )
 from pagekv.proto.serving import HealthServicer, add_servicer, serve_metrics
+from pagekv.proto.tenant_identity import NoTenant, TenantSalting
+from pagekv.proto.tenants import TenantMap
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +75,10 @@ ADMIN_METHODS = (f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/ResetPr
 PEER_METHODS = (f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/PullBlocks",)
 
 
+class JoinRefused(CliError):
+    """The fleet's auth settings differ from this pod's: it does not join (one line)."""
+
+
 class PodStarting(RuntimeError):
     """The pod listens while its model loads: there is no engine to ask yet."""
 
@@ -72,7 +87,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
     def __init__(self, pod: PodServer) -> None:
         self.pod = pod
 
-    async def _parse(self, request: pb.GenerateRequest):
+    async def _parse(self, request: pb.GenerateRequest, context):
         eng = self.pod.built_engine()  # (_stream answered "starting" before the engine)
         limits = self.pod.prompt_limits
         check_request(request, limits)  # before any work that grows with the request
@@ -83,7 +98,8 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         tokens = list(prompt.token_ids)
         params = to_sampling_params(request.sampling, eng.max_model_len - len(tokens))
         rid = request.request_id or uuid.uuid4().hex
-        return rid, tokens, params, prompt.cache_salt, prompt.lora_id, self._kv_source(request)
+        salt = self.pod.salting.salt(context, prompt.cache_salt)  # NoTenant
+        return rid, tokens, params, salt, prompt.lora_id, self._kv_source(request)
 
     def _kv_source(self, request: pb.GenerateRequest) -> KvSource | None:
         """The request's peer hint, unless it names this pod or nothing to pull."""
@@ -100,7 +116,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         await self._started(context)
         rid = request.request_id
         try:
-            rid, tokens, params, salt, lora, source = await self._parse(request)
+            rid, tokens, params, salt, lora, source = await self._parse(request, context)
             # aclosing: a cancelled call aborts its request now, not when collected.
             async with contextlib.aclosing(
                 pod.aengine.generate(engine_request_id(rid), tokens, params, salt, lora, source)
@@ -114,6 +130,8 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except NoTenant as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except Exception:
             logger.exception("request %s failed", rid)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {rid})")
@@ -205,6 +223,7 @@ class PodServer:
         http_limits: HttpLimits | None = None,
         served_model_names: list[str] | None = None,
         transfer: TransferConfig | None = None,
+        tenants: TenantMap | None = None,
         kv_events: ZmqEventsConfig | None = None,
     ) -> None:
         self.args = engine_args
@@ -245,7 +264,11 @@ class PodServer:
         self.guard = TokenGuard(
             api_token, admin_token, ADMIN_METHODS,
             lambda method, code: refused.labels(**self.metric_labels, method=method,
-                                                code=code).inc())
+                                                code=code).inc(), tenants=tenants)
+        # The fleet's credentials (the router's --pod-api-token is this --api-token) carry a
+        # salt already derived from the router's client's tenant (proto/tenant_identity.py).
+        self.salting = TenantSalting(tenants, (api_token, admin_token))
+        self.auth_profile = AuthProfile.of_pod(api_token, admin_token, tls, tenants)
         self.kv_events_config = kv_events
         self.kv_events: VllmEventPublisher | None = None
         self.transfer_config = transfer or TransferConfig()
@@ -391,11 +414,13 @@ class PodServer:
         self.aengine = aengine  # from here on stop() shuts it down, started or not
         self._enable_pull(engine)
         if self.redis_url:
+            await asyncio.to_thread(self._check_fleet_auth, self.schema)
             self.schema = IndexSchema(self.args.model, self.args.block_size,
                                       self.args.hash_algo, self.args.hash_seed)
             self.publisher = IndexPublisher(
                 self.redis_url, self.schema, self.pod_id, self.address,
-                self.schema.hash_config(), self.load,
+                {**self.schema.hash_config(), AUTH_CONFIG_FIELD: self.auth_profile.encode()},
+                self.load,
                 lambda: aengine.call(engine.full_state), self.tier_costs,
                 lease_ttl_s=self.lease_ttl_s, redis_tls=self.redis_tls,
             )
@@ -420,6 +445,27 @@ class PodServer:
             logger.info("metrics on http://%s:%d/metrics (%s)", self.host, self.metrics_port,
                         "bearer token required" if self.metrics_token else "open")
         if self.publisher is not None and not await asyncio.to_thread(self.publisher.start):
+    def _check_fleet_auth(self, schema: IndexSchema) -> None:
+        """JoinRefused when the routers' fleet auth (written to the index) differs from this
+        pod's: it would be open where the fleet is not, or derive other salts. Redis
+        unreachable: not checked here; every router still checks the published settings."""
+        assert self.redis_url is not None
+        try:
+            client = connect(self.redis_url, 2.0, self.redis_tls)
+            try:
+                written = client.get(fleet_auth_key(schema))
+            finally:
+                client.close()
+        except REDIS_ERRORS:
+            return
+        if written is None:
+            return  # no router has started on this namespace yet: routers check at join
+        fleet = AuthProfile.decode(text(written))
+        diff = None if fleet is None else auth_mismatch(fleet, self.auth_profile)
+        if diff:
+            raise JoinRefused(f"pod {self.pod_id} refused at join: its auth settings differ "
+                              f"from the fleet's: {diff}")
+
             logger.warning("Redis index at %s unreachable; serving anyway, will retry",
                            redact_url(self.redis_url))
 
