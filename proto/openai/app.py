@@ -86,8 +86,10 @@ class OpenAIFrontend:
     def _error(self, route: str, exc: ApiError) -> JSONResponse:
         if exc.status >= 500 and exc.status != 504:  # a deadline is the client's business
             logger.warning("%s -> %d: %s", route, exc.status, exc.message)
-        # A body refused part-way leaves the rest unread: the connection cannot carry on.
-        closing = {"connection": "close"} if exc.status in (408, 413) else None
+        # A stalled body will not finish: the connection cannot carry another request. (A
+        # 413's rest is still read, and dropped, so that a client sending it all first, as
+        # http.client does, gets to read its answer.)
+        closing = {"connection": "close"} if exc.status == 408 else None
         return self._json(route, exc.status, exc.body(), closing)
 
     def _check_auth(self, request: Request) -> None:

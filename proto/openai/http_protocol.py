@@ -47,7 +47,6 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.awaiting_headers = True  # between requests too: the next bytes are headers
         self.header_bytes = 0
-        self.header_count = 0
         self.header_timer: asyncio.TimerHandle | None = None
         self.refusal: tuple[int, str, str] | None = None
 
@@ -62,23 +61,33 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
-        rest = memoryview(data)
-        while rest and not self.transport.is_closing():
+        rest: bytes | memoryview = data
+        piece: bytes | memoryview
+        while rest:
             if self.awaiting_headers:
-                self._arm_header_timer()
-                room = max(0, self.limits.max_header_bytes - self.header_bytes)
-                piece, rest = rest[:room], rest[room:]
+                room = self.limits.max_header_bytes - self.header_bytes
+                if len(rest) > room:  # only the allowed part reaches the parser
+                    view = memoryview(rest)
+                    piece, rest = view[:room], view[room:]
+                else:
+                    piece, rest = rest, b""
                 self.header_bytes += len(piece)
             else:
-                piece, rest = rest, rest[:0]
+                piece, rest = rest, b""
             if piece and not self._feed(piece):
                 return
             if self.awaiting_headers and rest:  # the headers go on past the limit
                 self._refuse(431, f"the request's headers are larger than the limit of "
                              f"{self.limits.max_header_bytes} bytes", "headers_too_large")
                 return
+            if self.transport.is_closing():
+                return
+        # Headers begun but not complete: timed from here (a whole request in one read, the
+        # usual case, arms no timer).
+        if self.awaiting_headers and self.header_bytes:
+            self._arm_header_timer()
 
-    def _feed(self, piece: memoryview) -> bool:
+    def _feed(self, piece: bytes | memoryview) -> bool:
         """The parser fed (uvicorn's own handling); False once the connection is done."""
         try:
             self.parser.feed_data(piece)
@@ -98,19 +107,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         return True
 
     # -- parser callbacks ----------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        self.header_count = 0
-        super().on_message_begin()
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_count += 1
-        if self.header_count > self.limits.max_headers:
+    def on_headers_complete(self) -> None:
+        # Counted once whole (their bytes are bounded already): no cost per header.
+        if len(self.headers) > self.limits.max_headers:
             self.refusal = (431, f"the request has more than {self.limits.max_headers} "
                             f"header fields", "too_many_headers")
-            raise _Refused()
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
+            raise _Refused()  # before uvicorn starts the request
         self.awaiting_headers = False
         self._disarm_header_timer()
         super().on_headers_complete()
