@@ -115,7 +115,8 @@ def test_a_64_mb_header_is_refused_before_it_is_read(server: Child) -> None:
     assert _health_ok(server)
 
 
-def test_too_many_headers_is_431(server: Child) -> None:
+def test_too_many_headers_is_431_and_counted(server: Child) -> None:
+    before = _counts(server, _metric(server)).get(("other", "431"), 0)
     sock = _connect(server)
     fields = b"".join(b"X-F%d: v\r\n" % k for k in range(150))
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
@@ -123,6 +124,7 @@ def test_too_many_headers_is_431(server: Child) -> None:
     sock.close()
     assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
     assert error_of(reply.split(b"\r\n\r\n", 1)[1])["code"] == "too_many_headers"
+    assert _counts(server, _metric(server)).get(("other", "431"), 0) == before + 1
 
 
 def test_slowloris_connections_are_cut_and_others_served_meanwhile(server: Child) -> None:
@@ -193,6 +195,24 @@ def test_a_client_gone_mid_body_is_one_499_and_no_traceback(server: Child, path:
     assert now.get((path, "500"), 0) == before.get((path, "500"), 0)
     log = server.log_path.read_text(errors="replace")
     assert "Traceback" not in log and "ClientDisconnect" not in log
+
+
+def test_a_client_gone_mid_stream_is_one_499_and_no_traceback(server: Child) -> None:
+    metric = _metric(server)
+    before = _counts(server, metric).get(("/v1/completions", "499"), 0)
+    body = json.dumps({"model": "pagekv-tiny", "prompt": "a story " * 10, "max_tokens": 3000,
+                       "ignore_eos": True, "stream": True}).encode()
+    sock = _connect(server)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/"
+                 b"json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    seen = b""
+    while b"data:" not in seen:
+        seen += sock.recv(65536)
+    assert seen.startswith(b"HTTP/1.1 200"), seen[:200]
+    sock.close()  # mid-stream
+    wait_until(lambda: _counts(server, metric).get(("/v1/completions", "499"), 0)
+               == before + 1, "one 499", timeout=10)
+    assert "Traceback" not in server.log_path.read_text(errors="replace")
 
 
 def _free_blocks(pod: Child) -> tuple[int, int]:
