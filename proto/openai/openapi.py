@@ -225,13 +225,15 @@ def _reply(schema: Schema | str, description: str, *, stream: bool = False,
 
 def _errors(*statuses: int) -> dict[str, Schema]:
     words = {400: "A field refused (`param` names it)", 401: "Missing or wrong API key",
-             404: "Unknown model", 409: "request_id in flight", 413: "Body too large",
-             429: "Queue full", 503: "Starting, stopping, or no pod", 504: "Deadline"}
+             404: "Unknown model", 408: "The body stalled (--http-body-timeout-s)",
+             409: "request_id in flight", 413: "Body too large", 429: "Queue full",
+             503: "Starting, stopping, or no pod",
+             504: "Past the deadline (--http-request-timeout-s, x-pagekv-timeout-s)"}
     return {str(s): _reply("Error", words[s]) for s in statuses}
 
 
 _SECURED: list[dict[str, list[str]]] = [{"bearer": []}, {}]  # only when the server has an API token
-_GENERATION_ERRORS = _errors(400, 401, 404, 409, 413, 429, 503, 504)
+_GENERATION_ERRORS = _errors(400, 401, 404, 408, 409, 413, 429, 503, 504)
 
 OPERATIONS: dict[tuple[str, str], Schema] = {
     ("post", "/v1/completions"): {
@@ -254,12 +256,12 @@ OPERATIONS: dict[tuple[str, str], Schema] = {
         "summary": "vLLM's: a prompt or a conversation as the server's token ids",
         "security": _SECURED, "requestBody": _json_body("TokenizeRequest"),
         "responses": {"200": _reply("TokenizeResponse", "The ids"),
-                      **_errors(400, 401, 404, 413, 503)}},
+                      **_errors(400, 401, 404, 408, 413, 503)}},
     ("post", "/detokenize"): {
         "summary": "vLLM's: token ids as text (special tokens included)",
         "security": _SECURED, "requestBody": _json_body("DetokenizeRequest"),
         "responses": {"200": _reply("DetokenizeResponse", "The text"),
-                      **_errors(400, 401, 404, 413, 503)}},
+                      **_errors(400, 401, 404, 408, 413, 503)}},
     ("get", "/tokenizer_info"): {
         "summary": "vLLM's: the tokenizer's configuration (lm-evaluation-harness reads it)",
         "security": _SECURED,
