@@ -99,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-attempts", type=int, default=d.max_attempts,
                        help="pods tried per request when earlier ones are UNAVAILABLE")
     group.add_argument("--redis-timeout-s", type=float, default=d.redis_timeout_s)
+    group.add_argument("--redis-max-connections", type=int, default=d.redis_max_connections,
+                       help="connections to Redis (per node of a cluster); index calls past "
+                            "it wait for one instead of failing")
+    group.add_argument("--redis-pool-wait-s", type=float, default=d.redis_pool_wait_s,
+                       help="how long an index call waits for a free connection before it "
+                            "counts as a Redis failure (default: 4 x --redis-timeout-s)")
     group.add_argument("--random-seed", type=int, default=None,
                        help="seed of --policy random")
     add_prompt_limit_arguments(parser)
@@ -141,7 +147,9 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         shared_bursts=args.shared_bursts,
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
         reap_dead_after_s=args.reap_dead_after_s,
-        redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,
+        redis_timeout_s=args.redis_timeout_s,
+        redis_max_connections=args.redis_max_connections,
+        redis_pool_wait_s=args.redis_pool_wait_s, random_seed=args.random_seed,
         prompt_limits=prompt_limits_from(args), http_limits=http_limits_from(args),
         tls=tls_from(args), api_token=token_from(args.api_token, API_TOKEN_ENV),
         pod_tls=tls_from(args, "pod-tls"), tenants=tenants_from(args),

@@ -29,7 +29,10 @@ from dataclasses import dataclass, field, fields
 
 from pagekv.proto.credentials import TlsFiles
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HASH_ALGOS
-from pagekv.proto.index.connect import check_tls_url
+from pagekv.proto.index.connect import (
+    DEFAULT_MAX_CONNECTIONS,
+    check_tls_url,
+)
 from pagekv.proto.openai.limits import HttpLimits
 from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import PromptLimits
@@ -39,6 +42,8 @@ from pagekv.router.scoring import CostModel
 
 POLICIES = ("prefix", "round_robin", "random")
 
+# A call queued behind a full Redis pool waits for this many commands' timeouts at most.
+POOL_WAIT_COMMANDS = 4
 DEFAULT_COSTS = CostModel(
     prefill_per_token=6e-4,
     cpu_per_token=6e-6,
@@ -66,6 +71,10 @@ class RouterConfig:
     namespace_check_interval_s: float = 2.0
     reap_dead_after_s: float = 60.0   # drop a lease-less pod's index entries after this; 0: never
     redis_timeout_s: float = 0.25     # per Redis command; a slow index must not stall routing
+    # Connections to Redis (per node of a cluster): calls past it queue for one, up to
+    # redis_pool_wait_s (None: POOL_WAIT_COMMANDS x redis_timeout_s, see pool_wait_s())
+    redis_max_connections: int = DEFAULT_MAX_CONNECTIONS
+    redis_pool_wait_s: float | None = None
     max_attempts: int = 3             # pods tried per request when earlier ones are UNAVAILABLE
     unavailable_cooldown_s: float = 2.0  # a pod that was UNAVAILABLE is tried last this long
     random_seed: int | None = None    # for --policy random (reproducible benchmarks)
@@ -92,6 +101,13 @@ class RouterConfig:
         values["redis_url"] = redact_url(self.redis_url)
         return f"RouterConfig({', '.join(f'{k}={v!r}' for k, v in values.items())})"
 
+    def pool_wait_s(self) -> float:
+        """How long an index call waits for a connection: as set, else long enough for the
+        pool to turn over POOL_WAIT_COMMANDS times, each command bounded by its timeout."""
+        if self.redis_pool_wait_s is not None:
+            return self.redis_pool_wait_s
+        return POOL_WAIT_COMMANDS * self.redis_timeout_s
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
@@ -113,3 +129,6 @@ class RouterConfig:
         if self.burst_ttl_s < 0 or self.refresh_interval_s <= 0 or self.redis_timeout_s <= 0:
             raise ValueError("burst_ttl_s must be >= 0; refresh_interval_s and "
                              "redis_timeout_s must be positive")
+        if self.redis_max_connections < 1 or self.pool_wait_s() <= 0:
+            raise ValueError(f"redis_max_connections must be >= 1 and redis_pool_wait_s > 0, "
+                             f"got {self.redis_max_connections} and {self.pool_wait_s()}")

@@ -79,6 +79,11 @@ class RouterMetrics:
             "Requests routed without prefix knowledge, by cause", ["cause"], registry=r)
         self.index_up = Gauge(
             "pagekv_router_index_up", "1 while the Redis index answers, else 0", registry=r)
+        self.index_bad_records = Counter(
+            "pagekv_router_index_bad_records_total",
+            "Records read from the index that did not parse and were skipped (the rest of "
+            "the index still used), by reason (proto/index/bad_records.py)", ["reason"],
+            registry=r)
         self.live_pods = Gauge(
             "pagekv_router_live_pods", "Live pods in this namespace that the router may use",
             registry=r)
@@ -102,6 +107,9 @@ class RouterMetrics:
             "pagekv_router_http_requests",
             "OpenAI API (HTTP) responses by route and status", ["route", "status"],
             registry=r)
+
+    def count_bad_record(self, reason: str, n: int) -> None:
+        self.index_bad_records.labels(reason=reason).inc(n)
 
     def observe_cached(self, predicted: int, actual: int, prompt_tokens: int) -> None:
         self.predicted_tokens.observe(predicted)

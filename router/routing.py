@@ -15,6 +15,7 @@ from typing import Any
 from pagekv.proto.auth_profile import AuthProfile
 from pagekv.proto.hashing import HashConfig, RequestBlockHasher, lora_key, max_hit_blocks
 from pagekv.proto.index import REDIS_ERRORS, IndexClient, IndexSchema, PodMatch, bucket_of
+from pagekv.proto.index.bad_records import BadRecords
 from pagekv.proto.index.connect import is_cluster
 from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2
@@ -98,7 +99,10 @@ class Router:
         self.schema = IndexSchema(config.model, config.block_size, config.hash_algo,
                                   config.hash_seed, prefix=config.index_prefix)
         self.hash_config = HashConfig(config.hash_algo, config.hash_seed)
-        self.index = IndexClient(redis_client, self.schema)  # redis_client: redis.asyncio
+        # redis_client: redis.asyncio, its pool `redis_max_connections` (connect_async)
+        self.index = IndexClient(
+            redis_client, self.schema, BadRecords(metrics.count_bad_record),
+            config.redis_max_connections, config.pool_wait_s())
         self.registry = PodRegistry(self.index, metrics,
                                     config.refresh_interval_s, config.namespace_check_interval_s,
                                     config.reap_dead_after_s, pod_tls=config.pod_tls,

@@ -360,7 +360,8 @@ class RouterServer:
         cfg = self.config
         tokenizer = load_tokenizer(cfg.model)
         # The registry's refresh loop is the retry: the connection itself never retries.
-        redis = connect_async(cfg.redis_url, cfg.redis_timeout_s, cfg.redis_tls)
+        redis = connect_async(cfg.redis_url, cfg.redis_timeout_s, cfg.redis_tls,
+                              cfg.redis_max_connections, cfg.pool_wait_s())
         self.router = router = Router(cfg, redis, tokenizer, self.metrics)
         try:
             await router.index.register_scripts()

@@ -6,6 +6,9 @@ reasoning behind it. One module per concern:
 - `schema`: the namespace, every key name, buckets, claim values, pod epochs
 - `scripts`: the Lua scripts and the EVALSHA runner
 - `queries`: the reads (prefix lookup, live / dead pods, namespaces) and their replies
+- `pod_record`: a pod's registration (`PodInfo`), every field checked as it is read
+- `bad_records`: records that do not parse, skipped and counted per reason
+- `index_slots`: at most as many calls at once as the router's pool has connections
 - `handshake`: whether two hash configurations agree
 - `placement`: each block's bucket, learned from the KV events' parent links
 - `mirror`: a pod's claims as tier bitmasks, and the net change of a batch of KV events
@@ -24,8 +27,8 @@ from pagekv.proto.index.connect import (
     is_cluster_url,
 )
 from pagekv.proto.index.handshake import config_mismatch
+from pagekv.proto.index.pod_record import PodInfo
 from pagekv.proto.index.queries import (
-    PodInfo,
     PodMatch,
     count_pod_claims,
     list_live_pods,

@@ -3,29 +3,59 @@
 
 One object per namespace the router routes for. The queries themselves (keys, scripts,
 reply parsing) live in `proto.index.queries`, shared with the pods' synchronous side.
+
+Every call holds one of `max_in_flight` slots (`IndexSlots`) while it runs, as many as the
+client's connection pool holds: a burst of requests queues for a connection, however many
+arrive at once, instead of failing with MaxConnectionsError (as redis-py's pool does past
+its size). Records that do not parse are skipped and counted in `bad_records`, never an
+error (proto/index/bad_records.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+from redis.exceptions import ResponseError
 
 from pagekv.proto.index import queries, scripts
-from pagekv.proto.index.queries import LivePods, PodInfo, PodMatch
+from pagekv.proto.index.bad_records import BAD_ENCODING, WRONG_TYPE, BadRecords
+from pagekv.proto.index.connect import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_WAIT_S
+from pagekv.proto.index.index_slots import IndexSlots
+from pagekv.proto.index.pod_record import PodInfo
+from pagekv.proto.index.queries import Call, LivePods, PodMatch
 from pagekv.proto.index.schema import IndexSchema, text
+
+T = TypeVar("T")
+
+
+def _is_wrong_type(exc: ResponseError) -> bool:
+    return str(exc).startswith("WRONGTYPE")
 
 
 class IndexClient:
-    """`redis` is an asyncio client (see `proto.index.connect.connect_async`)."""
+    """`redis` is an asyncio client (see `proto.index.connect.connect_async`).
+    `max_in_flight`: calls at once, the client's pool size (connect_async's
+    `max_connections`); a call waits at most `wait_s` for one of them."""
 
-    def __init__(self, redis_client: Any, schema: IndexSchema) -> None:
+    def __init__(self, redis_client: Any, schema: IndexSchema,
+                 bad_records: BadRecords | None = None,
+                 max_in_flight: int = DEFAULT_MAX_CONNECTIONS,
+                 wait_s: float = DEFAULT_POOL_WAIT_S) -> None:
         self.redis = redis_client
         self.schema = schema
+        self.bad_records = bad_records if bad_records is not None else BadRecords()
+        self.slots = IndexSlots(max_in_flight, wait_s)
+
+    async def _run(self, call: Call[T]) -> T:
+        async with self.slots.held():
+            return await call.run_async(self.redis)
 
     async def register_scripts(self) -> None:
         """SCRIPT LOAD up front so that even the first lookup is one round trip."""
         for script in scripts.PRELOADED:
-            await self.redis.script_load(script.source)
+            async with self.slots.held():
+                await self.redis.script_load(script.source)
 
     async def lookup_prefix(self, block_hashes: Sequence[bytes],
                             live: Mapping[str, str] | LivePods,
@@ -33,62 +63,83 @@ class IndexClient:
         """The pods of `live` (pod id -> its live epoch, from the registry, best packed once:
         `LivePods`) that hold a consecutive prefix of `block_hashes` (or, with
         `predictions`, are predicted to by a router's recent dispatch), with that prefix;
-        absent: none. One EVALSHA, one shard."""
+        absent: none. One EVALSHA, one shard. A request cancelled while it waits for a
+        connection (its deadline passed: gRPC cancels it) stops waiting there."""
         if not block_hashes or not live:
             return {}
-        return await queries.lookup(self.schema, block_hashes, live,
-                                    predictions).run_async(self.redis)
+        return await self._run(queries.lookup(self.schema, block_hashes, live, predictions,
+                                              self.bad_records))
 
     async def predict(self, pod_id: str, block_hashes: Sequence[bytes], start: int,
                       ttl_ms: int, max_pods: int) -> int:
         """Predict `pod_id` holding blocks `start`... of the chain for `ttl_ms`, for the
         other routers' lookups: one EVALSHA on the chain's shard."""
-        return await queries.predict(self.schema, pod_id, block_hashes, start, ttl_ms,
-                                     max_pods).run_async(self.redis)
+        return await self._run(queries.predict(self.schema, pod_id, block_hashes, start,
+                                               ttl_ms, max_pods))
 
     async def list_live_pods(self, schema: IndexSchema | None = None) -> list[PodInfo]:
         """The live pods of this namespace (or of `schema`'s, to name foreign pods)."""
-        return await queries.live_pods(schema or self.schema).run_async(self.redis)
+        return await self._run(queries.live_pods(schema or self.schema, self.bad_records))
 
     async def has_config(self) -> bool:
         """Whether this namespace's config key exists: a pod has registered here since
         Redis last started empty."""
-        return bool(await self.redis.exists(self.schema.config_key))
+        async with self.slots.held():
+            return bool(await self.redis.exists(self.schema.config_key))
 
     async def other_namespaces(self) -> dict[str, dict[str, str]]:
         """Every other namespace pods registered in, with its hash config (to name pods
-        that can never match this router's hashes)."""
-        ids = sorted(text(n) for n in await self.redis.smembers(self.schema.namespaces_key))
-        others = [ns for ns in ids if ns != self.schema.namespace]
+        that can never match this router's hashes). Keys of another type, or not UTF-8,
+        are skipped (counted)."""
+        async with self.slots.held():
+            try:
+                members = await self.redis.smembers(self.schema.namespaces_key)
+            except ResponseError as exc:
+                if not _is_wrong_type(exc):
+                    raise
+                self.bad_records.note(WRONG_TYPE, f"{self.schema.namespaces_key}: {exc}")
+                return {}
+        ids: list[str] = []
+        for member in members:
+            try:
+                ids.append(text(member))
+            except UnicodeDecodeError:
+                self.bad_records.note(BAD_ENCODING, f"a namespace id not UTF-8: {member!r}")
+        others = sorted(ns for ns in ids if ns != self.schema.namespace)
         if not others:
             return {}
         pipe = self.redis.pipeline(transaction=False)
         for key in queries.namespace_config_keys(self.schema.prefix, others):
             pipe.hgetall(key)
-        return queries.parse_namespaces(others, await pipe.execute())
+        async with self.slots.held():
+            replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:  # a real failure (not a key's type) is the index's, as before
+            if isinstance(reply, ResponseError) and not _is_wrong_type(reply):
+                raise reply
+        return queries.parse_namespaces(others, replies, self.bad_records)
 
     async def dead_pods(self) -> dict[str, str]:
         """Pod ids registered here without a lease -> their registered epoch ("" if none)."""
-        return await queries.dead_pods(self.schema).run_async(self.redis)
+        return await self._run(queries.dead_pods(self.schema, self.bad_records))
 
     async def reap_pod(self, pod_id: str, epoch: str, batch: int = 1000) -> int | None:
         """Remove a dead pod's claims and registration: bucket by bucket, `batch` claims
         per script call so Redis is never blocked for long. Returns the claims removed, or
         None when the pod id came back (a lease, or another epoch) before it was gone."""
-        s, r = self.schema, self.redis
-        buckets = await queries.reap_start(s, pod_id, epoch).run_async(r)
+        s = self.schema
+        buckets = await self._run(queries.reap_start(s, pod_id, epoch))
         if buckets is None:
             return None
         removed = 0
         for bucket in buckets:
             while True:
-                step = await queries.reap_bucket(s, pod_id, epoch, bucket, batch).run_async(r)
+                step = await self._run(queries.reap_bucket(s, pod_id, epoch, bucket, batch))
                 if step is None:
                     return None
                 removed += step[0]
                 if step[1]:
                     break
-        if not await queries.reap_finish(s, pod_id, epoch).run_async(r):
+        if not await self._run(queries.reap_finish(s, pod_id, epoch)):
             return None
         return removed
 

@@ -14,6 +14,13 @@ backoff (the publisher reconnects with capped exponential backoff and republishe
 router's registry refresh is its retry), and a hidden retry inside one command would only
 stall that loop past its timeout. Redirections are not retries: the cluster client follows
 them within the one call.
+
+The router's asyncio client has a bounded pool (`max_connections`, per node on a cluster):
+redis-py's own pool raises MaxConnectionsError past its size (100), which a burst of
+requests reached. One node's pool is a BlockingConnectionPool, so a command past the size
+waits up to `pool_wait_s` for a connection; in front of either kind, `IndexClient` lets at
+most that many calls run at once (proto/index/index_slots.py), and a cluster client's nodes
+(redis-py has no blocking pool for them) never see more.
 """
 
 from __future__ import annotations
@@ -38,6 +45,11 @@ REDIS_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+# The router's connections to Redis (per node of a cluster), and how long a call waits for
+# one. Lookups take well under a millisecond: 64 serve tens of thousands a second.
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_POOL_WAIT_S = 1.0
 TLS_SCHEMES = ("rediss", "rediss+cluster")
 
 
@@ -124,16 +136,27 @@ def connect(url: str, timeout_s: float, tls: TlsFiles | None = None
     return redis.cluster.RedisCluster(startup_nodes=nodes, **options)
 
 
-def connect_async(url: str, timeout_s: float, tls: TlsFiles | None = None
+def connect_async(url: str, timeout_s: float, tls: TlsFiles | None = None,
+                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                  pool_wait_s: float = DEFAULT_POOL_WAIT_S
                   ) -> aioredis.Redis | aiocluster.RedisCluster:
-    """An asyncio client (the router; wrap it in an `IndexClient`)."""
+    """An asyncio client (the router; wrap it in an `IndexClient` with the same
+    `max_connections` as its `max_in_flight`)."""
+    if max_connections < 1 or pool_wait_s <= 0:
+        raise ValueError(f"max_connections must be >= 1 and pool_wait_s > 0, got "
+                         f"{max_connections} and {pool_wait_s}")
     if not is_cluster_url(url):
-        return aioredis.Redis.from_url(url, **connection_options(timeout_s, url, tls))
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_wait_s,
+            **connection_options(timeout_s, url, tls))
+        return aioredis.Redis(connection_pool=pool)
     seeds, options = _cluster_options(url, timeout_s, tls)
     if options.pop("connection_class", None) is SSLConnection:
         options["ssl"] = True  # the asyncio cluster client's own spelling of rediss://
-    nodes = [aiocluster.ClusterNode(host, port) for host, port in seeds]
-    return aiocluster.RedisCluster(startup_nodes=nodes, **options)
+    nodes = [aiocluster.ClusterNode(host, port, max_connections=max_connections)
+             for host, port in seeds]
+    return aiocluster.RedisCluster(startup_nodes=nodes, max_connections=max_connections,
+                                   **options)
 
 
 def is_cluster(client: Any) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pagekv.proto.index.queries import PodInfo
+from pagekv.proto.index.pod_record import PodInfo
 from pagekv.proto.index.schema import HASH_CONFIG_FIELDS, IndexSchema, text
 
 

@@ -14,9 +14,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from redis.exceptions import ResponseError
+
 from pagekv.proto.index import scripts
+from pagekv.proto.index.bad_records import (
+    BAD_CLAIM,
+    BAD_ENCODING,
+    BAD_PREDICTION,
+    BAD_REPLY,
+    UNCOUNTED,
+    WRONG_TYPE,
+    BadRecords,
+)
+from pagekv.proto.index.pod_record import PodInfo as PodInfo  # re-exported: its old home
+from pagekv.proto.index.pod_record import parse_pod_record
 from pagekv.proto.index.schema import (
-    POD_KIND_PAGEKV,
     IndexSchema,
     bucket_of,
     namespace_config_key,
@@ -28,6 +40,8 @@ from pagekv.proto.medium import MEDIUMS, Medium
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_TIER_OF_CODE: dict[str, Medium] = {m.code: m for m in MEDIUMS}
 
 
 @dataclass(slots=True)
@@ -45,34 +59,6 @@ class PodMatch:
         for tier in self.tiers:
             counts[tier] += 1
         return counts
-
-
-@dataclass(slots=True)
-class PodInfo:
-    """A live pod as registered: where to reach it, its load, its hash configuration."""
-
-    pod_id: str
-    address: str
-    epoch: str
-    hash_config: dict[str, str]
-    load: dict[str, float]
-    tier_costs: dict[str, float]  # tier -> seconds per token to reload from that tier
-    updated_at: float  # unix time of the last lease renewal
-    lease_ms: int  # time left on the lease
-    kind: str = POD_KIND_PAGEKV  # how it is reached (schema.POD_KINDS)
-    http_address: str = ""  # host:port of its OpenAI HTTP API, when registered
-
-    @property
-    def waiting(self) -> int:
-        return int(self.load.get("waiting", 0))
-
-    @property
-    def running(self) -> int:
-        return int(self.load.get("running", 0))
-
-    @property
-    def free_blocks(self) -> int:
-        return int(self.load.get("free_blocks", 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,16 +103,39 @@ class LivePods(Mapping[str, str]):
 
 # -- replies ---------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4096)
-def _tiers(codes: str) -> tuple[str, ...]:
-    """A claim code string's tiers: a prefix's codes repeat across lookups and pods."""
-    return tuple(Medium.from_code(c) for c in codes)
+def _tiers(codes: str) -> tuple[Medium, ...]:
+    """A claim code string's tiers, up to the first letter no pod writes (a forged claim:
+    the prefix ends there). A prefix's codes repeat across lookups and pods."""
+    out: list[Medium] = []
+    for code in codes:
+        tier = _TIER_OF_CODE.get(code)
+        if tier is None:
+            break
+        out.append(tier)
+    return tuple(out)
 
 
-def _parse_lookup(reply: Sequence[Any]) -> dict[str, PodMatch]:
+def _parse_lookup(bad: BadRecords, reply: Sequence[Any]) -> dict[str, PodMatch]:
+    """The lookup's reply: its three garbage counts first (see scripts.LOOKUP_LUA), then a
+    triple per pod. A claim with an unknown tier letter ends that pod's prefix there."""
+    if len(reply) < 3 or (len(reply) - 3) % 3:
+        bad.note(BAD_REPLY, f"lookup reply of {len(reply)} items")
+        return {}
+    bad.note(WRONG_TYPE, "a claim or prediction key of another Redis type", int(reply[0]))
+    bad.note(BAD_PREDICTION, "a prediction whose expiry is not a number", int(reply[1]))
+    bad.note(BAD_CLAIM, "a claim value without '<tiers>:<epoch>'", int(reply[2]))
     out: dict[str, PodMatch] = {}
-    for i in range(0, len(reply), 3):
-        codes = text(reply[i + 1])
-        out[text(reply[i])] = PodMatch(len(codes), list(_tiers(codes)), int(reply[i + 2]))
+    for i in range(3, len(reply), 3):
+        try:
+            pod, codes = text(reply[i]), text(reply[i + 1])
+        except UnicodeDecodeError:
+            bad.note(BAD_ENCODING, f"a claim of pod {reply[i]!r} that is not UTF-8")
+            continue
+        tiers = _tiers(codes)
+        if len(tiers) < len(codes):
+            bad.note(BAD_CLAIM, f"pod {pod}: claim tier {codes[len(tiers)]!r} at block "
+                                f"{len(tiers)} (known: {', '.join(m.code for m in MEDIUMS)})")
+        out[pod] = PodMatch(len(tiers), list(tiers), int(reply[i + 2]))
     return out
 
 
@@ -134,54 +143,27 @@ def _parse_int(reply: Any) -> int:
     return int(reply)
 
 
-def _float(value: Any, default: float = 0.0) -> float:
-    try:
-        return float(text(value))
-    except ValueError:
-        return default
-
-
-def _parse_pods(reply: Sequence[Any]) -> list[PodInfo]:
-    pods: list[PodInfo] = []
-    for pod, epoch, pttl, flat in reply:
-        fields = {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
-        pod_id, lease_epoch = text(pod), text(epoch)
-        if fields.get("epoch") != lease_epoch:
-            # Registration and lease are written in one MULTI; a mismatch means another
-            # instance of this pod id is taking over right now. Trust neither yet.
-            logger.debug("pod %s: lease epoch %s != registered %s", pod_id, lease_epoch,
-                         fields.get("epoch"))
-            continue
-        cfg: dict[str, str] = {}
-        load: dict[str, float] = {}
-        costs: dict[str, float] = {}
-        for name, value in fields.items():
-            if name.startswith("cfg."):
-                cfg[name[4:]] = value
-            elif name.startswith("load."):
-                load[name[5:]] = _float(value)
-            elif name.startswith("cost."):
-                costs[name[5:]] = _float(value)
-        pods.append(
-            PodInfo(
-                pod_id=pod_id,
-                address=fields.get("address", ""),
-                epoch=lease_epoch,
-                hash_config=cfg,
-                load=load,
-                tier_costs=costs,
-                updated_at=_float(fields.get("updated", "0")),
-                lease_ms=int(pttl),
-                kind=fields.get("kind", POD_KIND_PAGEKV),
-                http_address=fields.get("http_address", ""),
-            )
-        )
+def _parse_pods(bad: BadRecords, reply: Sequence[Any]) -> list[PodInfo]:
+    """The live pods' script reply: its wrong-type count first, then one record per pod;
+    a record that does not parse is skipped (parse_pod_record says why)."""
+    if not reply:
+        bad.note(BAD_REPLY, "an empty live pods reply")
+        return []
+    bad.note(WRONG_TYPE, "a pods SET, lease or pod HASH of another Redis type", int(reply[0]))
+    pods = [info for record in reply[1:]
+            if (info := parse_pod_record(record, bad)) is not None]
     pods.sort(key=lambda p: p.pod_id)
     return pods
 
 
-def _parse_pairs(flat: Sequence[Any]) -> dict[str, str]:
-    return {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
+def _parse_pairs(bad: BadRecords, flat: Sequence[Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for i in range(0, len(flat) - 1, 2):
+        try:
+            out[text(flat[i])] = text(flat[i + 1])
+        except UnicodeDecodeError:
+            bad.note(BAD_ENCODING, f"a pod id or epoch that is not UTF-8: {flat[i]!r}")
+    return out
 
 
 def _parse_reap_start(reply: Any) -> list[int] | None:
@@ -204,7 +186,8 @@ def _parse_refused(reply: Any) -> bool:
 # -- the calls -------------------------------------------------------------------------------
 def lookup(schema: IndexSchema, block_hashes: Sequence[bytes],
            live: Mapping[str, str] | LivePods,
-           predictions: bool = False) -> Call[dict[str, PodMatch]]:
+           predictions: bool = False, bad: BadRecords = UNCOUNTED
+           ) -> Call[dict[str, PodMatch]]:
     """For the pods of `live` (pod id -> the epoch its claims must carry) that hold a prefix
     of `block_hashes`, how many leading blocks, and where; with `predictions`, also the
     routers' burst predictions (PodMatch.predicted), and the pods only predicted. Pods absent
@@ -216,7 +199,7 @@ def lookup(schema: IndexSchema, block_hashes: Sequence[bytes],
     args = (schema.bucket_base(bucket), b"".join(block_hashes).hex(), live.arg,
             "1" if predictions else "")
     return Call(scripts.LOOKUP, (schema.block_key(block_hashes[0], bucket),), args,
-                _parse_lookup)
+                functools.partial(_parse_lookup, bad))
 
 
 def predict(schema: IndexSchema, pod_id: str, block_hashes: Sequence[bytes], start: int,
@@ -228,15 +211,18 @@ def predict(schema: IndexSchema, pod_id: str, block_hashes: Sequence[bytes], sta
                 (pod_id, ttl_ms, max_pods), _parse_int)
 
 
-def live_pods(schema: IndexSchema) -> Call[list[PodInfo]]:
-    """Every pod of this namespace whose lease is present and whose epoch matches it."""
-    return Call(scripts.LIVE_PODS, (schema.pods_key,), (schema.base,), _parse_pods)
+def live_pods(schema: IndexSchema, bad: BadRecords = UNCOUNTED) -> Call[list[PodInfo]]:
+    """Every pod of this namespace whose lease is present and whose epoch matches it (and
+    whose registration parses: `bad` counts the others)."""
+    return Call(scripts.LIVE_PODS, (schema.pods_key,), (schema.base,),
+                functools.partial(_parse_pods, bad))
 
 
-def dead_pods(schema: IndexSchema) -> Call[dict[str, str]]:
+def dead_pods(schema: IndexSchema, bad: BadRecords = UNCOUNTED) -> Call[dict[str, str]]:
     """Pod ids registered in this namespace without a lease, with their registered epoch
     ("" when even the registration is gone)."""
-    return Call(scripts.DEAD_PODS, (schema.pods_key,), (schema.base,), _parse_pairs)
+    return Call(scripts.DEAD_PODS, (schema.pods_key,), (schema.base,),
+                functools.partial(_parse_pairs, bad))
 
 
 def reap_start(schema: IndexSchema, pod_id: str, epoch: str) -> Call[list[int] | None]:
@@ -263,10 +249,21 @@ def namespace_config_keys(prefix: str, ids: Sequence[str]) -> list[str]:
     return [namespace_config_key(prefix, ns) for ns in ids]
 
 
-def parse_namespaces(ids: Sequence[str], configs: Sequence[Any]) -> dict[str, dict[str, str]]:
-    """Namespace id -> its readable hash config, from HGETALL replies in `ids` order."""
-    return {ns: {text(k): text(v) for k, v in flat.items()}
-            for ns, flat in zip(ids, configs, strict=True)}
+def parse_namespaces(ids: Sequence[str], configs: Sequence[Any],
+                     bad: BadRecords = UNCOUNTED) -> dict[str, dict[str, str]]:
+    """Namespace id -> its readable hash config, from HGETALL replies in `ids` order (a
+    pipeline's, errors returned in place: a config key of another type, or one not UTF-8,
+    is left out)."""
+    out: dict[str, dict[str, str]] = {}
+    for ns, flat in zip(ids, configs, strict=True):
+        if isinstance(flat, ResponseError):
+            bad.note(WRONG_TYPE, f"namespace {ns}'s config key: {flat}")
+            continue
+        try:
+            out[ns] = {text(k): text(v) for k, v in flat.items()}
+        except UnicodeDecodeError:
+            bad.note(BAD_ENCODING, f"namespace {ns}'s config key is not UTF-8")
+    return out
 
 
 # -- on a synchronous client (pods, tests, tools) -------------------------------------------
@@ -307,4 +304,4 @@ def list_namespaces(redis_client: Any, prefix: str = "pagekv") -> dict[str, dict
     pipe = redis_client.pipeline(transaction=False)
     for key in namespace_config_keys(prefix, ids):
         pipe.hgetall(key)
-    return parse_namespaces(ids, pipe.execute()) if ids else {}
+    return parse_namespaces(ids, pipe.execute(raise_on_error=False)) if ids else {}

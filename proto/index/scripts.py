@@ -21,8 +21,11 @@ from redis.exceptions import NoScriptError
 # caller believes live, packed as "\0pod\1epoch\0pod\1epoch\0" (the router's registry: the
 # leases live in the control slot, which this script cannot read on a cluster); ARGV[4]:
 # "1" to read the routers' burst predictions too.
-# Reply: flat [pod, tier codes, predicted depth, ...] for the live pods that hold or are
-# predicted to hold a prefix (absent: neither); the code string's length is the pod's depth.
+# Reply: flat [wrong-type keys, bad prediction entries, bad claim values, then pod, tier
+# codes, predicted depth, ...] for the live pods that hold or are predicted to hold a prefix
+# (absent: neither); the code string's length is the pod's depth. Garbage anyone may have
+# written (a key of another type, a non-numeric expiry, a claim without its ':') is skipped
+# and counted in the first three, never an error: one bad key must not fail the lookup.
 # Block 0 is read whole: its claimants are the only candidates, so the work grows with the
 # pods that hold the chain, not with the pods passed. A claim counts only under the epoch
 # passed for its pod. Only pods still matching are asked about the next block, and the walk
@@ -37,11 +40,15 @@ local base, hexes, live, want = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local w = #KEYS[1] - #base - 2
 local n = #hexes / w
 local codes, suffix, holders = {}, {}, {}
-local flat = redis.call('HGETALL', KEYS[1])
+local bad_type, bad_pred, bad_claim = 0, 0, 0
+local flat = redis.pcall('HGETALL', KEYS[1])
+if flat.err then bad_type, flat = 1, {} end
 for j = 1, #flat, 2 do
   local pod, v = flat[j], flat[j + 1]
   local k = string.find(v, ':', 1, true)
-  if k and k > 1 then
+  if not k or k == 1 then
+    bad_claim = bad_claim + 1
+  else
     local epoch = string.sub(v, k + 1)
     if string.find(live, '\\0' .. pod .. '\\1' .. epoch .. '\\0', 1, true) then
       codes[pod] = {string.sub(v, 1, 1)}
@@ -54,7 +61,8 @@ local active = holders
 for i = 2, n do
   if #active == 0 then break end
   local key = base .. 'b:' .. string.sub(hexes, (i - 1) * w + 1, i * w)
-  local vals = redis.call('HMGET', key, unpack(active))
+  local vals = redis.pcall('HMGET', key, unpack(active))
+  if vals.err then bad_type = bad_type + 1; break end
   local still = {}
   for j = 1, #active do
     local v = vals[j]
@@ -85,11 +93,15 @@ if want == '1' then
     if ncur == 0 and i > maxc + 1 then break end
     if ncur > 0 or i == 1 or ends[i - 1] then
       local key = base .. 'r:' .. string.sub(hexes, (i - 1) * w + 1, i * w)
-      local entries = redis.call('HGETALL', key)
+      local entries = redis.pcall('HGETALL', key)
+      if entries.err then bad_type, entries = bad_type + 1, {} end
       local nxt, m = {}, 0
       for j = 1, #entries, 2 do
         local pod = entries[j]
-        if tonumber(entries[j + 1]) > now then
+        local expiry = tonumber(entries[j + 1])
+        if not expiry then
+          bad_pred = bad_pred + 1
+        elseif expiry > now then
           local c = codes[pod]
           local d = c and #c or 0
           if cur[pod] or (d == i - 1 and
@@ -104,7 +116,7 @@ if want == '1' then
     end
   end
 end
-local out = {}
+local out = {bad_type, bad_pred, bad_claim}
 for _, pod in ipairs(holders) do
   out[#out + 1] = pod
   out[#out + 1] = table.concat(codes[pod])
@@ -123,20 +135,26 @@ return out
 # TTL ms, the most pods one key keeps. Each key maps the pod to now + TTL (Redis's clock,
 # shared by every router) and expires TTL after its last write. A key over the cap drops its
 # expired entries, then its oldest: the cost of a write stays bounded however many pods one
-# hot block is sent to. Reply: the number of keys written.
+# hot block is sent to. A key of another type is left alone (not written), an entry whose
+# expiry is not a number is dropped. Reply: the number of keys written.
 PREDICT_LUA = """
 local pod, ttl, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local expiry = string.format('%d', now + ttl)
+local written = 0
 for i = 1, #KEYS do
   local key = KEYS[i]
-  if redis.call('HSET', key, pod, expiry) == 1 and redis.call('HLEN', key) > cap then
+  local added = redis.pcall('HSET', key, pod, expiry)
+  if type(added) == 'number' then
+    written = written + 1
+  end
+  if added == 1 and redis.call('HLEN', key) > cap then
     local flat = redis.call('HGETALL', key)
     local keep = {}
     for j = 1, #flat, 2 do
       local e = tonumber(flat[j + 1])
-      if e <= now then
+      if not e or e <= now then
         redis.call('HDEL', key, flat[j])
       else
         keep[#keep + 1] = {flat[j], e}
@@ -147,9 +165,9 @@ for i = 1, #KEYS do
       for j = 1, #keep - cap do redis.call('HDEL', key, keep[j][1]) end
     end
   end
-  redis.call('PEXPIRE', key, ttl)
+  if type(added) == 'number' then redis.call('PEXPIRE', key, ttl) end
 end
-return #KEYS
+return written
 """
 
 # A pod's claim writes in one bucket or several (several only on a single node: on a
@@ -187,15 +205,21 @@ return n
 # same `{ns}` tag, from ARGV[1], the namespace base.
 
 # KEYS[1]: pods SET. ARGV[1]: the namespace base.
-# Reply: [[pod, lease epoch, lease pttl, [pod hash flat]], ...].
+# Reply: [wrong-type keys skipped, [pod, lease epoch, lease pttl, [pod hash flat]], ...]: a
+# pods SET, lease or pod HASH of another type (anyone's garbage) skips that pod, not all.
 LIVE_PODS_LUA = """
 local base = ARGV[1]
-local out = {}
-for _, pod in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+local out = {0}
+local members = redis.pcall('SMEMBERS', KEYS[1])
+if members.err then return {1} end
+for _, pod in ipairs(members) do
   local lease = base .. 'l:' .. pod
-  local epoch = redis.call('GET', lease)
-  if epoch then
-    out[#out + 1] = {pod, epoch, redis.call('PTTL', lease), redis.call('HGETALL', base .. 'p:' .. pod)}
+  local epoch = redis.pcall('GET', lease)
+  local fields = epoch and not epoch.err and redis.pcall('HGETALL', base .. 'p:' .. pod)
+  if epoch and (epoch.err or fields.err) then
+    out[1] = out[1] + 1
+  elseif epoch then
+    out[#out + 1] = {pod, epoch, redis.call('PTTL', lease), fields}
   end
 end
 return out
@@ -203,13 +227,19 @@ return out
 
 # KEYS[1]: pods SET. ARGV[1]: the namespace base. Reply: flat [pod, registered epoch or ""]
 # for every pod id in the pods set whose lease is gone: crashed or cut off, or mid-restart.
+# A pods SET or pod HASH of another type is skipped (not reaped: it is not ours to read).
 DEAD_PODS_LUA = """
 local base = ARGV[1]
 local out = {}
-for _, pod in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+local members = redis.pcall('SMEMBERS', KEYS[1])
+if members.err then return out end
+for _, pod in ipairs(members) do
   if redis.call('EXISTS', base .. 'l:' .. pod) == 0 then
-    out[#out + 1] = pod
-    out[#out + 1] = redis.call('HGET', base .. 'p:' .. pod, 'epoch') or ''
+    local epoch = redis.pcall('HGET', base .. 'p:' .. pod, 'epoch')
+    if type(epoch) ~= 'table' or not epoch.err then
+      out[#out + 1] = pod
+      out[#out + 1] = epoch or ''
+    end
   end
 end
 return out
