@@ -39,8 +39,10 @@ from pagekv.proto.requests import PromptLimits
 from pagekv.proto.tenants import TenantMap
 from pagekv.router.placement import COLD_PLACEMENTS
 from pagekv.router.scoring import CostModel
+from pagekv.router.stall import StallBound
 
 POLICIES = ("prefix", "round_robin", "random")
+POD_KEEPALIVE_MIN_S = 2.0  # pods permit a ping a second (kvnode/pod/server.py): a margin
 
 # A call queued behind a full Redis pool waits for this many commands' timeouts at most.
 POOL_WAIT_COMMANDS = 4
@@ -77,6 +79,16 @@ class RouterConfig:
     redis_pool_wait_s: float | None = None
     max_attempts: int = 3             # pods tried per request when earlier ones are UNAVAILABLE
     unavailable_cooldown_s: float = 2.0  # a pod that was UNAVAILABLE is tried last this long
+    # A pod call with no progress (router/stall.py): no first chunk, or no next one, within
+    # min(cap, floor + factor x the pod's estimated TTFT) is abandoned; floor 0: no bound.
+    pod_stall_floor_s: float = 5.0
+    pod_stall_factor: float = 4.0
+    pod_stall_cap_s: float = 60.0
+    pod_stall_cooldown_s: float = 2.0  # a stalled pod is tried last this long, x2 per stall
+    # HTTP/2 pings on the pod channels: a peer that acks none in the timeout is dead (0: off).
+    # Not below POD_KEEPALIVE_MIN_S: faster pings than pods accept would end in GOAWAY.
+    pod_keepalive_s: float = 5.0
+    pod_keepalive_timeout_s: float = 3.0
     random_seed: int | None = None    # for --policy random (reproducible benchmarks)
     # --max-prompt-bytes / --max-prompt-tokens: the pods' own, so refusals read the same
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
@@ -108,6 +120,10 @@ class RouterConfig:
             return self.redis_pool_wait_s
         return POOL_WAIT_COMMANDS * self.redis_timeout_s
 
+    def stall_bound(self) -> StallBound:
+        return StallBound(self.pod_stall_floor_s, self.pod_stall_factor, self.pod_stall_cap_s,
+                          self.pod_stall_cooldown_s)
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
@@ -121,6 +137,16 @@ class RouterConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.pod_stall_floor_s < 0 or self.pod_stall_factor < 0 or \
+                self.pod_stall_cap_s < 0 or self.pod_stall_cooldown_s < 0:
+            raise ValueError("pod_stall_floor_s, pod_stall_factor, pod_stall_cap_s and "
+                             "pod_stall_cooldown_s must be >= 0")
+        if self.pod_keepalive_s and self.pod_keepalive_s < POD_KEEPALIVE_MIN_S:
+            raise ValueError(f"pod_keepalive_s must be 0 (off) or >= {POD_KEEPALIVE_MIN_S:g} "
+                             f"(pods refuse faster pings), got {self.pod_keepalive_s:g}")
+        if self.pod_keepalive_timeout_s <= 0:
+            raise ValueError(f"pod_keepalive_timeout_s must be positive, got "
+                             f"{self.pod_keepalive_timeout_s:g}")
         if self.reap_dead_after_s < 0:
             raise ValueError(f"reap_dead_after_s must be >= 0, got {self.reap_dead_after_s}")
         if self.tls is not None:

@@ -33,6 +33,14 @@ class RouterMetrics:
             "pagekv_router_retries_total",
             "Calls moved to the next-best pod after the first one was UNAVAILABLE",
             ["pod"], registry=r)
+        self.stalls = Counter(
+            "pagekv_router_pod_stalls_total",
+            "Pod calls abandoned for making no progress within their bound, by pod and phase "
+            "(first_chunk: moved to the next-best pod; mid_stream: ended UNAVAILABLE)",
+            ["pod", "phase"], registry=r)
+        self.cooling_pods = Gauge(
+            "pagekv_router_cooling_pods",
+            "Pods tried last for now because a call there stalled", registry=r)
         self.pull_hints = Counter(
             "pagekv_router_pull_hints_total",
             "Calls forwarded with a kv_source hint: the pod pulls its prefix from a peer",

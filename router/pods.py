@@ -49,6 +49,7 @@ from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.openai_forward import VllmStub
+from pagekv.router.stall import StallBound
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,27 @@ _RECENT_HALF_LIFE_S = 10.0  # memory of "how much have we sent there lately"
 _WIPED_GRACE_S = 30.0  # keep the last known pods this long while the index is empty
 _CHANNEL_IDLE_CLOSE_S = 30.0  # close a departed pod's channel once unused this long
 _MIN_REFRESH_S = 0.05  # however short a lease: not a busy loop
+_STEP_EWMA = 0.3  # weight of the newest call in a pod's measured step time
 _CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),  # the router decides retries itself (next-best pod)
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
+
+
+def keepalive_options(interval_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """HTTP/2 pings on a pod channel, calls or none: a pod that acks none within
+    `timeout_s` (stopped, its host gone, the path cut) has its connection closed, and the
+    calls on it fail UNAVAILABLE (retried on the next-best pod before the first token)
+    instead of waiting out their deadlines. `interval_s` 0: no pings."""
+    if interval_s <= 0:
+        return []
+    return [("grpc.keepalive_time_ms", int(interval_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+            # gRPC core times out the ping's ack by this one (grpc/grpc#39239): set both.
+            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]  # an idle channel keeps pinging too
 
 
 class BearerStub:
@@ -90,6 +107,9 @@ class PodEntry:
     excluded_reason: str = ""  # non-empty: never routed to (hash configuration mismatch)
     inflight: int = 0
     unavailable_until: float = 0.0  # monotonic time; tried last until then
+    stalled_until: float = 0.0  # monotonic time; cooling after a stall (router/stall.py)
+    stalls_in_a_row: int = 0  # stalls since its last call that made progress
+    step_s: float = 0.0  # seconds per generation step as measured here (0: not yet)
     finished: list[float] = field(default_factory=list)  # unix times our calls ended
     lease_until: float = 0.0  # monotonic time its lease, as last read, runs out
     _recent: float = 0.0  # requests routed here, decayed with _RECENT_HALF_LIFE_S
@@ -115,6 +135,20 @@ class PodEntry:
     def finished_since_load(self) -> int:
         """Our calls that ended after the pod last published its load."""
         return len(self.finished) - bisect.bisect_right(self.finished, self.info.updated_at)
+
+    def note_steps(self, seconds: float, steps: int) -> None:
+        """A call here took `seconds` for `steps` generated tokens (per completion): the
+        step time the unary stall bound counts with, prefill included (an overestimate)."""
+        if steps <= 0:
+            return
+        measured = seconds / (steps + 1)
+        self.step_s = measured if not self.step_s else \
+            (1 - _STEP_EWMA) * self.step_s + _STEP_EWMA * measured
+
+    def made_progress(self) -> None:
+        """A call here got its first chunk (or response) in time: the next stall starts
+        the cooldowns from the shortest again."""
+        self.stalls_in_a_row = 0
 
     @property
     def pod_id(self) -> str:
@@ -146,7 +180,9 @@ class PodRegistry:
     def __init__(self, index: IndexClient, metrics: RouterMetrics,
                  refresh_interval_s: float = 0.5, namespace_check_interval_s: float = 2.0,
                  reap_dead_after_s: float = 60.0, *, pod_tls: TlsFiles | None = None,
-                 pod_token: str | None = None, vllm_tls: TlsFiles | None = None) -> None:
+                 pod_token: str | None = None, vllm_tls: TlsFiles | None = None,
+                 keepalive: tuple[float, float] = (0.0, 0.0)) -> None:
+        """`keepalive`: (interval, timeout) seconds of the pod channels' pings (0: none)."""
         self.index = index
         self.schema = index.schema
         self.metrics = metrics
@@ -178,6 +214,7 @@ class PodRegistry:
         except ValueError as exc:
             raise ValueError(f"TLS to vLLM pods: {exc}") from None
         self._pod_token = pod_token
+        self._channel_options = _CHANNEL_OPTIONS + keepalive_options(*keepalive)
         logger.info("pod channels: %s%s", "TLS, " + pod_tls.describe() if pod_tls else
                     "plaintext", "; with the router's pod token" if pod_token else "")
         if vllm_tls is not None:
@@ -435,7 +472,7 @@ class PodRegistry:
             http = VllmStub(address, self._pod_token, ssl_context=self._vllm_ssl)
             ch = self._channels[key] = _Channel(http, http, now)
         elif ch is None:
-            channel = open_channel(address, options=_CHANNEL_OPTIONS, aio=True,
+            channel = open_channel(address, options=self._channel_options, aio=True,
                                    credentials=self._pod_credentials)
             stub = pagekv_pb2_grpc.GenerationStub(channel)
             ch = _Channel(channel, BearerStub(stub, self._pod_token) if self._pod_token
@@ -458,4 +495,22 @@ class PodRegistry:
     def mark_unavailable(self, pod_id: str, cooldown_s: float) -> None:
         entry = self.pods.get(pod_id)
         if entry is not None:
-            entry.unavailable_until = time.monotonic() + cooldown_s
+            entry.unavailable_until = max(entry.unavailable_until, time.monotonic() + cooldown_s)
+
+    def mark_stalled(self, pod_id: str, bound: StallBound) -> tuple[float, int]:
+        """A call there made no progress within its bound: tried last (and lent nothing)
+        for a cooldown doubled per stall in a row. Returns (cooldown seconds, stalls)."""
+        entry = self.pods.get(pod_id)
+        if entry is None:
+            return 0.0, 0
+        entry.stalls_in_a_row += 1
+        cooldown = bound.cooldown_after(entry.stalls_in_a_row)
+        until = time.monotonic() + cooldown
+        entry.stalled_until = until
+        entry.unavailable_until = max(entry.unavailable_until, until)
+        return cooldown, entry.stalls_in_a_row
+
+    def cooling(self) -> int:
+        """Pods cooling after a stall right now (the cooling gauge)."""
+        now = time.monotonic()
+        return sum(1 for p in self.pods.values() if p.stalled_until > now)

@@ -106,7 +106,10 @@ class Router:
         self.registry = PodRegistry(self.index, metrics,
                                     config.refresh_interval_s, config.namespace_check_interval_s,
                                     config.reap_dead_after_s, pod_tls=config.pod_tls,
-                                    pod_token=config.pod_api_token, vllm_tls=config.vllm_tls)
+                                    pod_token=config.pod_api_token, vllm_tls=config.vllm_tls,
+                                    keepalive=(config.pod_keepalive_s,
+                                               config.pod_keepalive_timeout_s))
+        metrics.cooling_pods.set_function(self.registry.cooling)
         self.burst = BurstTracker(config.burst_ttl_s)
         self.shared = SharedBursts(self.index, config.burst_ttl_s, metrics) \
             if config.shared_bursts and config.burst_ttl_s > 0 else None

@@ -178,6 +178,31 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         self.router.registry.mark_unavailable(score.pod_id,
                                               self.router.config.unavailable_cooldown_s)
 
+    def _on_stall(self, score: Score, bound_s: float, chunks: int, retrying: bool) -> None:
+        """A call on `score`'s pod made no progress in `bound_s` (after `chunks` chunks):
+        counted, logged, and the pod cools (tried last) for a while."""
+        registry = self.router.registry
+        cooldown, stalls = registry.mark_stalled(score.pod_id, self.router.config.stall_bound())
+        phase = "mid_stream" if chunks else "first_chunk"
+        self.metrics.stalls.labels(pod=score.pod_id, phase=phase).inc()
+        what = f"no chunk for {bound_s:.1f} s after {chunks}" if chunks else \
+            f"no first chunk in {bound_s:.1f} s"
+        logger.warning("pod %s at %s made no progress (%s; stall bound for an estimated TTFT "
+                       "of %.3f s): call cancelled, pod cooling %.1f s (stall %d in a row)%s",
+                       score.pod_id, score.address, what, score.cost_s, cooldown, stalls,
+                       "; trying the next-best pod" if retrying else "")
+
+    async def _fail_stalled(self, context: HandlerContext, score: Score, bound_s: float,
+                            chunks: int) -> None:
+        self.metrics.failures.labels(code="UNAVAILABLE").inc()
+        if chunks:
+            msg = (f"pod {score.pod_id} stopped mid-stream: no chunk for {bound_s:.1f} s after "
+                   f"{chunks} chunks (stall bound); the tokens sent stand, the rest is lost")
+        else:
+            msg = (f"pod {score.pod_id} made no progress: no answer in {bound_s:.1f} s (stall "
+                   f"bound), and no other pod is left to try")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, msg)
+
     async def _fail(self, context: HandlerContext, exc: grpc.aio.AioRpcError) -> None:
         code = exc.code()
         self.metrics.failures.labels(code=code.name).inc()
@@ -210,16 +235,35 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         attempts = decision.order[:self.router.config.max_attempts]
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
         failed: set[str] = set()  # pods UNAVAILABLE for this request: no pull source either
+        stall = self.router.config.stall_bound()
         for i, score in enumerate(attempts):
             entry, reason = self._dispatch(score, i, decision, prepared)
             if entry is None:
                 continue  # dropped from the registry since the decision
             hinted = self._aim(prepared, score, failed)
             t_call = time.perf_counter()
+            bound_s = stall.unary_s(score.cost_s, _max_tokens(prepared.forward), entry.step_s)
             with _Attempt(entry, self.metrics):
                 call = entry.stub.Generate(prepared.forward, timeout=context.time_remaining())
+                watch = asyncio.timeout(bound_s)  # bound_s None: the client's deadline only
                 try:
-                    response = await call
+                    async with watch:
+                        response = await call
+                    entry.made_progress()
+                    entry.note_steps(time.perf_counter() - t_call,
+                                     _steps(response.usage, prepared.forward))
+                except TimeoutError:
+                    if not watch.expired():
+                        raise
+                    call.cancel()
+                    retrying = i + 1 < len(attempts)
+                    assert bound_s is not None
+                    self._on_stall(score, bound_s, 0, retrying)
+                    if retrying:
+                        failed.add(score.pod_id)
+                        in_pods += time.perf_counter() - t_call
+                        continue
+                    await self._fail_stalled(context, score, bound_s, 0)
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAVAILABLE and i + 1 < len(attempts):
                         self._on_unavailable(score, exc)
@@ -263,6 +307,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         attempts = decision.order[:self.router.config.max_attempts]
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
         failed: set[str] = set()  # pods UNAVAILABLE for this request: no pull source either
+        stall = self.router.config.stall_bound()
         for i, score in enumerate(attempts):
             entry, reason = self._dispatch(score, i, decision, prepared)
             if entry is None:
@@ -270,13 +315,25 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             hinted = self._aim(prepared, score, failed)
             t_call = time.perf_counter()
             overhead = t_call - t0 - in_pods
-            sent = False
+            sent = 0  # chunks passed on to the client
+            bound_s = stall.chunk_s(score.cost_s)  # None: the client's deadline only
+            watch = asyncio.timeout(None)
             with _Attempt(entry, self.metrics):
                 call = entry.stub.GenerateStream(prepared.forward,
                                                  timeout=context.time_remaining())
+                chunks = aiter(call)
                 try:
-                    async for chunk in call:
+                    while True:
+                        # Each wait on the pod bounded on its own: the client's reads
+                        # (the yield below) are not the pod's stall.
+                        watch = asyncio.timeout(bound_s)
+                        try:
+                            async with watch:
+                                chunk = await anext(chunks)
+                        except StopAsyncIteration:
+                            break
                         if not sent:  # this pod answers: no failover from here on
+                            entry.made_progress()
                             await context.send_initial_metadata(
                                 _decision_metadata(decision, score, reason))
                         if chunk.served_by or chunk.HasField("usage"):
@@ -287,10 +344,24 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                             if not chunk.served_by:
                                 chunk.served_by = score.pod_id
                             overhead += time.perf_counter() - t_last
+                            entry.note_steps(t_last - t_call, _steps(chunk.usage,
+                                                                     prepared.forward))
                             self._finish(context, prepared, decision, score, chunk.usage,
                                          overhead, hinted)
-                        sent = True
+                        sent += 1
                         yield chunk
+                except TimeoutError:
+                    if not watch.expired():
+                        raise
+                    call.cancel()
+                    retrying = not sent and i + 1 < len(attempts)
+                    assert bound_s is not None
+                    self._on_stall(score, bound_s, sent, retrying)
+                    if retrying:
+                        failed.add(score.pod_id)
+                        in_pods += time.perf_counter() - t_call
+                        continue
+                    await self._fail_stalled(context, score, bound_s, sent)
                 except grpc.aio.AioRpcError as exc:
                     if (exc.code() == grpc.StatusCode.UNAVAILABLE and not sent
                             and i + 1 < len(attempts)):
@@ -306,6 +377,16 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             return
         self.metrics.failures.labels(code="UNAVAILABLE").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
+
+
+def _max_tokens(request: pagekv_pb2.GenerateRequest) -> int | None:
+    sampling = request.sampling
+    return sampling.max_tokens if sampling.HasField("max_tokens") else None
+
+
+def _steps(usage: pagekv_pb2.Usage, request: pagekv_pb2.GenerateRequest) -> int:
+    """Generation steps a call took: its tokens per completion (n of them in parallel)."""
+    return usage.completion_tokens // max(1, request.sampling.n)
 
 
 def _decision_metadata(decision: Decision, score: Score, reason: str
