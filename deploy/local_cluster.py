@@ -50,10 +50,10 @@ from pagekv.proto.credentials import (
     redis_url_from,
     tls_from,
     token_from,
-from pagekv.proto.tenants import add_tenants_argument, tenants_from
 )
 from pagekv.proto.grpc_security import open_channel
 from pagekv.proto.redact import redact_url
+from pagekv.proto.tenants import add_tenants_argument, tenants_from
 
 logger = logging.getLogger(__name__)
 PROMETHEUS_CONFIG = "prometheus.yml"  # in the run directory
@@ -177,7 +177,6 @@ class LocalCluster:
     tls_client_auth: bool = False
     admin_token: str | None = field(default=None, repr=False)
     api_token: str | None = field(default=None, repr=False)
-    tenants: str | None = None  # --tenants FILE for every pod and the router
     # The pods' peer token (KVNode.PullBlocks); with any other token and none given, a random
     # one per run: peers never pull with a client's token.
     peer_token: str | None = field(default=None, repr=False)
@@ -185,6 +184,7 @@ class LocalCluster:
     # metrics.token in the run directory.
     metrics_token: str | None = field(default=None, repr=False)
     redis_tls: TlsFiles | None = None  # an external rediss:// index
+    tenants: str | None = None  # --tenants FILE for every pod and the router
     prometheus_config: Path | None = None  # written by start(), in the run directory
     # Set (by a signal handler, say) to give up a start(): it stops what it started.
     stop_requested: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -209,8 +209,6 @@ class LocalCluster:
     def _security(self, router: bool) -> tuple[list[str], dict[str, str]]:
         """(flags, environment) of one child. '' unsets a token the parent's environment
         may carry: a cluster's children get exactly the cluster's secrets."""
-        if self.tenants:
-            flags += ["--tenants", self.tenants]
         flags: list[str] = []
         tls = self.server_tls()
         for prefix, files in (("tls", tls), ("redis", self.redis_tls),
@@ -218,6 +216,8 @@ class LocalCluster:
             for part in ("cert", "key", "ca"):
                 if files is not None and getattr(files, part):
                     flags += [f"--{prefix}-{part}", getattr(files, part)]
+        if self.tenants:
+            flags += ["--tenants", self.tenants]
         env = {REDIS_URL_ENV: self.redis_url or "", API_TOKEN_ENV: self.api_token or "",
                ADMIN_TOKEN_ENV: "" if router else self.admin_token or "",
                POD_API_TOKEN_ENV: (self.api_token or "") if router else "",
@@ -461,7 +461,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_arguments(p)
     group = p.add_argument_group("security (README \"Security\")")
     group.add_argument("--tls-cert", default=None, metavar="PEM",
-    add_tenants_argument(group)
                        help="every pod's and the router's certificate (its names must cover "
                             "the addresses dialled, e.g. IP 127.0.0.1)")
     group.add_argument("--tls-key", default=None, metavar="PEM")
@@ -471,13 +470,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="mutual TLS: servers also require client certificates signed by "
                             "--tls-ca (the router and health checks present --tls-cert)")
     # add_token_argument (proto.credentials) is annotated for an ArgumentParser, but it only
-    tenants_from(args)  # a bad file: one line now, not each child's exit
     # calls add_argument, which a group has too (argparse._ActionsContainer, their base).
     add_token_argument(group, "--admin-token", ADMIN_TOKEN_ENV,  # type: ignore[arg-type]
                        "the pods' admin token")
     add_token_argument(group, "--api-token", API_TOKEN_ENV,  # type: ignore[arg-type]
                        "the pods' and the router's API token (the router uses it for the pods)")
     add_metrics_token_argument(group)  # type: ignore[arg-type]  # (a group: see above)
+    add_tenants_argument(group)
     add_redis_tls_arguments(p)
 
 
@@ -487,6 +486,7 @@ def cluster_from(args: argparse.Namespace) -> LocalCluster:
         raise ValueError("--tls-cert and --tls-key go together")
     if (args.tls_ca or args.tls_client_auth) and args.tls_cert is None:
         raise ValueError("--tls-ca/--tls-client-auth need --tls-cert and --tls-key")
+    tenants_from(args)  # a bad file: one line now, not each child's exit
     return LocalCluster(nodes=args.nodes, model=args.model, run_dir=run_dir,
                         redis_url=redis_url_from(args), router_port=args.router_port,
                         router_http_port=args.router_http_port,

@@ -27,9 +27,9 @@ from pagekv.proto.credentials import (
     token_from,
 )
 from pagekv.proto.heap import freeze_startup_heap
-from pagekv.proto.tenants import add_tenants_argument, tenants_from
 from pagekv.proto.openai.limits import add_http_limit_arguments, http_limits_from
 from pagekv.proto.requests import add_prompt_limit_arguments, prompt_limits_from
+from pagekv.proto.tenants import add_tenants_argument, tenants_from
 from pagekv.proto.vllm_events import HASH_FORMS, WIRE_FORMS
 from pagekv.tiers.dir_lock import describe_holder_as
 
@@ -61,10 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_tls_arguments(p)
     add_token_argument(p, "--admin-token", ADMIN_TOKEN_ENV,
                        "bearer token that KVNode.ResetPrefixCache requires (without one, "
-    add_tenants_argument(p)
                        "anyone who reaches the port may clear the cache)")
     add_token_argument(p, "--api-token", API_TOKEN_ENV,
                        "bearer token that Generate, GenerateStream and Stats require")
+    add_tenants_argument(p)
     add_transfer_arguments(p)
     add_kv_events_arguments(p)
     add_engine_arguments(p)

@@ -223,8 +223,8 @@ class PodServer:
         http_limits: HttpLimits | None = None,
         served_model_names: list[str] | None = None,
         transfer: TransferConfig | None = None,
-        tenants: TenantMap | None = None,
         kv_events: ZmqEventsConfig | None = None,
+        tenants: TenantMap | None = None,
     ) -> None:
         self.args = engine_args
         self.pod_id = pod_id
@@ -342,11 +342,6 @@ class PodServer:
             ("grpc.so_reuseport", 0),
             # A bigger request could only be refused: gRPC does it before reading it.
             ("grpc.max_receive_message_length", self.prompt_limits.max_message_bytes),
-            # The router pings its pod channels (router/pods.py keepalive_options), calls or
-            # none, every 2 s at the most (POD_KEEPALIVE_MIN_S): accepted, not answered with
-            # GOAWAY too_many_pings (by default: a ping in 5 min without calls).
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
         ], interceptors=[self.guard] if self.guard.active or self.guard.peer_token else [])
         servicer = PodServicer(self)
         for service in ("Generation", "KVNode"):
@@ -419,9 +414,9 @@ class PodServer:
         self.aengine = aengine  # from here on stop() shuts it down, started or not
         self._enable_pull(engine)
         if self.redis_url:
-            await asyncio.to_thread(self._check_fleet_auth, self.schema)
             self.schema = IndexSchema(self.args.model, self.args.block_size,
                                       self.args.hash_algo, self.args.hash_seed)
+            await asyncio.to_thread(self._check_fleet_auth, self.schema)
             self.publisher = IndexPublisher(
                 self.redis_url, self.schema, self.pod_id, self.address,
                 {**self.schema.hash_config(), AUTH_CONFIG_FIELD: self.auth_profile.encode()},
@@ -450,6 +445,9 @@ class PodServer:
             logger.info("metrics on http://%s:%d/metrics (%s)", self.host, self.metrics_port,
                         "bearer token required" if self.metrics_token else "open")
         if self.publisher is not None and not await asyncio.to_thread(self.publisher.start):
+            logger.warning("Redis index at %s unreachable; serving anyway, will retry",
+                           redact_url(self.redis_url))
+
     def _check_fleet_auth(self, schema: IndexSchema) -> None:
         """JoinRefused when the routers' fleet auth (written to the index) differs from this
         pod's: it would be open where the fleet is not, or derive other salts. Redis
@@ -470,9 +468,6 @@ class PodServer:
         if diff:
             raise JoinRefused(f"pod {self.pod_id} refused at join: its auth settings differ "
                               f"from the fleet's: {diff}")
-
-            logger.warning("Redis index at %s unreachable; serving anyway, will retry",
-                           redact_url(self.redis_url))
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Leave the index first (routers stop sending here), then stop the gRPC server:
