@@ -99,6 +99,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-attempts", type=int, default=d.max_attempts,
                        help="pods tried per request when earlier ones are UNAVAILABLE")
     group.add_argument("--redis-timeout-s", type=float, default=d.redis_timeout_s)
+    group.add_argument("--redis-max-connections", type=int, default=d.redis_max_connections,
+                       help="connections to Redis (per node of a cluster); index calls past "
+                            "it wait for one instead of failing")
+    group.add_argument("--redis-pool-wait-s", type=float, default=d.redis_pool_wait_s,
+                       help="how long an index call waits for a free connection before it "
+                            "counts as a Redis failure (default: 4 x --redis-timeout-s)")
+    group.add_argument("--pod-stall-floor-s", type=float, default=d.pod_stall_floor_s,
+                       help="a pod call with no first chunk, or no next chunk, within "
+                            "min(--pod-stall-cap-s, this + --pod-stall-factor x the pod's "
+                            "estimated TTFT) is cancelled: moved to the next-best pod before "
+                            "the first token, ended UNAVAILABLE after it; 0: no bound")
+    group.add_argument("--pod-stall-factor", type=float, default=d.pod_stall_factor)
+    group.add_argument("--pod-stall-cap-s", type=float, default=d.pod_stall_cap_s)
+    group.add_argument("--pod-stall-cooldown-s", type=float, default=d.pod_stall_cooldown_s,
+                       help="a pod that stalled is tried last this long, doubled per stall "
+                            "in a row (at most 30 s)")
+    group.add_argument("--pod-keepalive-s", type=float, default=d.pod_keepalive_s,
+                       help="HTTP/2 ping on each pod channel this often (>= 2; 0: off)")
+    group.add_argument("--pod-keepalive-timeout-s", type=float,
+                       default=d.pod_keepalive_timeout_s,
+                       help="a pod that acks no ping this long is dead: its calls fail "
+                            "over to the next-best pod before the first token")
     group.add_argument("--random-seed", type=int, default=None,
                        help="seed of --policy random")
     add_prompt_limit_arguments(parser)
@@ -141,7 +163,13 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         shared_bursts=args.shared_bursts,
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
         reap_dead_after_s=args.reap_dead_after_s,
-        redis_timeout_s=args.redis_timeout_s, random_seed=args.random_seed,
+        redis_timeout_s=args.redis_timeout_s,
+        redis_max_connections=args.redis_max_connections,
+        redis_pool_wait_s=args.redis_pool_wait_s, random_seed=args.random_seed,
+        pod_stall_floor_s=args.pod_stall_floor_s, pod_stall_factor=args.pod_stall_factor,
+        pod_stall_cap_s=args.pod_stall_cap_s, pod_stall_cooldown_s=args.pod_stall_cooldown_s,
+        pod_keepalive_s=args.pod_keepalive_s,
+        pod_keepalive_timeout_s=args.pod_keepalive_timeout_s,
         prompt_limits=prompt_limits_from(args), http_limits=http_limits_from(args),
         tls=tls_from(args), api_token=token_from(args.api_token, API_TOKEN_ENV),
         pod_tls=tls_from(args, "pod-tls"), tenants=tenants_from(args),

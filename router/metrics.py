@@ -33,6 +33,14 @@ class RouterMetrics:
             "pagekv_router_retries_total",
             "Calls moved to the next-best pod after the first one was UNAVAILABLE",
             ["pod"], registry=r)
+        self.stalls = Counter(
+            "pagekv_router_pod_stalls_total",
+            "Pod calls abandoned for making no progress within their bound, by pod and phase "
+            "(first_chunk: moved to the next-best pod; mid_stream: ended UNAVAILABLE)",
+            ["pod", "phase"], registry=r)
+        self.cooling_pods = Gauge(
+            "pagekv_router_cooling_pods",
+            "Pods tried last for now because a call there stalled", registry=r)
         self.pull_hints = Counter(
             "pagekv_router_pull_hints_total",
             "Calls forwarded with a kv_source hint: the pod pulls its prefix from a peer",
@@ -79,6 +87,11 @@ class RouterMetrics:
             "Requests routed without prefix knowledge, by cause", ["cause"], registry=r)
         self.index_up = Gauge(
             "pagekv_router_index_up", "1 while the Redis index answers, else 0", registry=r)
+        self.index_bad_records = Counter(
+            "pagekv_router_index_bad_records_total",
+            "Records read from the index that did not parse and were skipped (the rest of "
+            "the index still used), by reason (proto/index/bad_records.py)", ["reason"],
+            registry=r)
         self.live_pods = Gauge(
             "pagekv_router_live_pods", "Live pods in this namespace that the router may use",
             registry=r)
@@ -102,6 +115,9 @@ class RouterMetrics:
             "pagekv_router_http_requests",
             "OpenAI API (HTTP) responses by route and status", ["route", "status"],
             registry=r)
+
+    def count_bad_record(self, reason: str, n: int) -> None:
+        self.index_bad_records.labels(reason=reason).inc(n)
 
     def observe_cached(self, predicted: int, actual: int, prompt_tokens: int) -> None:
         self.predicted_tokens.observe(predicted)

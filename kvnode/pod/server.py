@@ -342,6 +342,11 @@ class PodServer:
             ("grpc.so_reuseport", 0),
             # A bigger request could only be refused: gRPC does it before reading it.
             ("grpc.max_receive_message_length", self.prompt_limits.max_message_bytes),
+            # The router pings its pod channels (router/pods.py keepalive_options), calls or
+            # none, every 2 s at the most (POD_KEEPALIVE_MIN_S): accepted, not answered with
+            # GOAWAY too_many_pings (by default: a ping in 5 min without calls).
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
         ], interceptors=[self.guard] if self.guard.active or self.guard.peer_token else [])
         servicer = PodServicer(self)
         for service in ("Generation", "KVNode"):
