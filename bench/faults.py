@@ -70,7 +70,7 @@ def netns_results(root: Path, k: int) -> dict[str, dict]:
     with bed(root / "bed-findings").start() as b:
         out["hung_pod"] = nf.hung_pod(b, "node-b", stop_s=6.0 * k, after_s=8.0 * k)
         out["index_garbage"] = nf.index_garbage(b, garbage_s=5.0 * k)
-        out["slowloris"] = nf.slowloris(b, connections=50 * k, hold_s=20.0)
+        out["slowloris"] = nf.slowloris(b, connections=50 * k, hold_s=40.0)  # > the 30 s default
         out["client_hangups"] = nf.client_hangups(b, clients=50 * k)
         out["cancelled_pulls"] = nf.cancelled_pulls(b, "node-a", "node-b", pulls=6 * k)
     return out
