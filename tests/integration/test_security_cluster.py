@@ -130,7 +130,7 @@ def test_no_secret_in_command_lines_or_logs(cluster: LocalCluster) -> None:
     for child in cluster.children:
         cmdline = Path(f"/proc/{child.proc.pid}/cmdline").read_bytes().decode()
         log = child.log_path.read_text(errors="replace")
-        for secret in (ADMIN_TOKEN, API_TOKEN):
-            assert secret not in cmdline and secret not in log, child.name
+        for secret in (ADMIN_TOKEN, API_TOKEN, cluster.peer_token):  # (the peer's: made up)
+            assert secret and secret not in cmdline and secret not in log, child.name
     assert "mutual TLS" in cluster.pods[0].log_path.read_text()
     assert "admin calls: token required" in cluster.pods[0].log_path.read_text()
