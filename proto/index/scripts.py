@@ -252,27 +252,32 @@ return out
 # claims left alone, and several routers reaping at once cannot conflict.
 
 # KEYS[1]: pods SET. ARGV: base, pod, the epoch seen dead ("" = no registration).
-# Reply: -1 refused (it came back), else the pod's bucket list (bucket names).
+# Reply: -1 refused (it came back), else the pod's bucket list (bucket names; none when
+# the list is a key of another type: REAP_FINISH deletes it).
 REAP_START_LUA = """
 local base, pod, epoch = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('EXISTS', base .. 'l:' .. pod) == 1 then return -1 end
 if (redis.call('HGET', base .. 'p:' .. pod, 'epoch') or '') ~= epoch then return -1 end
-return redis.call('SMEMBERS', base .. 'pbk:' .. pod)
+local buckets = redis.pcall('SMEMBERS', base .. 'pbk:' .. pod)
+if buckets.err then return {} end
+return buckets
 """
 
 # KEYS[1]: the pod's claim set in one bucket. ARGV: the bucket base, pod, dead epoch ("":
 # any), batch size. Removes up to `batch` claims of the dead epoch. A claim of another epoch
-# means the pod id is back: its member is put back and the reap refused.
+# means the pod id is back: its member is put back and the reap refused. A claim set or
+# block key of another type (garbage) is passed over.
 # Reply: -1 refused, else {claims removed, 1 when the set is empty}.
 REAP_BUCKET_LUA = """
 local base, pod, epoch, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local suffix = ':' .. epoch
-local members = redis.call('SPOP', KEYS[1], n)
+local members = redis.pcall('SPOP', KEYS[1], n)
+if members.err then return {0, 1} end
 local removed = 0
 for i, h in ipairs(members) do
   local key = base .. 'b:' .. h
-  local v = redis.call('HGET', key, pod)
-  if v then
+  local v = redis.pcall('HGET', key, pod)
+  if type(v) == 'string' then
     if epoch ~= '' and string.sub(v, -#suffix) ~= suffix then
       redis.call('SADD', KEYS[1], unpack(members, i))
       return -1

@@ -15,20 +15,21 @@ import grpc
 import pytest
 import redis
 
+from pagekv.proto.index import connect
 from pagekv.proto.index.schema import namespace_config_key
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from tests.integration.router_fixtures import SCHEMA, RouterHandle, tokens_req
+from tests.integration.router_fixtures import SCHEMA, FakePod, RouterHandle, tokens_req
 
 pytestmark = pytest.mark.integration
 
 PROMPT = list(range(3, 3 + 16 * 6 + 5))  # 6 full blocks
 
 
-def _raw(url: str) -> redis.Redis:
+def _raw(url: str) -> Any:
     return redis.Redis.from_url(url)
 
 
-def _forge_pod(r: redis.Redis, pod_id: str, fields: dict[str, Any], lease: bool = True
+def _forge_pod(r: Any, pod_id: str, fields: dict[str, Any], lease: bool = True
                ) -> str:
     """A registration written by hand (as anyone who reaches Redis could): `fields` over
     a complete one, with a lease a minute long. Returns its epoch."""
@@ -276,3 +277,72 @@ def test_a_burst_larger_than_the_pool_queues_for_it(redis_server, fake_pods, mak
     assert router.metric("pagekv_router_fallback_routes_total", {"cause": "index_down"}) == 0
     assert router.metric("pagekv_router_index_errors_total", {"op": "lookup"}) == 0
     assert router.metric("pagekv_router_index_up") == 1
+
+
+def test_a_burst_larger_than_a_cluster_nodes_pool_queues_for_it(redis_cluster, make_router
+                                                                ) -> None:
+    """The same on a Redis Cluster (redis-py's pool there: 100 per node), every call's
+    lookup on one shard (one chain, so one bucket), that shard paused 1.5 s."""
+    redis_cluster.wait_ok()
+    redis_cluster.flush()
+    pods = [FakePod(f"fake-{c}", redis_cluster.url) for c in "abc"]
+    try:
+        router = make_router(redis_cluster.url, redis_timeout_s=3.0)
+        router.wait_pods(3)
+        raw = connect(redis_cluster.url, 5.0)
+        for i, pod in enumerate(pods):
+            _forge_pod(raw, f"steady-{i}", {"address": pod.address})
+        router.wait_pods(6)
+        prepared = router.server.router.prepare(tokens_req(PROMPT + [0]))
+        shard = redis_cluster.primary_of(redis_cluster.key_slot(
+            SCHEMA.chain_block_keys(prepared.block_hashes)[0]))
+        channel = grpc.insecure_channel(router.address)
+        generate = pb_grpc.GenerationStub(channel).Generate
+        try:
+            with redis_cluster.client(shard) as node:
+                node.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+            futures = [generate.future(tokens_req(PROMPT + [i]), timeout=60)
+                       for i in range(300)]
+            served = [f.result().served_by for f in futures]
+        finally:
+            channel.close()
+        assert len(served) == 300 and set(served) <= {"fake-a", "fake-b", "fake-c"}
+        assert router.metric("pagekv_router_fallback_routes_total",
+                             {"cause": "index_down"}) == 0
+        assert router.metric("pagekv_router_index_errors_total", {"op": "lookup"}) == 0
+    finally:
+        for pod in pods:
+            pod.close()
+
+
+@pytest.mark.parametrize("garbage", ["bucket_list", "claim_set", "claim"])
+def test_a_dead_pods_garbage_keys_are_reaped_with_it(redis_server, fake_pods, make_router,
+                                                     caplog, garbage: str) -> None:
+    """A dead pod (registration, no lease) whose bucket list, claim set or claim is a key
+    of another type: reaped all the same, at the first try (it failed, warned and retried
+    for good, or until a script half-run had popped the bad member)."""
+    r = _raw(redis_server.url)
+    _forge_pod(r, "dead", {"address": "127.0.0.1:1"}, lease=False)
+    h = "ab" * 32
+    bucket = int(h[:3], 16) >> 2
+    if garbage == "bucket_list":
+        r.set(SCHEMA.pod_buckets_key("dead"), "x")
+    else:
+        r.sadd(SCHEMA.pod_buckets_key("dead"), f"{bucket:03x}")
+        if garbage == "claim_set":
+            r.set(SCHEMA.pod_blocks_key("dead", bucket), "x")
+        else:
+            r.sadd(SCHEMA.pod_blocks_key("dead", bucket), h)
+            r.set(SCHEMA.block_key_hex(h, bucket), "x")
+    with caplog.at_level("WARNING", logger="pagekv.router.pods"):
+        router = make_router(redis_server.url, reap_dead_after_s=0.2)
+        router.wait_pods(3)
+        deadline = time.monotonic() + 10
+        while r.exists(SCHEMA.pod_key("dead")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert not [rec for rec in caplog.records if "reaping pod dead failed" in rec.getMessage()]
+    assert not r.exists(SCHEMA.pod_key("dead"), SCHEMA.pod_buckets_key("dead"))
+    assert not r.sismember(SCHEMA.pods_key, "dead")
+    assert router.metric("pagekv_router_reaped_pods_total") == 1
+    assert _calls_succeed(router, PROMPT, n=1)
+    _index_stayed_up(router)
