@@ -81,7 +81,9 @@ class RouterConfig:
     unavailable_cooldown_s: float = 2.0  # a pod that was UNAVAILABLE is tried last this long
     # A pod call with no progress (router/stall.py): no first chunk, or no next one, within
     # min(cap, floor + factor x the pod's estimated TTFT) is abandoned; floor 0: no bound.
-    pod_stall_floor_s: float = 5.0
+    # 10 s: a pod on a loaded 2-core host was seen pausing 5 s between chunks (a false stall
+    # ends a healthy stream); a hung pod still fails over long before a 20-60 s deadline.
+    pod_stall_floor_s: float = 10.0
     pod_stall_factor: float = 4.0
     pod_stall_cap_s: float = 60.0
     pod_stall_cooldown_s: float = 2.0  # a stalled pod is tried last this long, x2 per stall
