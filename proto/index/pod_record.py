@@ -29,9 +29,11 @@ logger = logging.getLogger(__name__)
 
 # A load count above this is no pod's (a queue of a billion requests): garbage.
 MAX_LOAD_COUNT = 1e9
-# Seconds per token: 0 is never measured, and above this is no tier's (prefill on the
-# slowest CPU is ~0.1 s/token).
+# Seconds per token above this is no tier's (prefill on the slowest CPU is ~0.1 s/token).
 MAX_COST_S_PER_TOKEN = 10.0
+# Never free, so never 0 (a forged 0 prefill would win every cold prompt); the pool's own
+# reload (cost.GPU) is 0.
+NONZERO_COSTS = ("prefill", "peer")
 
 
 @dataclass(slots=True)
@@ -76,9 +78,11 @@ def _load_value(value: str) -> float | None:
     return number
 
 
-def _cost_value(value: str) -> float | None:
+def _cost_value(name: str, value: str) -> float | None:
     number = _number(value)
-    if number is None or not math.isfinite(number) or not 0 < number <= MAX_COST_S_PER_TOKEN:
+    if number is None or not math.isfinite(number) or not 0 <= number <= MAX_COST_S_PER_TOKEN:
+        return None
+    if number == 0 and name in NONZERO_COSTS:
         return None
     return number
 
@@ -140,7 +144,7 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
             else:
                 load[name[5:]] = number
         elif name.startswith("cost."):
-            number = _cost_value(value)
+            number = _cost_value(name[5:], value)
             if number is None:
                 bad.note(BAD_COST, f"pod {pod_id}: {name}={value!r}; the configured cost "
                                    "stands in")
