@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import redis.exceptions
 
 from pagekv.proto.auth_profile import (
     AUTH_CONFIG_FIELD,
@@ -295,9 +296,6 @@ class PodRegistry:
         read_at = time.monotonic()  # leases are counted from before the read: never late
         try:
             infos = await self.index.list_live_pods()
-            if self.fleet_auth is not None and not self._fleet_auth_written:
-                await self.index.redis.set(fleet_auth_key(self.schema), self.fleet_auth.encode())
-                self._fleet_auth_written = True
             if not infos and await self._index_wiped():
                 return False
             now = time.monotonic()
@@ -312,7 +310,24 @@ class PodRegistry:
         self._index_ok()
         self._apply(infos, read_at)
         self.ready.set()
+        await self._write_fleet_auth()
         return True
+
+    async def _write_fleet_auth(self) -> None:
+        """Write the fleet's auth settings once, for pods to check at join. Redis may
+        refuse a router's write (the ACL `router` role is read-only): said once, not
+        retried, and never an index failure; the router still checks every pod."""
+        if self.fleet_auth is None or self._fleet_auth_written:
+            return
+        try:
+            await self.index.redis.set(fleet_auth_key(self.schema), self.fleet_auth.encode())
+        except redis.exceptions.ResponseError as exc:  # NOPERM: this user may not write
+            logger.warning("cannot write the fleet's auth settings to the index (%s): pods "
+                           "cannot check theirs at join; this router still refuses a pod "
+                           "that differs", exc)
+        except REDIS_ERRORS:
+            return  # unreachable now: the next refresh tries again
+        self._fleet_auth_written = True
 
     def drop_expired(self, now: float | None = None) -> None:
         """Forget pods whose lease, as last read, has run out (dead since the last refresh).
