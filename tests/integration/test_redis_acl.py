@@ -1,16 +1,21 @@
 """The fleet's Redis ACL users (deploy/redis_acl.py) on a real redis-server: pods write the
-index's keys and run its scripts, routers only read, the default user is off."""
+index's keys and run its scripts, routers only read, the default user is off; then a pod and
+a router as processes, each logged in as its own user, serve and route by prefix."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 
+from pagekv.deploy.local_cluster import LocalCluster
 from pagekv.deploy.redis_acl import POD, ROUTER, AclUser, acl_setuser
 from pagekv.deploy.redis_server import RedisProcess
+from pagekv.kvnode.pod.client import Client
 from pagekv.proto.index import connect
 from pagekv.proto.index.scripts import LOOKUP, RENEW_LEASE
 
@@ -72,3 +77,38 @@ def test_acl_setuser_line_names_the_rules() -> None:
     assert "~pagekv:*" in line and "-@dangerous" in line and "+@write" not in line
     with pytest.raises(ValueError, match="role"):
         AclUser("x", "y", "admin")
+
+
+def test_pod_and_router_each_with_its_own_user(server: RedisProcess, tmp_path: Path) -> None:
+    """The router routes a repeated prompt to the pod that published it: the pod wrote its
+    claims as the pod user, the router read them as the router user."""
+    router_flags = ["--redis-url", server.url_for(ROUTER_USER.name), "--no-shared-bursts",
+                    "--reap-dead-after-s", "0"]
+    cluster = LocalCluster(nodes=1, run_dir=tmp_path / "run",
+                           redis_url=server.url_for(POD_USER.name),
+                           node_args=["--num-gpu-blocks", "64", "--max-model-len", "256"],
+                           router_args=router_flags)
+    cluster.start(timeout=90)
+    try:
+        prompt = list(range(1, 120))
+        with Client(cluster.router.address, 60) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    client.generate(prompt, max_tokens=2)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+            deadline = time.monotonic() + 10
+            while True:  # until the pod's claims are published and read back
+                again = client.generate(prompt, max_tokens=2)
+                if again.routing.predicted_cached_tokens > 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        assert again.routing.predicted_cached_tokens > 0 and again.usage.cached_tokens > 0
+        # The pod wrote all it had to; the router never took a refused write for an outage.
+        assert "no permissions" not in cluster.pods[0].log_path.read_text(errors="replace")
+        assert "unreachable" not in cluster.router.log_path.read_text(errors="replace")
+    finally:
+        cluster.stop()
