@@ -180,3 +180,35 @@ def test_a_pod_without_the_fleets_auth_is_refused_at_join(cluster: LocalCluster)
     finally:
         stop_child(late)
         client.close()
+
+
+def test_a_client_certificate_names_its_tenant(tmp_path_factory: pytest.TempPathFactory
+                                               ) -> None:
+    """Mutual TLS: the client certificate's subject maps to a tenant, no token sent; a token
+    still wins over it (the same certificate with globex's token is globex)."""
+    from pagekv.proto.grpc_security import open_channel
+    from tests.integration.tls_fixtures import make_certs
+
+    certs = make_certs(Path(tmp_path_factory.mktemp("tenant-certs")))
+    path = Path(tmp_path_factory.mktemp("tenants-mtls")) / "tenants.json"
+    path.write_text('{"tenants": {"acme": {"cert_subjects": ["CN=client"]}, '
+                    f'"globex": {{"tokens": ["{hash_token(TOKEN_B)}"]}}}}}}')
+    with LocalCluster(nodes=1, run_dir=tmp_path_factory.mktemp("tenants-mtls-run"),
+                      node_args=POD_ARGS, admin_token=ADMIN_TOKEN, api_token=FLEET_TOKEN,
+                      tls_cert=certs.server.cert, tls_key=certs.server.key, tls_ca=certs.ca,
+                      tls_client_auth=True, tenants=str(path),
+                      router_args=["--burst-ttl-s", "0"]) as cluster:
+        ids = prompt(7)
+
+        def call(token: str | None) -> pb.GenerateResponse:
+            with open_channel(cluster.router_child().target(), certs.client) as ch:
+                return pb_grpc.GenerationStub(ch).Generate(
+                    tokens_req(ids, SECRET_SALT), timeout=60,
+                    metadata=bearer(token) if token else None)
+
+        assert call(None).usage.cached_tokens == 0
+        hits: list[pb.GenerateResponse] = []
+        wait_for(lambda: hits.append(call(None)) or hits[-1].usage.cached_tokens > 0,
+                 "acme's hit by its certificate")
+        assert hits[-1].usage.cached_tokens == hits[-1].routing.predicted_cached_tokens == 4 * BS
+        assert call(TOKEN_B).usage.cached_tokens == 0  # globex, by its token
