@@ -11,12 +11,14 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import yaml
 
 from pagekv.deploy.local_cluster import Child, LocalCluster, wait_healthy
 from pagekv.proto.credentials import bearer
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.tenants import hash_token
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +48,8 @@ def fleet(tmp_path_factory) -> Iterator[tuple[LocalCluster, dict[str, Child]]]:
         cluster.stop()
 
 
-def generate(pod: Child, salt: str, source: Child | None = None) -> pb.GenerateResponse:
+def generate(pod: Child, salt: str, source: Child | None = None,
+             token: str = API_TOKEN) -> pb.GenerateResponse:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), cache_salt=salt,
                                  sampling=pb.SamplingParams(max_tokens=8, temperature=0.0,
                                                             ignore_eos=True))
@@ -54,8 +57,7 @@ def generate(pod: Child, salt: str, source: Child | None = None) -> pb.GenerateR
         request.kv_source.CopyFrom(pb.KvSource(pod_id=source.name, address=source.address,
                                                num_blocks=FULL))
     with grpc.insecure_channel(pod.address) as ch:
-        return pb_grpc.GenerationStub(ch).Generate(request, metadata=bearer(API_TOKEN),
-                                                   timeout=60)
+        return pb_grpc.GenerationStub(ch).Generate(request, metadata=bearer(token), timeout=60)
 
 
 def pull(pod: Child, token: str | None, **fields) -> list[bytes]:
@@ -151,3 +153,30 @@ def test_a_configuration_mismatch_says_only_what_differs(fleet):
     assert exc.value.details() == "the puller's KV layout differs from this pod's"
     log = pod.log_path.read_text(errors="replace")
     assert layout in log and "sha256-00/16 (puller)" in log  # the values: in its log only
+
+
+def test_tenants_pull_their_own_prefix_and_only_theirs(tmp_path):
+    """With a tenants file the pods derive each tenant's salt from its token: a pull for
+    acme's request lands acme's blocks (cold tokens); globex asking the same prompt, with the
+    same hint, gets none of them and computes its own."""
+    acme, globex = "acme-tok-61b0e2c4d9", "globex-tok-2f7a93e1c5"
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"tenants": {
+        "acme": {"tokens": [hash_token(acme)]}, "globex": {"tokens": [hash_token(globex)]}}}))
+    cluster = LocalCluster(nodes=0, start_router=False, node_args=POD_ARGS,
+                           run_dir=tmp_path / "run", api_token=API_TOKEN, tenants=str(tenants))
+    cluster.start()
+    try:
+        a, b = cluster.start_pod("node-a"), cluster.start_pod("node-b")
+        c = cluster.start_pod("node-c", ["--no-enable-prefix-caching"])
+        for child in (a, b, c):
+            wait_healthy(child.address, 120, child.proc)
+        cold = generate(c, "", token=acme).completions[0].token_ids
+        assert generate(a, "", token=acme).completions[0].token_ids == cold
+        theirs = generate(b, "", a, token=globex)
+        assert theirs.usage.cached_tokens_peer == 0 and theirs.completions[0].token_ids == cold
+        own = generate(b, "", a, token=acme)
+        assert own.usage.cached_tokens_peer == FULL * BLOCK
+        assert own.completions[0].token_ids == cold
+    finally:
+        cluster.stop()
