@@ -39,6 +39,11 @@ class TenantSalting:
     def active(self) -> bool:
         return self.tenants is not None
 
+    def names_tenant(self, token: str) -> bool:
+        """Whether `token` is a tenant's (the HTTP front end lets it call /v1/* as the gRPC
+        guard does)."""
+        return self.tenants is not None and self.tenants.tenant_for_token(token) is not None
+
     def salt(self, context: Any, client_salt: str | None) -> str | None:
         """The salt this call hashes with (see the module docstring); NoTenant."""
         tenants = self.tenants

@@ -503,6 +503,7 @@ class RouterServer:
             tokenizer=lambda: tokenizer, generate_stream=service.GenerateStream,
             ready=lambda: registry.ready.is_set() and not self.stopping,
             api_token=cfg.api_token, max_body_bytes=8 * cfg.prompt_limits.max_message_bytes,
+            accepts_token=service.salting.names_tenant if service.salting.active else None,
             prompt_limits=cfg.prompt_limits, metrics=self.metrics.registry,
             limits=cfg.http_limits,
             on_response=lambda route, status: self.metrics.http_responses.labels(

@@ -299,6 +299,7 @@ class PodServer:
             generate_stream=servicer.GenerateStream, ready=lambda: self.serving,
             max_model_len=lambda: self.built_engine().max_model_len,
             api_token=self.api_token, max_body_bytes=8 * self.prompt_limits.max_message_bytes,
+            accepts_token=self.salting.names_tenant if self.salting.active else None,
             prompt_limits=self.prompt_limits, metrics=self.registry, limits=self.http_limits,
             headers={"x-pagekv-served-by": self.pod_id},
             on_response=lambda route, status: self.http_responses.labels(

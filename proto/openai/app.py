@@ -93,12 +93,15 @@ class OpenAIFrontend:
         return self._json(route, exc.status, exc.body(), closing)
 
     def _check_auth(self, request: Request) -> None:
-        token = self.backend.api_token
-        if token is None:
+        token, others = self.backend.api_token, self.backend.accepts_token
+        if token is None and others is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                 token.encode()):
+        given = given.strip()
+        ok = scheme.lower() == "bearer" and bool(given) and (
+            (token is not None and hmac.compare_digest(given.encode(), token.encode()))
+            or (others is not None and others(given)))
+        if not ok:
             raise ApiError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
 
@@ -325,7 +328,7 @@ class OpenAIFrontend:
             echo=parsed.echo, echoes=echoes, echo_only=parsed.echo_only,
             num_logprobs=parsed.num_logprobs,
             prompt_logprobs=parsed.prompt_logprobs is not None, chat_echo=chat_echo)
-        calls = Calls(self.backend, requests, deadline)
+        calls = Calls(self.backend, requests, deadline, request.headers.get("authorization"))
         headers = {"x-request-id": header_value(rid)}
         if parsed.ignored:
             headers["x-pagekv-ignored-fields"] = header_value(",".join(parsed.ignored)[:1024])

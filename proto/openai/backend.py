@@ -9,6 +9,7 @@ failover — and the front end only translates OpenAI's JSON to the contract and
 from __future__ import annotations
 
 import time
+import types
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
@@ -44,12 +45,22 @@ class HandlerContext(Protocol):
 
 
 class CallContext:
-    """A HandlerContext for a handler called in process (by the HTTP front end)."""
+    """A HandlerContext for a handler called in process (by the HTTP front end).
 
-    def __init__(self, deadline: float | None = None) -> None:
+    `authorization` is the HTTP request's header: the handlers read it as a gRPC call's
+    metadata, so a tenant's token names its tenant over HTTP as over gRPC."""
+
+    def __init__(self, deadline: float | None = None, authorization: str | None = None
+                 ) -> None:
         self.deadline = deadline  # time.monotonic() at which the call's time is up
         self.initial_metadata: list[tuple[str, str]] = []
         self.trailing_metadata: list[tuple[str, str]] = []
+        self._metadata = (() if authorization is None else
+                          (types.SimpleNamespace(key="authorization", value=authorization),))
+
+    def invocation_metadata(self) -> tuple[types.SimpleNamespace, ...]:
+        """As grpc's: items with `.key` and `.value`."""
+        return self._metadata
 
     async def abort(self, code: Any, details: str = "",
                     trailing_metadata: Sequence[tuple[str, str | bytes]] = ()) -> NoReturn:
@@ -92,6 +103,8 @@ class Backend:
     ready: Callable[[], bool]       # serving (model loaded; a router: the index read)
     max_model_len: Callable[[], int | None] = lambda: None  # once ready
     api_token: str | None = None    # Authorization: Bearer <token> for /v1/*
+    # Other tokens that may call /v1/* (a tenants file's); the handler then reads the tenant.
+    accepts_token: Callable[[str], bool] | None = None
     max_body_bytes: int = 8 << 20
     limits: HttpLimits = field(default_factory=HttpLimits)  # headers, timeouts, deadline
     headers: dict[str, str] = field(default_factory=dict)  # sent on every response

@@ -50,11 +50,12 @@ class Calls:
     """One engine request per prompt, through the backend's own GenerateStream handler."""
 
     def __init__(self, backend: Backend, requests: list[pb.GenerateRequest],
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, authorization: str | None = None) -> None:
         self.backend = backend
         self.requests = requests
-        # The handlers see the deadline as a gRPC call's (the router's pod calls carry it).
-        self.contexts = [CallContext(deadline) for _ in requests]
+        # The handlers see the deadline and the credential as a gRPC call's (the router's
+        # pod calls carry the deadline; a tenants file's tenant is read from the credential).
+        self.contexts = [CallContext(deadline, authorization) for _ in requests]
 
     def metadata(self) -> dict[str, str]:
         """What the handlers sent as initial metadata (the router: the pod it chose), one

@@ -212,3 +212,41 @@ def test_a_client_certificate_names_its_tenant(tmp_path_factory: pytest.TempPath
                  "acme's hit by its certificate")
         assert hits[-1].usage.cached_tokens == hits[-1].routing.predicted_cached_tokens == 4 * BS
         assert call(TOKEN_B).usage.cached_tokens == 0  # globex, by its token
+
+
+def _http_completion(port: int, token: str, ids: list[int], salt: str) -> dict:
+    import json
+
+    body = {"model": "pagekv-tiny", "prompt": ids, "max_tokens": 2, "temperature": 0,
+            "cache_salt": salt}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 json.dumps(body).encode(),
+                                 {"Content-Type": "application/json",
+                                  "Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_tenants_call_the_openai_api_with_their_own_tokens(cluster: LocalCluster) -> None:
+    """The HTTP front end reads the tenant from the request's token as gRPC does (its
+    in-process calls carried no credential, so every tenant call was refused)."""
+    router_http = cluster.router_child().http_port
+    pod_http = cluster.pods[0].http_port
+    assert router_http and pod_http
+    ids = prompt(7)
+
+    def cached(port: int, token: str, salt: str) -> int:
+        usage = _http_completion(port, token, ids, salt)["usage"]
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    assert cached(router_http, TOKEN_A, SECRET_SALT) == 0
+    wait_for(lambda: cached(router_http, TOKEN_A, SECRET_SALT) == 4 * BS,
+             "tenant A's hit over HTTP")
+    # Another tenant with A's salt, through the router and on the pod directly: no hit.
+    assert cached(router_http, TOKEN_B, SECRET_SALT) == 0
+    assert cached(pod_http, TOKEN_C, SECRET_SALT) == 0
+    assert cached(pod_http, TOKEN_A, SECRET_SALT) == 4 * BS  # the pod derives A's salt
+    for port in (router_http, pod_http):  # a token the file does not list
+        with pytest.raises(urllib.error.HTTPError) as info:
+            _http_completion(port, "not-a-tenant", ids, SECRET_SALT)
+        assert info.value.code == 401
