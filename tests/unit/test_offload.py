@@ -154,7 +154,7 @@ def test_an_admission_looks_the_pool_up_once(cold_tokens):
     mgr = llm.engine.kv_manager
     lookups = []
     real = mgr.lookup
-    mgr.lookup = lambda req: (lookups.append(req.request_id), real(req))[1]
+    mgr.lookup = lambda req, **kw: (lookups.append(req.request_id), real(req, **kw))[1]
     out = run(llm, [TARGET])[0]
     assert out.outputs[0].token_ids == cold_tokens
     assert out.cached_tokens_by_tier["CPU"] > 0
