@@ -33,7 +33,7 @@ def servicer(limits: PromptLimits | None = None) -> tuple[PodServicer, Recording
 
 def parse(svc: PodServicer, req: pb.GenerateRequest):
     async def run():
-        return await svc._parse(req), threading.current_thread().name
+        return await svc._parse(req, None), threading.current_thread().name  # no tenants
     return asyncio.run(run())
 
 
