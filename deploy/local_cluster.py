@@ -180,6 +180,10 @@ class LocalCluster:
     # The pods' peer token (KVNode.PullBlocks); with any other token and none given, a random
     # one per run: peers never pull with a client's token.
     peer_token: str | None = field(default=None, repr=False)
+    # The pods' --api-token, which the router calls them with (its --pod-api-token); with
+    # api_token set and none given, a random one per run: the clients' token (api_token, the
+    # router's) does not open the pods, so no client bypasses the router.
+    pod_token: str | None = field(default=None, repr=False)
     # Every child's metrics port needs it (--metrics-token); prometheus.yml reads it from
     # metrics.token in the run directory.
     metrics_token: str | None = field(default=None, repr=False)
@@ -218,12 +222,18 @@ class LocalCluster:
                     flags += [f"--{prefix}-{part}", getattr(files, part)]
         if self.tenants:
             flags += ["--tenants", self.tenants]
-        env = {REDIS_URL_ENV: self.redis_url or "", API_TOKEN_ENV: self.api_token or "",
+        env = {REDIS_URL_ENV: self.redis_url or "",
+               API_TOKEN_ENV: (self.api_token or "") if router else self._pod_token(),
                ADMIN_TOKEN_ENV: "" if router else self.admin_token or "",
-               POD_API_TOKEN_ENV: (self.api_token or "") if router else "",
+               POD_API_TOKEN_ENV: self._pod_token() if router else "",
                PEER_API_TOKEN_ENV: "" if router else self._peer_token(),
                METRICS_TOKEN_ENV: self.metrics_token or ""}
         return flags, env
+
+    def _pod_token(self) -> str:
+        if self.pod_token is None and self.api_token:
+            self.pod_token = secrets.token_urlsafe(24)
+        return self.pod_token or ""
 
     def _peer_token(self) -> str:
         if self.peer_token is None and (self.api_token or self.admin_token):
@@ -474,7 +484,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_token_argument(group, "--admin-token", ADMIN_TOKEN_ENV,  # type: ignore[arg-type]
                        "the pods' admin token")
     add_token_argument(group, "--api-token", API_TOKEN_ENV,  # type: ignore[arg-type]
-                       "the pods' and the router's API token (the router uses it for the pods)")
+                       "the router's API token, for clients (the pods get a token of "
+                       "their own per run, which the router calls them with: a client's "
+                       "token does not open a pod)")
     add_metrics_token_argument(group)  # type: ignore[arg-type]  # (a group: see above)
     add_tenants_argument(group)
     add_redis_tls_arguments(p)

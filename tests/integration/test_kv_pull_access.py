@@ -36,7 +36,8 @@ def fleet(tmp_path_factory) -> Iterator[tuple[LocalCluster, dict[str, Child]]]:
     """a holds PROMPT under tenant b's salt; b pulls; c computes cold references."""
     cluster = LocalCluster(nodes=0, start_router=False, node_args=POD_ARGS,
                            run_dir=tmp_path_factory.mktemp("kv-pull-access"),
-                           api_token=API_TOKEN, admin_token=ADMIN_TOKEN)
+                           api_token=API_TOKEN, pod_token=API_TOKEN,  # the pods' own
+                           admin_token=ADMIN_TOKEN)
     cluster.start()
     try:
         pods = {name: cluster.start_pod(f"node-{name}") for name in ("a", "b")}
@@ -164,7 +165,8 @@ def test_tenants_pull_their_own_prefix_and_only_theirs(tmp_path):
     tenants.write_text(yaml.safe_dump({"tenants": {
         "acme": {"tokens": [hash_token(acme)]}, "globex": {"tokens": [hash_token(globex)]}}}))
     cluster = LocalCluster(nodes=0, start_router=False, node_args=POD_ARGS,
-                           run_dir=tmp_path / "run", api_token=API_TOKEN, tenants=str(tenants))
+                           run_dir=tmp_path / "run", api_token=API_TOKEN, pod_token=API_TOKEN,
+                           tenants=str(tenants))
     cluster.start()
     try:
         a, b = cluster.start_pod("node-a"), cluster.start_pod("node-b")

@@ -74,8 +74,9 @@ def test_served_over_mutual_tls_with_tokens(cluster: LocalCluster, certs: Certs)
         chunks = list(client.stream("hello", max_tokens=3))
     assert resp.served_by == cluster.pods[0].name and len(resp.completions[0].token_ids) == 3
     assert chunks[-1].served_by == cluster.pods[0].name
-    # The pod itself, directly: the same client certificate and token.
-    assert call_code(cluster.pods[0].address, certs.client) == grpc.StatusCode.OK
+    # The pod itself, directly: the same client certificate and the pods' own token.
+    assert call_code(cluster.pods[0].address, certs.client, cluster.pod_token) == \
+        grpc.StatusCode.OK
 
 
 def test_wrong_transport_refused(cluster: LocalCluster, certs: Certs) -> None:
@@ -99,7 +100,12 @@ def test_tokens_enforced_and_counted(cluster: LocalCluster, certs: Certs) -> Non
         grpc.StatusCode.UNAUTHENTICATED
     assert call_code(pod.address, certs.client, "nope", **reset) == \
         grpc.StatusCode.UNAUTHENTICATED
-    assert call_code(pod.address, certs.client, API_TOKEN, **reset) == \
+    # The clients' token (the router's) does not open a pod: no client bypasses the router.
+    assert call_code(pod.address, certs.client, API_TOKEN) == grpc.StatusCode.UNAUTHENTICATED
+    assert cluster.pod_token and cluster.pod_token != API_TOKEN
+    assert call_code(pod.address, certs.client, cluster.pod_token) == grpc.StatusCode.OK
+    # The pods' API token is no admin token.
+    assert call_code(pod.address, certs.client, cluster.pod_token, **reset) == \
         grpc.StatusCode.PERMISSION_DENIED
     assert call_code(pod.address, certs.client, ADMIN_TOKEN, **reset) == grpc.StatusCode.OK
     assert metric(router.metrics_port, "pagekv_router_auth_refused_total")[
@@ -130,7 +136,7 @@ def test_no_secret_in_command_lines_or_logs(cluster: LocalCluster) -> None:
     for child in cluster.children:
         cmdline = Path(f"/proc/{child.proc.pid}/cmdline").read_bytes().decode()
         log = child.log_path.read_text(errors="replace")
-        for secret in (ADMIN_TOKEN, API_TOKEN, cluster.peer_token):  # (the peer's: made up)
+        for secret in (ADMIN_TOKEN, API_TOKEN, cluster.peer_token, cluster.pod_token):  # (made up: the peer's, the pods')
             assert secret and secret not in cmdline and secret not in log, child.name
     assert "mutual TLS" in cluster.pods[0].log_path.read_text()
     assert "admin calls: token required" in cluster.pods[0].log_path.read_text()

@@ -55,6 +55,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tenants_file: Path
             ) -> Iterator[LocalCluster]:
     with LocalCluster(nodes=1, run_dir=tmp_path_factory.mktemp("tenants-run"),
                       node_args=POD_ARGS, admin_token=ADMIN_TOKEN, api_token=FLEET_TOKEN,
+                      pod_token=FLEET_TOKEN,
                       tenants=str(tenants_file),  # `pagekv up --tenants FILE`
                       router_args=["--burst-ttl-s", "0"]) as c:  # the index predicts
         yield c
@@ -195,6 +196,7 @@ def test_a_client_certificate_names_its_tenant(tmp_path_factory: pytest.TempPath
                     f'"globex": {{"tokens": ["{hash_token(TOKEN_B)}"]}}}}}}')
     with LocalCluster(nodes=1, run_dir=tmp_path_factory.mktemp("tenants-mtls-run"),
                       node_args=POD_ARGS, admin_token=ADMIN_TOKEN, api_token=FLEET_TOKEN,
+                      pod_token=FLEET_TOKEN,
                       tls_cert=certs.server.cert, tls_key=certs.server.key, tls_ca=certs.ca,
                       tls_client_auth=True, tenants=str(path),
                       router_args=["--burst-ttl-s", "0"]) as cluster:
