@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from bench.closed_loop import ClosedLoop
 from pagekv.deploy.local_cluster import Child, LocalCluster, wait_healthy
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
@@ -54,43 +54,29 @@ class Load:
     concurrency: int = 2
     max_calls: int = 50_000  # a bound; scenarios stop the load by time first
     max_tokens: int = 2
-    calls: list[Call] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _threads: list[threading.Thread] = field(default_factory=list)
+    _loop: ClosedLoop[Call] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._loop = ClosedLoop(self.address, self.concurrency, self.max_calls, self._call)
 
     def start(self) -> Load:
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                         for i in range(self.concurrency)]
-        for t in self._threads:
-            t.start()
+        self._loop.start()
         return self
 
-    def _run(self, worker: int) -> None:
-        with grpc.insecure_channel(self.address) as ch:
-            stub = pb_grpc.GenerationStub(ch)
-            i = worker
-            while not self._stop.is_set() and len(self.calls) < self.max_calls:
-                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=self.prompts[i % len(
-                    self.prompts)]), sampling=pb.SamplingParams(max_tokens=self.max_tokens,
-                                                                temperature=0.0))
-                i += self.concurrency
-                try:
-                    resp = stub.Generate(req, timeout=30)
-                    r = resp.routing
-                    call = Call(time.monotonic(), "OK", r.reason, resp.served_by,
-                                r.predicted_cached_tokens,
-                                tuple(c.pod_id for c in r.candidates if c.eligible))
-                except grpc.RpcError as e:
-                    call = Call(time.monotonic(), e.code().name)
-                with self._lock:
-                    self.calls.append(call)
+    def _call(self, stub: pb_grpc.GenerationStub, i: int) -> Call:
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=self.prompts[i % len(self.prompts)]),
+                                 sampling=pb.SamplingParams(max_tokens=self.max_tokens,
+                                                            temperature=0.0))
+        try:
+            resp = stub.Generate(req, timeout=30)
+        except grpc.RpcError as e:
+            return Call(time.monotonic(), e.code().name)
+        r = resp.routing
+        return Call(time.monotonic(), "OK", r.reason, resp.served_by, r.predicted_cached_tokens,
+                    tuple(c.pod_id for c in r.candidates if c.eligible))
 
     def stop(self) -> list[Call]:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
-        return list(self.calls)
+        return self._loop.stop(60)[0]
 
 
 def codes(calls: list[Call]) -> Counter:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from bench.closed_loop import ClosedLoop
 from pagekv.deploy.netns_bed import NetnsBed
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
@@ -85,43 +86,29 @@ class CheckedLoad:
     deadline_s: float = 10.0
     max_tokens: int = 4
     max_calls: int = 20_000  # a bound; scenarios stop the load by time first
-    calls: list[Outcome] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _threads: list[threading.Thread] = field(default_factory=list)
+    _loop: ClosedLoop[Outcome] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._loop = ClosedLoop(self.address, self.concurrency, self.max_calls, self._call)
 
     def start(self) -> CheckedLoad:
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                         for i in range(self.concurrency)]
-        for t in self._threads:
-            t.start()
+        self._loop.start()
         return self
 
-    def _run(self, worker: int) -> None:
-        with grpc.insecure_channel(self.address) as ch:
-            stub = pb_grpc.GenerationStub(ch)
-            i = worker
-            while not self._stop.is_set() and len(self.calls) < self.max_calls:
-                k = i % len(self.work)
-                i += self.concurrency
-                t0 = time.monotonic()
-                try:
-                    resp = stub.Generate(request(self.work[k], self.max_tokens),
-                                         timeout=self.deadline_s)
-                    out = Outcome(t0, time.monotonic(), "OK",
-                                  list(resp.completions[0].token_ids) != self.expected[k],
-                                  resp.served_by, resp.usage.cached_tokens_peer)
-                except grpc.RpcError as e:
-                    out = Outcome(t0, time.monotonic(), e.code().name)
-                with self._lock:
-                    self.calls.append(out)
+    def _call(self, stub: pb_grpc.GenerationStub, i: int) -> Outcome:
+        k = i % len(self.work)
+        t0 = time.monotonic()
+        try:
+            resp = stub.Generate(request(self.work[k], self.max_tokens), timeout=self.deadline_s)
+        except grpc.RpcError as e:
+            return Outcome(t0, time.monotonic(), e.code().name)
+        return Outcome(t0, time.monotonic(), "OK",
+                       list(resp.completions[0].token_ids) != self.expected[k],
+                       resp.served_by, resp.usage.cached_tokens_peer)
 
     def stop(self) -> tuple[list[Outcome], int]:
         """(the calls, threads still inside a call a deadline past the stop: hung)."""
-        self._stop.set()
-        for t in self._threads:
-            t.join(self.deadline_s + HANG_SLACK_S)
-        return list(self.calls), sum(t.is_alive() for t in self._threads)
+        return self._loop.stop(self.deadline_s + HANG_SLACK_S)
 
 
 def summary(calls: list[Outcome], deadline_s: float, stuck: int = 0) -> dict:
