@@ -23,9 +23,10 @@ from urllib.parse import quote
 POD = "pod"
 ROUTER = "router"
 
-# Connecting: the client library names itself (redis-py's CLIENT SETINFO; refused, it is
-# skipped, but allowed here so the server's log stays quiet) and checks the link (PING).
-_CONNECT = ("+ping", "+client|setinfo", "+client|setname")
+# Connecting: the client checks the link (PING) and may name itself (CLIENT SETNAME). Not
+# CLIENT SETINFO, which redis-py also sends: Redis before 7.2 has no such command and refuses
+# to start on a rule naming it (Debian's 7.0 does); redis-py skips a refused SETINFO.
+_CONNECT = ("+ping", "+client|setname")
 _SCRIPTS = ("+evalsha", "+script|load", "+script|exists", "+time")  # TIME: the scripts' clock
 ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     POD: ("-@all", "+@read", "+@write", "+@transaction", *_SCRIPTS, *_CONNECT, "-@dangerous"),
