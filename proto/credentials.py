@@ -90,6 +90,23 @@ def client_ssl_context(tls: TlsFiles | None) -> ssl.SSLContext:
     return context
 
 
+def server_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
+    """A TLS server's context from the same files as its gRPC port (a pod's KV data port):
+    its certificate and key; with `tls.ca`, clients must present a certificate it signed."""
+    tls.require_identity()
+    tls.read()  # readable and PEM, or a ValueError naming the file
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(str(tls.cert), str(tls.key))
+        if tls.ca is not None:
+            context.load_verify_locations(tls.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+    except ssl.SSLError as exc:
+        raise ValueError(f"TLS certificate {tls.cert} with key {tls.key} or CA {tls.ca} cannot "
+                         f"be used ({exc.reason or exc})") from None
+    return context
+
+
 def _read_pem(path: str | None) -> bytes | None:
     if path is None:
         return None

@@ -21,11 +21,14 @@ from numpy.typing import NDArray
 
 from pagekv.tiers.codec import CODEC_RAW, U8Array, decode_array, dtype_code, encode
 from pagekv.tiers.ssd_format import (
+    EntryHeader,
     FormatError,
     canonical_layout,
     checksum,
+    checksum_of_pieces,
     layout_id_of,
     pack_entry_header,
+    pack_entry_header_of,
     parse_entry_header,
 )
 
@@ -73,24 +76,53 @@ def pack_block(layout: KvLayout, block_hash: bytes, parent_hash: bytes | None,
     return header + bytes(payload)
 
 
-def unpack_block(layout: KvLayout, entry: bytes | memoryview, block_hash: bytes,
-                 parent_hash: bytes | None) -> U8Array:
-    """The block in `entry`, as a uint8 array of the layout's block size; EntryRejected
-    (with its reason) unless the entry is intact, of this layout, and exactly that block."""
-    mv = memoryview(entry)
+def pack_header(layout: KvLayout, block_hash: bytes, parent_hash: bytes | None,
+                pieces: Sequence[memoryview]) -> bytes:
+    """The header of a raw entry whose payload is `pieces` back to back (a pool block's planes
+    where they lie): a data transport sends it, then the pieces, and never joins them."""
+    size = sum(p.nbytes for p in pieces)
+    if size != layout.block_bytes:
+        raise ValueError(f"block is {size} bytes, the layout's blocks {layout.block_bytes}")
+    return pack_entry_header_of(
+        block_hash=block_hash, parent_hash=parent_hash, token_ids=(),
+        layout_id=layout.layout_id, dtype_code=dtype_code(layout.dtype), codec=CODEC_RAW,
+        raw_len=size, payload_len=size, payload_xxh=checksum_of_pieces(pieces))
+
+
+def check_header(layout: KvLayout, header: bytes | memoryview, block_hash: bytes,
+                 parent_hash: bytes | None) -> EntryHeader:
+    """The entry header at the start of `header`, verified: intact, of this layout, and
+    exactly that block of the chain (EntryRejected otherwise). Its payload is not checked."""
     try:
-        hdr = parse_entry_header(mv)
+        hdr = parse_entry_header(header)
     except FormatError as exc:
         raise EntryRejected(BAD_CHECKSUM, str(exc)) from None
-    if hdr.entry_len != len(mv):
-        raise EntryRejected(BAD_CHECKSUM, f"entry is {len(mv)} bytes, its header says "
-                                          f"{hdr.entry_len}")
     if hdr.layout_id != layout.layout_id or hdr.raw_len != layout.block_bytes:
         raise EntryRejected(BAD_LAYOUT, f"layout {hdr.layout_id:016x} of {hdr.raw_len} bytes, "
                                         f"expected {layout.layout_id:016x} of "
                                         f"{layout.block_bytes}")
     if hdr.block_hash != block_hash or hdr.parent_hash != parent_hash:
         raise EntryRejected(BAD_CHAIN, "the entry is not the next block of the chain asked for")
+    return hdr
+
+
+def check_pieces(hdr: EntryHeader, pieces: Sequence[memoryview]) -> None:
+    """EntryRejected unless `pieces`, back to back, are the raw payload `hdr` announces."""
+    if hdr.codec != CODEC_RAW or sum(p.nbytes for p in pieces) != hdr.payload_len:
+        raise EntryRejected(BAD_CHECKSUM, "the payload is not the raw block its header says")
+    if checksum_of_pieces(pieces) != hdr.payload_xxh:
+        raise EntryRejected(BAD_CHECKSUM, "payload checksum mismatch")
+
+
+def unpack_block(layout: KvLayout, entry: bytes | memoryview, block_hash: bytes,
+                 parent_hash: bytes | None) -> U8Array:
+    """The block in `entry`, as a uint8 array of the layout's block size; EntryRejected
+    (with its reason) unless the entry is intact, of this layout, and exactly that block."""
+    mv = memoryview(entry)
+    hdr = check_header(layout, mv, block_hash, parent_hash)
+    if hdr.entry_len != len(mv):
+        raise EntryRejected(BAD_CHECKSUM, f"entry is {len(mv)} bytes, its header says "
+                                          f"{hdr.entry_len}")
     payload = mv[hdr.header_len:]
     if checksum(payload) != hdr.payload_xxh:
         raise EntryRejected(BAD_CHECKSUM, "payload checksum mismatch")
@@ -99,6 +131,15 @@ def unpack_block(layout: KvLayout, entry: bytes | memoryview, block_hash: bytes,
     except ValueError as exc:
         raise EntryRejected(BAD_CHECKSUM, str(exc)) from None
     return arr
+
+
+def scatter(block: U8Array, pieces: Sequence[memoryview]) -> None:
+    """A block's bytes into `pieces` (a pool block's planes), in order."""
+    pos = 0
+    for piece in pieces:
+        n = piece.nbytes
+        np.frombuffer(piece, np.uint8)[:] = block[pos : pos + n]
+        pos += n
 
 
 def unpack_chain(layout: KvLayout, entries: Sequence[bytes], hashes: Sequence[bytes],

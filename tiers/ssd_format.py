@@ -79,6 +79,14 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def checksum_of_pieces(pieces: Sequence[bytes | bytearray | memoryview]) -> int:
+    """`checksum` of the pieces back to back, without joining them (xxh3 streams)."""
+    state = xxhash.xxh3_64()
+    for piece in pieces:
+        state.update(piece)
+    return state.intdigest()
+
+
 def canonical_layout(layout: dict[str, Any] | str) -> bytes:
     """Stable bytes for a layout descriptor: sorted compact JSON for a dict, UTF-8 for a str."""
     if isinstance(layout, str):
@@ -157,6 +165,26 @@ def pack_entry_header(
     raw_len: int,
     payload: bytes | bytearray | memoryview,
 ) -> bytes:
+    return pack_entry_header_of(
+        block_hash=block_hash, parent_hash=parent_hash, token_ids=token_ids,
+        layout_id=layout_id, dtype_code=dtype_code, codec=codec, raw_len=raw_len,
+        payload_len=memoryview(payload).nbytes, payload_xxh=checksum(payload))
+
+
+def pack_entry_header_of(
+    *,
+    block_hash: bytes,
+    parent_hash: bytes | None,
+    token_ids: Sequence[int],
+    layout_id: int,
+    dtype_code: int,
+    codec: int,
+    raw_len: int,
+    payload_len: int,
+    payload_xxh: int,
+) -> bytes:
+    """The header of an entry whose payload's length and checksum the caller has (a payload
+    in pieces, sent from where it lies: tiers/peer_entries.py)."""
     if not 0 < len(block_hash) <= MAX_HASH_LEN:
         raise ValueError(f"block hash must be 1..{MAX_HASH_LEN} bytes, got {len(block_hash)}")
     parent = parent_hash or b""
@@ -175,8 +203,8 @@ def pack_entry_header(
         len(token_ids),
         layout_id,
         raw_len,
-        len(payload),
-        checksum(payload),
+        payload_len,
+        payload_xxh,
     )
     head = b"".join((fixed, block_hash, parent, tokens))
     return head + _U64.pack(checksum(head))

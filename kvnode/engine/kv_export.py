@@ -115,6 +115,31 @@ class KvExporter:
                   if m != Medium.GPU]
         return self.chain.read_run(hashes)
 
+    def payloads(self, run: ExportRun, lo: int, hi: int) -> list[list[memoryview]]:
+        """Any thread, while the run is open. The blocks run.hashes[lo:hi] in order, each as
+        its raw payload's pieces (`read_block`'s order), cut at the first tier block that is
+        gone: a host pool's blocks where they lie (they are pinned: nothing writes them), a
+        device pool's and the tiers' blocks copied into rows of their own."""
+        media = run.media[lo:hi]
+        ids = run.pool_ids(lo, hi)
+        in_place = [self.runner.block_views(i) for i in ids]
+        pool: list[list[memoryview]] = (
+            [[row.numpy().data] for row in self.read_pool(run, lo, hi)]
+            if ids and any(v is None for v in in_place) else in_place)
+        pool_blocks = iter(pool)
+        below = iter(self.read_below(run, lo, hi) if any(m != Medium.GPU for m in media)
+                     else ())
+        out: list[list[memoryview]] = []
+        for m in media:
+            if m == Medium.GPU:
+                out.append(next(pool_blocks))
+                continue
+            row = next(below, None)
+            if row is None:
+                break
+            out.append([row.numpy().data])
+        return out
+
     def read_entries(self, run: ExportRun, lo: int, hi: int, compress: bool = False
                      ) -> list[bytes]:
         """Any thread, while the run is open. The blocks run.hashes[lo:hi] in order, each

@@ -3,17 +3,20 @@
 A request may carry a `KvSource` (the router's hint: a peer that holds its first
 `num_blocks` blocks). When its admission finds fewer blocks here (pool and tiers), the
 missing run is pulled on a worker thread while the request waits and the scheduler runs the
-others, so the transfer overlaps their compute. Every entry is checked (tiers.peer_entries:
-checksums, layout, hash chain) before it is landed in the pool the way a tier reload lands
-its blocks: as free cached blocks continuing the request's pool prefix, which is pinned
-until then. A failure of any kind keeps what arrived intact before it and recomputes the
-rest; each one is counted by reason and logged. One attempt per request.
+others, so the transfer overlaps their compute. The pool blocks the run lands in are
+reserved when the pull starts, and each block is received into its own (a host pool: the
+transport's socket writes straight into the block's memory; no landing copy after the last
+byte) and checked there (tiers.peer_entries: checksums, layout, hash chain) before it
+counts. Landing is then bookkeeping: the verified blocks become free cached blocks
+continuing the request's pool prefix (pinned until then), the way a tier reload lands its
+blocks. A failure of any kind keeps what arrived intact before it and recomputes the rest;
+each one is counted by reason and logged. One attempt per request.
 
-The transport is not here: the pod gives a `fetch(source, ask, handle)` that yields the
-peer's entries chunk by chunk and raises `PullFailed(reason)` (kvnode/pod/kv_pull_client.py).
-The entries are bytes to the pod: the peer's exporter packed them (kvnode/engine/kv_export.py)
-and this module unpacks them, both with tiers.peer_entries, whose `EntryRejected` names the
-reason an entry is refused; `_receive` counts that reason as it counts a `PullFailed`'s.
+The transport is not here: the pod gives a `fetch(source, ask, handle, sink)` that puts the
+peer's blocks into the `BlockSink` and raises `PullFailed(reason)` (kvnode/pod/
+kv_pull_client.py: the control on gRPC, the bytes on a data transport). The sink checks
+every block with tiers.peer_entries, whose `EntryRejected` names the reason one is refused;
+`_receive` counts that reason as it counts a `PullFailed`'s.
 """
 
 from __future__ import annotations
@@ -21,11 +24,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pagekv.kvnode.memory.block_pool import KVCacheBlock
@@ -38,8 +40,12 @@ from pagekv.tiers.peer_entries import (
     BAD_LAYOUT,
     EntryRejected,
     KvLayout,
+    check_header,
+    check_pieces,
+    scatter,
     unpack_block,
 )
+from pagekv.tiers.ssd_format import EntryHeader
 
 logger = logging.getLogger(__name__)
 
@@ -111,16 +117,75 @@ class PullHandle:
             fn()
 
 
-Fetch = Callable[[KvSource, PullAsk, PullHandle], Iterable[list[bytes]]]
+class BlockSink:
+    """Where a pull's blocks land as they arrive, each checked before it counts: the pool
+    blocks reserved for them (a host pool: a transport receives straight into their memory)
+    or, on a device pool, rows of a staging buffer the pool is written from at landing.
+
+    A transport gives each block either whole (`take_entry`: an entry in memory, as a gRPC
+    message or a Mooncake read carries it) or in two steps (`expect`, the header; then it
+    fills `pieces()`, the block's raw payload in place, and calls `commit`). Blocks arrive in
+    order; `count` is the verified run. Any thread: one transport fills a sink at a time."""
+
+    def __init__(self, layout: KvLayout, ask: PullAsk, targets: list[list[memoryview]]) -> None:
+        self.layout = layout
+        self.ask = ask
+        self.targets = targets  # one list of byte views per block the sink can take
+        self.count = 0          # blocks verified and in place
+        self.nbytes = 0         # entry bytes received
+        self.transport = ""     # what the transport says it is (metrics, logs)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.targets)
+
+    def expect(self, header: bytes | memoryview) -> EntryHeader:
+        """The next block's header, checked (its chain position, layout, checksum)."""
+        i = self.count
+        if i >= self.capacity:
+            raise PullFailed(HASH_MISMATCH, "the peer sent more blocks than asked")
+        if time.monotonic() > self.ask.deadline:
+            raise PullFailed(DEADLINE, f"{i} of {len(self.ask.hashes)} blocks before the "
+                                       f"deadline")
+        parent = self.ask.hashes[i - 1] if i else self.ask.parent
+        return check_header(self.layout, header, self.ask.hashes[i], parent)
+
+    def pieces(self) -> list[memoryview]:
+        """Where the next block's raw payload goes, in order."""
+        return self.targets[self.count]
+
+    def commit(self, hdr: EntryHeader) -> None:
+        """The payload `hdr` announced is in `pieces()`: verify it; the block counts."""
+        check_pieces(hdr, self.targets[self.count])
+        self.count += 1
+        self.nbytes += hdr.entry_len
+
+    def take_entry(self, entry: bytes | memoryview) -> None:
+        """The next block as one whole entry (raw or LZ4), verified and copied into place."""
+        mv = memoryview(entry)
+        i = self.count
+        self.expect(mv)  # position, deadline
+        parent = self.ask.hashes[i - 1] if i else self.ask.parent
+        scatter(unpack_block(self.layout, mv, self.ask.hashes[i], parent), self.targets[i])
+        self.count += 1
+        self.nbytes += len(mv)
+
+
+# A transport: the peer's blocks of `ask` into the sink, in order; raises PullFailed (its
+# reason) or EntryRejected (an entry's); returns when the peer has sent all it holds.
+Fetch = Callable[[KvSource, PullAsk, PullHandle, BlockSink], None]
 
 
 @dataclass(slots=True)
 class PullResult:
-    datas: list[np.ndarray]  # the verified leading run
+    blocks: int = 0          # the verified leading run received
     nbytes: int = 0          # entry bytes received
     failure: str | None = None
     detail: str = ""
     seconds: float = 0.0
+    source_pod: str = ""     # the holder
+    tokens: int = 0          # tokens landed in the pool
+    transport: str = ""      # the data transport the pair used ("": none reached)
 
 
 @dataclass(slots=True)
@@ -153,7 +218,11 @@ class _Pull:
     ask: PullAsk
     future: Future
     handle: PullHandle
-    pinned: list[KVCacheBlock]
+    pinned: list[KVCacheBlock]  # the pool prefix the pulled blocks continue
+    dest: list[KVCacheBlock]    # the pool blocks the pulled ones land in, reserved
+    sink: BlockSink
+    staging: torch.Tensor | None  # a device pool's: the rows written to `dest` at landing
+    wanted: int                 # blocks the pull was for (more than `dest` when short of room)
     t0: float
 
 
@@ -174,6 +243,9 @@ class PeerPuller:
         self._workers = ThreadPoolExecutor(max_concurrent, thread_name_prefix="kv-pull")
         self.sources: dict[str, KvSource] = {}  # request -> its hint, until its admission
         self._pulls: dict[str, _Pull] = {}
+        # Pulls whose request left while a worker may still write their reserved blocks:
+        # those go back to the pool only once the worker is out (finish_pulls).
+        self._abandoned: list[_Pull] = []
         self._landed: dict[str, int] = {}  # request -> tokens pulled (its "peer" share)
         self._inflight: dict[bytes, str] = {}  # block hash -> the request pulling it
         self.stats = PullStats()
@@ -204,79 +276,90 @@ class PeerPuller:
 
     def _start(self, req: Request, source: KvSource, start: int, end: int,
                hit: PrefixHit) -> None:
-        hashes = list(req.block_hashes[start:end])
+        pinned = list(hit.blocks)  # the prefix the pulled blocks continue stays in the pool
+        self.manager.pin(pinned)   # before reserving: making room must not evict it
+        dest = self.manager.take_free_blocks(end - start)
+        hashes = list(req.block_hashes[start : start + len(dest)])
         ask = PullAsk(req.request_id, hashes, req.block_hashes[start - 1] if start else None,
                       time.monotonic() + self.deadline_s,
-                      req.all_token_ids[:end * self.block_size], req.cache_salt,
-                      None if req.lora_id is None else str(req.lora_id))
-        pinned = list(hit.blocks)  # the prefix the pulled blocks continue stays in the pool
-        self.manager.pin(pinned)
+                      req.all_token_ids[: (start + len(dest)) * self.block_size],
+                      req.cache_salt, None if req.lora_id is None else str(req.lora_id))
+        staging, targets = self._targets(dest)
+        sink = BlockSink(self.layout, ask, targets)
         handle = PullHandle()
-        future = self._workers.submit(self._receive, source, ask, handle)
+        future = self._workers.submit(self._receive, source, ask, handle, sink)
         self._pulls[req.request_id] = _Pull(req, source, start, ask, future, handle, pinned,
-                                           time.monotonic())
+                                           dest, sink, staging, end - start, time.monotonic())
         self._inflight.update(dict.fromkeys(hashes, req.request_id))
-        logger.debug("kv pull %s: blocks %d..%d from %s (%s)", req.request_id, start, end,
-                     source.pod_id, source.address)
+        logger.debug("kv pull %s: blocks %d..%d from %s (%s), %d reserved", req.request_id,
+                     start, end, source.pod_id, source.address, len(dest))
 
-    def _receive(self, source: KvSource, ask: PullAsk, handle: PullHandle) -> PullResult:
-        """The worker's job: the peer's entries, verified one by one; stops at the first
-        failure with its reason, keeping the intact run before it."""
-        out = PullResult([])
+    def _targets(self, dest: list[KVCacheBlock]
+                 ) -> tuple[torch.Tensor | None, list[list[memoryview]]]:
+        """Where each reserved block's bytes are received: in place on a host pool; else in
+        a staging row (pinned host memory on CUDA) copied into the pool at landing."""
+        views = [self.runner.block_views(b.block_id) for b in dest]
+        if all(v is not None for v in views):
+            return None, views
+        device = getattr(self.runner, "device", None)
+        pin = isinstance(device, torch.device) and device.type == "cuda"
+        staging = torch.empty((len(dest), self.layout.block_bytes), dtype=torch.uint8,
+                              pin_memory=pin)
+        return staging, [[row.numpy().data] for row in staging]
+
+    def _receive(self, source: KvSource, ask: PullAsk, handle: PullHandle,
+                 sink: BlockSink) -> PullResult:
+        """The worker's job: the peer's blocks into the sink, each verified as it comes;
+        stops at the first failure with its reason, keeping the intact run before it."""
+        out = PullResult(source_pod=source.pod_id)
         t0 = time.monotonic()
         try:
             if t0 >= ask.deadline:  # waited for a worker past the deadline
                 raise PullFailed(DEADLINE, "no transfer slot before the deadline")
-            for entries in self.fetch(source, ask, handle):
-                for entry in entries:
-                    i = len(out.datas)
-                    if i >= len(ask.hashes):
-                        raise PullFailed(HASH_MISMATCH, "the peer sent more blocks than asked")
-                    out.nbytes += len(entry)
-                    parent = ask.hashes[i - 1] if i else ask.parent
-                    out.datas.append(unpack_block(self.layout, entry, ask.hashes[i], parent))
-                if time.monotonic() > ask.deadline:
-                    raise PullFailed(DEADLINE, f"{len(out.datas)} of {len(ask.hashes)} blocks "
-                                               f"after {self.deadline_s:g}s")
-                if handle.cancelled:
-                    return out
-            if len(out.datas) < len(ask.hashes):
-                raise PullFailed(PEER_MISSING, f"the peer holds {len(out.datas)} of the "
+            if not handle.cancelled:
+                self.fetch(source, ask, handle, sink)
+            if not handle.cancelled and sink.count < len(ask.hashes):
+                raise PullFailed(PEER_MISSING, f"the peer holds {sink.count} of the "
                                                f"{len(ask.hashes)} blocks asked for")
         except (PullFailed, EntryRejected) as exc:  # the transport's reason, or the entry's
             out.failure, out.detail = exc.reason, str(exc)
         except Exception as exc:  # a bug must not fail the request: it recomputes
             logger.exception("kv pull %s failed", ask.request_id)
             out.failure, out.detail = ERROR, repr(exc)
+        out.blocks, out.nbytes, out.transport = sink.count, sink.nbytes, sink.transport
         out.seconds = time.monotonic() - t0
         return out
 
     def _land(self, pull: _Pull, hit: PrefixHit | None = None) -> None:
-        """A finished pull: its blocks into the pool as cached blocks (extending `hit` if
-        its request is being admitted now), the pinned prefix released."""
+        """A finished pull: its verified blocks become cached pool blocks (extending `hit`
+        if its request is being admitted now); the rest of its reserved blocks, and the
+        pinned prefix, are released."""
         self._end(pull)
         result = pull.future.result()  # _receive never raises
         req = pull.req
+        landed = 0
         try:
             if hit is None:
                 hit = self.manager.lookup(req)
             # Blocks the pool gained meanwhile (another request computed them) are skipped.
             skip = len(hit.blocks) - pull.start
-            datas = result.datas[skip:] if skip >= 0 else []
-            landed = 0
-            if datas:
-                def write(block_ids: list[int], blocks: list) -> None:
-                    self.runner.write_blocks(block_ids, torch.from_numpy(np.stack(blocks)))
-
-                start = pull.start + skip
-                landed = self.manager.load_cached_blocks(
-                    req, start, list(zip(req.block_hashes[start:], datas, strict=False)), write,
-                    hit)
-            if result.failure is None and landed < len(datas):
-                result.failure, result.detail = NO_ROOM, f"the pool took {landed} of {len(datas)}"
+            got = result.blocks
+            if 0 <= skip < got:
+                if pull.staging is not None:
+                    self.runner.write_blocks([b.block_id for b in pull.dest[skip:got]],
+                                             pull.staging[skip:got])
+                landed = self.manager.land_blocks(req, pull.start + skip, pull.dest[skip:got],
+                                                  hit)
+                self.manager.release(pull.dest[:skip] + pull.dest[got:])
+            else:
+                self.manager.release(pull.dest)
+            if result.failure is None and pull.wanted > len(pull.dest):
+                result.failure, result.detail = NO_ROOM, (f"the pool had room for "
+                                                          f"{len(pull.dest)} of {pull.wanted}")
         finally:
             self.manager.unpin(pull.pinned)
         tokens = landed * self.block_size
+        result.tokens = tokens
         result.seconds = time.monotonic() - pull.t0  # queueing and landing included
         self.stats.note(result, tokens)
         self.stats.blocks += landed
@@ -286,12 +369,14 @@ class PeerPuller:
             self._landed[req.request_id] = self._landed.get(req.request_id, 0) + tokens
         if result.failure is not None:
             self.stats.fallbacks[result.failure] = self.stats.fallbacks.get(result.failure, 0) + 1
-            logger.warning("kv pull %s from %s (%s): %s; %d of %d blocks landed, recomputing "
-                           "the rest", req.request_id, pull.source.pod_id, pull.source.address,
-                           result.detail, landed, len(pull.ask.hashes))
+            logger.warning("kv pull %s from %s (%s) via %s: %s; %d of %d blocks landed, "
+                           "recomputing the rest", req.request_id, pull.source.pod_id,
+                           pull.source.address, result.transport or "-", result.detail, landed,
+                           pull.wanted)
         else:
-            logger.info("kv pull %s: %d blocks (%.1f MiB) from %s in %.1f ms", req.request_id,
-                        landed, result.nbytes / 2**20, pull.source.pod_id, result.seconds * 1e3)
+            logger.info("kv pull %s: %d blocks (%.1f MiB) from %s via %s in %.1f ms",
+                        req.request_id, landed, result.nbytes / 2**20, pull.source.pod_id,
+                        result.transport, result.seconds * 1e3)
 
     def _end(self, pull: _Pull) -> None:
         """The pull leaves the books: its blocks are no longer in flight."""
@@ -315,21 +400,32 @@ class PeerPuller:
     # -- the engine's bookkeeping -----------------------------------------------------------
     def finish_pulls(self) -> None:
         """Land every finished pull now, admitted or not, so pinned prefixes never wait on
-        a request the scheduler cannot reach (see TierConnector.finish_loads)."""
+        a request the scheduler cannot reach (see TierConnector.finish_loads); give back the
+        reserved blocks of abandoned pulls whose worker is out."""
         for pull in [p for p in self._pulls.values() if p.future.done()]:
             self._land(pull)
+        self._release_abandoned()
+
+    def _release_abandoned(self) -> None:
+        done = [p for p in self._abandoned if p.future.done()]
+        self._abandoned = [p for p in self._abandoned if not p.future.done()]
+        for pull in done:
+            self.manager.release(pull.dest)
 
     def has_pending(self) -> bool:
-        return bool(self._pulls)
+        return bool(self._pulls) or bool(self._abandoned)
 
     def wait_for_pulls(self, timeout: float) -> None:
-        wait([p.future for p in self._pulls.values()], timeout, FIRST_COMPLETED)
+        wait([p.future for p in (*self._pulls.values(), *self._abandoned)], timeout,
+             FIRST_COMPLETED)
 
     def pinned_sets(self) -> list[list[KVCacheBlock]]:
-        return [p.pinned for p in self._pulls.values()]
+        return [p.pinned + p.dest for p in self._pulls.values()] + [
+            p.dest for p in self._abandoned]
 
     def forget(self, request_id: str) -> None:
-        """The request left: stop its pull; its pinned prefix is released now."""
+        """The request left: stop its pull; its pinned prefix is released now, its reserved
+        blocks once the worker has stopped writing them."""
         self.sources.pop(request_id, None)
         self._landed.pop(request_id, None)
         pull = self._pulls.get(request_id)
@@ -337,8 +433,11 @@ class PeerPuller:
             self._end(pull)
             pull.handle.cancel()
             self.manager.unpin(pull.pinned)
+            self._abandoned.append(pull)
+            self._release_abandoned()
 
     def close(self) -> None:
         for pull in list(self._pulls.values()):
             self.forget(pull.req.request_id)
         self._workers.shutdown(wait=True, cancel_futures=True)
+        self._release_abandoned()

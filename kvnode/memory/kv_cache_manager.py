@@ -283,7 +283,6 @@ class KVCacheManager:
         Returns how many were loaded (fewer when the pool has no room); the caller owns the
         rest.
         """
-        pool = self.block_pool
         if hit is None:
             hit = self.lookup(request)
         if len(hit.blocks) != start or not loads:
@@ -291,22 +290,45 @@ class KVCacheManager:
         pinned = list(hit.blocks)
         self.pin(pinned)  # making room must not evict the prefix these blocks extend
         try:
-            # The reserve protects running requests, as at admission: with none running it
-            # only turned reloadable blocks into recompute.
-            reserve = self.watermark_blocks if self.req_to_blocks else 0
-            n = min(len(loads), pool.get_num_free_blocks() - reserve)
-            if n <= 0:
-                return 0
-            blocks = pool.get_new_blocks(n)
-            write_fn([b.block_id for b in blocks], [data for _, data in loads[:n]])
-            hashes = request.block_hashes
-            pool.cache_full_blocks(pinned + blocks, hashes, start, start + n,
-                                   request.all_token_ids)
-            pinned = pinned + blocks
-            self._continue_lookup(hit, hashes)
-            return n
+            blocks = self.take_free_blocks(len(loads))
         finally:
             self.unpin(pinned)
+        if not blocks:
+            return 0
+        write_fn([b.block_id for b in blocks], [data for _, data in loads[: len(blocks)]])
+        return self.land_blocks(request, start, blocks, hit)
+
+    def take_free_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Up to `n` blocks for the caller to write (the pool's free ones, evicting as an
+        allocation does), one reference each: `land_blocks` or `release` gives them back.
+        The reserve protects running requests, as at admission: with none running it only
+        turned reloadable blocks into recompute."""
+        reserve = self.watermark_blocks if self.req_to_blocks else 0
+        n = min(n, self.block_pool.get_num_free_blocks() - reserve)
+        return self.block_pool.get_new_blocks(n) if n > 0 else []
+
+    def land_blocks(self, request: Request, start: int, blocks: Sequence[KVCacheBlock],
+                    hit: PrefixHit | None = None) -> int:
+        """Blocks from `take_free_blocks`, written with the request's blocks `start, ...`,
+        become ordinary free cached blocks continuing its pool prefix (`hit`, extended in
+        place, as a fresh lookup would find it; looked up here when None). Returns how many
+        landed: none when the pool prefix no longer ends at `start`. The caller's references
+        are dropped either way."""
+        if hit is None:
+            hit = self.lookup(request)
+        landed = len(blocks) if len(hit.blocks) == start else 0
+        if landed:
+            hashes = request.block_hashes
+            self.block_pool.cache_full_blocks(list(hit.blocks) + list(blocks), hashes, start,
+                                              start + landed, request.all_token_ids)
+            self._continue_lookup(hit, hashes)
+        self.unpin(blocks)  # tail first: the run's head stays cached longest
+        return landed
+
+    def release(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Give back blocks of `take_free_blocks` (written or not): an unhashed one holds
+        nothing reusable and is handed out first."""
+        self.block_pool.free_blocks(blocks)
 
     def pin(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Hold a reference on blocks no request table holds (a prefix a tier load extends),

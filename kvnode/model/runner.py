@@ -295,6 +295,10 @@ class ModelRunner:
         """Inverse of ``read_block``."""
         self.kv_cache.write_block(block_id, data)
 
+    def block_views(self, block_id: int) -> list[memoryview] | None:
+        """The block's bytes in place, in ``read_block``'s order (None on a device pool)."""
+        return self.kv_cache.block_planes(block_id)
+
     def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Many blocks at once: [n, block_bytes] uint8 (rows as ``read_block``); `out` is an
         optional reusable buffer."""

@@ -1,9 +1,15 @@
-"""The pod's side of pulling KV from a peer: `KVNode.PullBlocks` over gRPC.
+"""The pod's side of pulling KV from a peer: the control on `KVNode.PullBlocks` (gRPC), the
+bytes on a data transport.
 
-`PeerFetcher` is the transport kvnode.engine.peer_pull calls from its worker threads: it
-asks the peer for a chain's blocks and yields the entries of each message (the puller checks
-them). gRPC failures become `PullFailed` with the reason the metrics count. One channel per
-peer address, kept (a bounded number): a pull does not pay a TCP/TLS handshake.
+`PeerFetcher` is the fetch kvnode.engine.peer_pull calls from its worker threads: it asks the
+peer for a chain's blocks, offering the data transports this pod receives on (its preference
+first: `--kv-transports`). The peer answers with a ticket naming the one it picked (kvnode/
+pod/kv_data_tcp.py: framed TCP; kv_data_mooncake.py: Mooncake's transfer engine) and the
+transport puts the blocks into the pull's BlockSink; a peer without any of them (or a pod
+pulling with "grpc" only) sends the entries in the stream itself. Either way the sink checks
+every block. gRPC failures become `PullFailed` with the reason the metrics count. One channel
+per peer address, kept (a bounded number): a pull does not pay a TCP/TLS handshake for its
+control.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 import grpc
 
@@ -21,6 +28,7 @@ from pagekv.kvnode.engine.peer_pull import (
     ERROR,
     PEER_BUSY,
     PEER_UNAVAILABLE,
+    BlockSink,
     KvSource,
     PullAsk,
     PullFailed,
@@ -33,6 +41,7 @@ from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from pagekv.tiers.peer_entries import KvLayout
 
 MAX_CHANNELS = 64
+GRPC = "grpc"  # no data transport: the entries in the PullBlocks stream
 
 _REASONS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DEADLINE,
@@ -47,11 +56,30 @@ _REASONS = {
 }
 
 
+class DataClient(Protocol):
+    """A data transport's puller end: the ticket's blocks into the sink, in order; raises
+    PullFailed or EntryRejected. `control` yields the rest of the PullBlocks stream (the
+    holder's `ready_blocks`), for a transport that reads only what is ready."""
+
+    name: str
+
+    def receive(self, host: str, ticket: pb.TransferTicket, ask: PullAsk, sink: BlockSink,
+                handle: PullHandle, control: Iterator[pb.PullBlocksChunk]) -> None: ...
+
+
+def host_of(address: str) -> str:
+    """The host part of host:port (an IPv6 literal in brackets without them)."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 class PeerFetcher:
     def __init__(self, hash_config: pb.HashConfig, layout: KvLayout,
-                 tls: TlsFiles | None = None, token: str | None = None) -> None:
+                 tls: TlsFiles | None = None, token: str | None = None,
+                 clients: Mapping[str, DataClient] | None = None) -> None:
         self.hash_config = hash_config
         self.layout = layout
+        self.clients = dict(clients or {})  # preference order: the request offers them so
         self.tls = tls
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         # A message holds up to ~4 MiB of blocks, at least one block.
@@ -71,8 +99,8 @@ class PeerFetcher:
             self._channels.move_to_end(address)
             return entry[1]
 
-    def __call__(self, source: KvSource, ask: PullAsk, handle: PullHandle
-                 ) -> Iterator[list[bytes]]:
+    def __call__(self, source: KvSource, ask: PullAsk, handle: PullHandle, sink: BlockSink
+                 ) -> None:
         timeout = ask.deadline - time.monotonic()
         if timeout <= 0:
             raise PullFailed(DEADLINE, "no time left before the pull's deadline")
@@ -80,13 +108,20 @@ class PeerFetcher:
             block_hashes=ask.hashes, parent_hash=ask.parent or b"",
             hash_config=self.hash_config, kv_layout=self.layout.json,
             request_id=ask.request_id, chain_token_ids=ask.tokens,
-            cache_salt=ask.cache_salt or "", lora_id=ask.lora_id or "")
+            cache_salt=ask.cache_salt or "", lora_id=ask.lora_id or "",
+            transports=list(self.clients))
         call = self._stub(source.address).PullBlocks(request, timeout=timeout,
                                                      metadata=self.metadata)
         handle.on_cancel(call.cancel)
         try:
-            for chunk in call:
-                yield list(chunk.entries)
+            chunks = iter(call)
+            for chunk in chunks:
+                if chunk.HasField("ticket"):
+                    self._receive(source, chunk.ticket, ask, sink, handle, chunks)
+                    return
+                sink.transport = GRPC
+                for entry in chunk.entries:
+                    sink.take_entry(entry)
         except grpc.RpcError as exc:
             if handle.cancelled:
                 return
@@ -95,7 +130,17 @@ class PeerFetcher:
                              f"{source.pod_id} at {source.address}: {code.name}: "
                              f"{exc.details()}") from None
         finally:
-            call.cancel()  # a generator closed early (deadline, bad entry) ends the call too
+            call.cancel()  # ended early (deadline, a bad entry, the data done): the call too
+
+    def _receive(self, source: KvSource, ticket: pb.TransferTicket, ask: PullAsk,
+                 sink: BlockSink, handle: PullHandle,
+                 control: Iterator[pb.PullBlocksChunk]) -> None:
+        client = self.clients.get(ticket.transport)
+        if client is None:  # a peer must pick one of those offered
+            raise PullFailed(CONFIG_MISMATCH, f"{source.pod_id} answered on transport "
+                                              f"{ticket.transport[:32]!r}, not offered")
+        sink.transport = client.name
+        client.receive(host_of(source.address), ticket, ask, sink, handle, control)
 
     def close(self) -> None:
         with self._lock:

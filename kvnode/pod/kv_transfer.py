@@ -19,17 +19,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from prometheus_client import Counter, Gauge
 
 from pagekv.kvnode.engine.kv_export import ChainClaim, ExportRun, KvExporter
+from pagekv.kvnode.pod.kv_data_session import ExportSession
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 MAX_PULL_BLOCKS = 8192
+GRPC = "grpc"  # the blocks in the PullBlocks stream itself
+TRANSPORTS = ("tcp", "mooncake", GRPC)
+PROGRESS_POLL_S = 0.5  # how often the control call looks at a data transfer's progress
+
+
+class DataServer(Protocol):
+    """A data transport's holder end (kvnode/pod/kv_data_tcp.py, kv_data_mooncake.py)."""
+
+    name: str
+
+    def offer(self, session: ExportSession) -> pb.TransferTicket: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +60,22 @@ class TransferConfig:
     compress: bool = False            # --kv-transfer-compress: LZ4 entries (slow links)
     chunk_bytes: int = 4 << 20        # bytes of blocks per stream message
     peer_token: str | None = None     # the fleet's peer token: presented, and required here
+    # --kv-transports: the data transports this pod pulls with (its preference first) and
+    # serves; "grpc" alone: the blocks in PullBlocks' own stream, as before transports.
+    transports: tuple[str, ...] = ("tcp",)
+    data_port: int = 0                # --kv-data-port: the tcp transport's port (0: any free)
 
     def __post_init__(self) -> None:
         for name in ("pull_max_concurrent", "serve_max_concurrent", "serve_max_bytes",
                      "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        unknown = [t for t in self.transports if t not in TRANSPORTS]
+        if unknown or not self.transports or len(set(self.transports)) < len(self.transports):
+            raise ValueError(f"transports must be distinct names among {', '.join(TRANSPORTS)}"
+                             f", got {', '.join(self.transports) or 'none'}")
+        if not 0 <= self.data_port < 1 << 16:
+            raise ValueError(f"data_port must be 0..65535, got {self.data_port}")
         if not self.pull_deadline_s > 0:
             raise ValueError(f"pull_deadline_s must be > 0, got {self.pull_deadline_s}")
 
@@ -65,6 +91,7 @@ class _OpenState:
 class KvTransferService:
     def __init__(self, pod, config: TransferConfig) -> None:
         self.pod = pod
+        self.data_servers: dict[str, DataServer] = {}  # add_data_server, once listening
         self.max_concurrent = config.serve_max_concurrent
         self.max_bytes = config.serve_max_bytes
         self.compress = config.compress
@@ -85,6 +112,14 @@ class KvTransferService:
                              names, registry=pod.registry).labels(**labels)
         self._labels = labels
         self._warned: set[str] = set()
+
+    def add_data_server(self, server: DataServer) -> None:
+        self.data_servers[server.name] = server
+
+    def close(self) -> None:
+        for server in self.data_servers.values():
+            server.close()
+        self.data_servers.clear()
 
     def _refuse(self, reason: str) -> None:
         self._refused.labels(**self._labels, reason=reason).inc()
@@ -135,14 +170,14 @@ class KvTransferService:
         self._active.inc()
         try:
             # Closed here, not left to the garbage collector: its finally releases the pins.
-            async with contextlib.aclosing(self._serve(request)) as stream:
+            async with contextlib.aclosing(self._serve(request, context)) as stream:
                 async for chunk in stream:
                     yield chunk
         finally:
             self.active -= 1
             self._active.dec()
 
-    async def _serve(self, request: pb.PullBlocksRequest):
+    async def _serve(self, request: pb.PullBlocksRequest, context):
         pod = self.pod
         eng = pod.engine
         exporter = eng.exporter
@@ -159,6 +194,28 @@ class KvTransferService:
             return
         run = await self._open(exporter, hashes, parent)
         budget = min(request.max_bytes or self.max_bytes, self.max_bytes)
+        server = next((self.data_servers[t] for t in request.transports
+                       if t in self.data_servers), None)
+        if server is not None:
+            left = context.time_remaining()
+            # From here the session owns the run: it is closed once neither this call nor
+            # the transport's worker holds it.
+            session = ExportSession(
+                exporter, run, budget=budget,
+                deadline=time.monotonic() + (left if left is not None else 600.0),
+                compress=self.compress, chunk_bytes=self.chunk_bytes,
+                close_run=lambda: pod.aengine.post(lambda: exporter.close(run)))
+            try:
+                yield pb.PullBlocksChunk(ticket=server.offer(session))
+                async for chunk in self._progress(session):
+                    yield chunk
+            finally:
+                session.end()
+                self._count(run, 0, session.sent_blocks, session.sent_bytes)
+            logger.debug("served %s on %s: %d of %d blocks asked, %d bytes",
+                         request.request_id or "-", server.name, session.sent_blocks,
+                         len(hashes), session.sent_bytes)
+            return
         per_message = max(1, self.chunk_bytes // eng.kv_layout.block_bytes)
         sent = 0
         try:
@@ -174,7 +231,7 @@ class KvTransferService:
                     sent += len(entry)
                     kept.append(entry)
                 if kept:
-                    self._count(run, lo, kept)
+                    self._count(run, lo, len(kept), sum(len(e) for e in kept))
                     yield pb.PullBlocksChunk(entries=kept)
                 if len(kept) < hi - lo:
                     break  # the byte limit, or a tier block gone since the run was found
@@ -183,6 +240,18 @@ class KvTransferService:
             pod.aengine.post(lambda: exporter.close(run))
         logger.debug("served %s: %d of %d blocks asked, %d bytes", request.request_id or "-",
                      len(run.hashes), len(hashes), sent)
+
+    @staticmethod
+    async def _progress(session: ExportSession):
+        """The transport's progress as messages (a transport that reads the holder's memory,
+        as Mooncake's, reads up to `ready_blocks`), until it has sent all it will."""
+        seen, finished = 0, False
+        while not finished and session.remaining_s() > 0:
+            wait_s = min(PROGRESS_POLL_S, max(session.remaining_s(), 0.0))
+            ready, finished = await asyncio.to_thread(session.wait_progress, seen, wait_s)
+            if ready > seen or finished:
+                seen = ready
+                yield pb.PullBlocksChunk(ready_blocks=ready)
 
     async def _open(self, exporter: KvExporter, hashes: list[bytes], parent: bytes | None
                     ) -> ExportRun:
@@ -213,7 +282,7 @@ class KvTransferService:
             aengine.post(give_up)
             raise
 
-    def _count(self, run: ExportRun, lo: int, entries: list[bytes]) -> None:
-        for m in run.media[lo : lo + len(entries)]:
+    def _count(self, run: ExportRun, lo: int, blocks: int, nbytes: int) -> None:
+        for m in run.media[lo : lo + blocks]:
             self._served_blocks.labels(**self._labels, tier=m).inc()
-        self._served_bytes.inc(sum(len(e) for e in entries))
+        self._served_bytes.inc(nbytes)

@@ -118,6 +118,15 @@ def add_transfer_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-compress", action=argparse.BooleanOptionalAction,
                    default=d.compress, help="LZ4 the served blocks when it shrinks them "
                                             "(slow links; costs CPU on both sides)")
+    g.add_argument("--kv-transports", default=",".join(d.transports),
+                   help="data transports for KV pulls, this pod's preference first (it pulls "
+                        "with them and serves them; a pair uses the first both have): tcp "
+                        "(framed TCP on --kv-data-port), mooncake (Mooncake's transfer engine, "
+                        "when installed), grpc (the blocks in the PullBlocks stream; always "
+                        "served)")
+    g.add_argument("--kv-data-port", type=int, default=d.data_port,
+                   help="the tcp transport's port on this pod's --host (0: any free port; it "
+                        "is told to pullers in each pull's ticket)")
     add_token_argument(p, "--peer-api-token", PEER_API_TOKEN_ENV,
                        "the fleet's peer token: presented to peers when pulling KV, and the "
                        "only token this pod's KVNode.PullBlocks accepts (never --api-token)")
@@ -129,7 +138,9 @@ def transfer_config_from(args: argparse.Namespace) -> TransferConfig:
         pull_deadline_s=args.kv_pull_deadline_s,
         serve_max_concurrent=args.kv_transfer_max_concurrent,
         serve_max_bytes=args.kv_transfer_max_bytes, compress=args.kv_transfer_compress,
-        peer_token=token_from(args.peer_api_token, PEER_API_TOKEN_ENV))
+        peer_token=token_from(args.peer_api_token, PEER_API_TOKEN_ENV),
+        transports=tuple(t.strip() for t in args.kv_transports.split(",") if t.strip()),
+        data_port=args.kv_data_port)
 
 
 def main(args: argparse.Namespace) -> int:

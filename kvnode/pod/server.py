@@ -33,6 +33,7 @@ from pagekv.kvnode.index.kv_events_zmq import VllmEventPublisher, ZmqEventsConfi
 from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.kvnode.pod.kv_pull_client import PeerFetcher
 from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
+from pagekv.kvnode.pod.kv_transports import data_clients, data_servers
 from pagekv.kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
 from pagekv.kvnode.pod.prom import EngineCollector, RequestMetricsExporter
 from pagekv.proto.auth_profile import (
@@ -279,6 +280,10 @@ class PodServer:
             "pagekv_kv_pull_seconds", "Cross-pod KV pull: admission to landed in the pool "
             "(failed pulls included)", [*self.metric_labels], registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+        self.pulls_by_transport = Counter(
+            "pagekv_kv_pulls_by_transport", "Cross-pod KV pulls by the data transport the "
+            "pair used (grpc: the blocks in the PullBlocks stream) and outcome (ok, fallback)",
+            [*self.metric_labels, "transport", "outcome"], registry=self.registry)
         self.http_responses = Counter(
             "pagekv_http_requests", "OpenAI API (HTTP) responses by route and status",
             [*self.metric_labels, "route", "status"], registry=self.registry)
@@ -368,6 +373,10 @@ class PodServer:
         self.port = bound
         if self.advertise_address is None:
             self.address = f"{self.host}:{self.port}"
+        for data_server in data_servers(self.transfer_config, self.host, self.tls):
+            self.transfer.add_data_server(data_server)
+            logger.info("KV data transport %s on %s:%s", data_server.name, self.host,
+                        getattr(data_server, "port", "-"))
         for name in ("", *names[:2]):
             await pod_health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
@@ -396,16 +405,20 @@ class PodServer:
             return
         # The peer token only: a client's API token never opens a peer's PullBlocks.
         self.fetcher = PeerFetcher(self.wire_hash_config(), engine.kv_layout, self.tls,
-                                   cfg.peer_token)
+                                   cfg.peer_token, data_clients(cfg, self.tls))
         labels = self.metric_labels
 
         def observe(result: PullResult) -> None:
             self.pull_seconds.labels(**labels).observe(result.seconds)
+            self.pulls_by_transport.labels(
+                **labels, transport=result.transport or "none",
+                outcome="ok" if result.failure is None else "fallback").inc()
 
         engine.enable_peer_pull(self.fetcher, cfg.pull_max_concurrent, cfg.pull_deadline_s,
                                 observe)
-        logger.info("cross-pod KV pull: on (%d at once, %.1fs deadline); serving peers: %d at "
-                    "once, %d MiB per call, %s", cfg.pull_max_concurrent, cfg.pull_deadline_s,
+        logger.info("cross-pod KV pull: on (%d at once, %.1fs deadline, transports %s); "
+                    "serving peers: %d at once, %d MiB per call, %s", cfg.pull_max_concurrent,
+                    cfg.pull_deadline_s, ", ".join(self.fetcher.clients) or "grpc",
                     cfg.serve_max_concurrent, cfg.serve_max_bytes >> 20,
                     "peer token required" if cfg.peer_token else
                     "refused to all (no --peer-api-token)" if self.guard.active else
@@ -496,6 +509,7 @@ class PodServer:
             self.kv_events.stop()
         if self.fetcher is not None:
             self.fetcher.close()
+        self.transfer.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()  # a restarted pod in this process rebinds the port
             self.metrics_server.server_close()

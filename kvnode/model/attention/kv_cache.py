@@ -134,6 +134,17 @@ class KVCache:
             off += 2 * n
         return out
 
+    def block_planes(self, block_id: int) -> list[memoryview] | None:
+        """One block's bytes where they lie, in `read_block`'s order (layer 0 K, layer 0 V,
+        ...): writable byte views a socket can send from or receive into without a copy.
+        None when the pool is not in host memory (a device pool)."""
+        self._check_id(block_id)
+        if self.key_caches[0].device.type != "cpu":
+            return None
+        return [_as_bytes(cache[block_id]).numpy().data
+                for pair in zip(self.key_caches, self.value_caches, strict=True)
+                for cache in pair]
+
     def write_block(self, block_id: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
         """Inverse of ``read_block``."""
         self._check_id(block_id)

@@ -297,7 +297,7 @@ class StatsResponse(_message.Message):
     def __init__(self, pod_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., epoch: _Optional[str] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "hash_config", "kv_layout", "max_bytes", "request_id", "chain_token_ids", "cache_salt", "lora_id")
+    __slots__ = ("block_hashes", "parent_hash", "hash_config", "kv_layout", "max_bytes", "request_id", "chain_token_ids", "cache_salt", "lora_id", "transports")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     HASH_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class PullBlocksRequest(_message.Message):
     CHAIN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     hash_config: HashConfig
@@ -316,13 +317,36 @@ class PullBlocksRequest(_message.Message):
     chain_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     lora_id: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., kv_layout: _Optional[str] = ..., max_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., chain_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ...) -> None: ...
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., kv_layout: _Optional[str] = ..., max_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., chain_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullBlocksChunk(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "ticket", "ready_blocks")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, entries: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    ticket: TransferTicket
+    ready_blocks: int
+    def __init__(self, entries: _Optional[_Iterable[bytes]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., ready_blocks: _Optional[int] = ...) -> None: ...
+
+class TransferTicket(_message.Message):
+    __slots__ = ("transport", "token", "num_blocks", "port", "session", "buffer", "entry_lengths")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    token: bytes
+    num_blocks: int
+    port: int
+    session: str
+    buffer: int
+    entry_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transport: _Optional[str] = ..., token: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., port: _Optional[int] = ..., session: _Optional[str] = ..., buffer: _Optional[int] = ..., entry_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("include_tiers",)
