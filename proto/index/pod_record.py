@@ -3,16 +3,17 @@
 Every value is checked on the way in, since anyone who reaches Redis can write the pod HASH:
 a load figure that is not a finite count in range is dropped (that pod's load is unknown
 and the router counts its own requests there instead), a cost outside a sane range is
-dropped (the configured one stands in), and a registration the router could not reach
-(no address, an unknown kind, an unreadable field) skips the pod. Each is counted in
-`BadRecords`; nothing here raises.
+dropped (the configured one stands in), so is a pull cost per holder with either part out
+of range or missing (both parts go: half of it would misprice the pull), and a registration
+the router could not reach (no address, an unknown kind, an unreadable field) skips the
+pod. Each is counted in `BadRecords`; nothing here raises.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagekv.proto.index.bad_records import (
@@ -24,6 +25,7 @@ from pagekv.proto.index.bad_records import (
     BadRecords,
 )
 from pagekv.proto.index.schema import POD_KIND_PAGEKV, POD_KIND_VLLM, POD_KINDS, text
+from pagekv.proto.pull_cost import FIXED_PREFIX, PER_TOKEN_PREFIX, PullCost
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ MAX_COST_S_PER_TOKEN = 10.0
 # Never free, so never 0 (a forged 0 prefill would win every cold prompt); the pool's own
 # reload (cost.GPU) is 0.
 NONZERO_COSTS = ("prefill", "peer")
+# Seconds per pull above this is no pull's fixed part (their deadline is seconds).
+MAX_PULL_FIXED_S = 10.0
 
 
 @dataclass(slots=True)
@@ -50,6 +54,8 @@ class PodInfo:
     lease_ms: int  # time left on the lease
     kind: str = POD_KIND_PAGEKV  # how it is reached (schema.POD_KINDS)
     http_address: str = ""  # host:port of its OpenAI HTTP API, when registered
+    # holder pod id -> what a pull from it costs this pod, as measured (proto/pull_cost.py)
+    pull_costs: dict[str, PullCost] = field(default_factory=dict)
 
     @property
     def waiting(self) -> int:
@@ -85,6 +91,32 @@ def _cost_value(name: str, value: str) -> float | None:
     if number == 0 and name in NONZERO_COSTS:
         return None
     return number
+
+
+def _fixed_value(value: str) -> float | None:
+    number = _number(value)
+    if number is None or not math.isfinite(number) or not 0 <= number <= MAX_PULL_FIXED_S:
+        return None
+    return number
+
+
+def _pull_costs(pod_id: str, costs: dict[str, str], bad: BadRecords) -> dict[str, PullCost]:
+    """The per-holder pull costs among `costs` (cost.<name> -> value): those whose two
+    parts are both present and sane; any other is counted and skipped whole."""
+    per_token = {n[len(PER_TOKEN_PREFIX):]: v for n, v in costs.items()
+                 if n.startswith(PER_TOKEN_PREFIX)}
+    fixed = {n[len(FIXED_PREFIX):]: v for n, v in costs.items() if n.startswith(FIXED_PREFIX)}
+    out: dict[str, PullCost] = {}
+    for holder in sorted(per_token.keys() | fixed.keys()):
+        slope = _cost_value("peer", per_token.get(holder, ""))
+        intercept = _fixed_value(fixed.get(holder, ""))
+        if not holder or slope is None or intercept is None:
+            bad.note(BAD_COST, f"pod {pod_id}: pull cost from {holder!r} = "
+                               f"{fixed.get(holder)!r} s + {per_token.get(holder)!r} s/token; "
+                               "its pod-wide peer cost stands in")
+        else:
+            out[holder] = PullCost(intercept, slope)
+    return out
 
 
 def _is_host_port(address: str) -> bool:
@@ -133,6 +165,7 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
     cfg: dict[str, str] = {}
     load: dict[str, float] = {}
     costs: dict[str, float] = {}
+    per_holder: dict[str, str] = {}  # cost.peer.<pod> / cost.peer_fixed.<pod>, read below
     for name, value in fields.items():
         if name.startswith("cfg."):
             cfg[name[4:]] = value
@@ -143,6 +176,8 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
                                    "unknown")
             else:
                 load[name[5:]] = number
+        elif name.startswith(("cost." + PER_TOKEN_PREFIX, "cost." + FIXED_PREFIX)):
+            per_holder[name[5:]] = value
         elif name.startswith("cost."):
             number = _cost_value(name[5:], value)
             if number is None:
@@ -165,4 +200,5 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
         lease_ms=lease_ms,
         kind=fields.get("kind", POD_KIND_PAGEKV),
         http_address=fields.get("http_address", ""),
+        pull_costs=_pull_costs(pod_id, per_holder, bad),
     )
