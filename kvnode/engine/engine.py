@@ -39,6 +39,7 @@ from pagekv.kvnode.engine.outputs import (
 )
 from pagekv.kvnode.engine.peer_pull import Fetch, KvSource, PeerPuller, PullResult
 from pagekv.kvnode.engine.prompt_logprobs import rows_to_score, score_tokens
+from pagekv.kvnode.engine.pull_costs import PeerPullCosts
 from pagekv.kvnode.engine.sampler import make_generator, sample
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
@@ -134,6 +135,7 @@ class Engine:
             prefix_loader=self._load_prefix,
         )
         self.puller: PeerPuller | None = None  # enable_peer_pull: the pod supplies a transport
+        self.pull_costs: PeerPullCosts | None = None  # per holder, fitted from its pulls
         self.kv_layout = kv_layout(self.runner)  # what peers must share to exchange blocks
         # Peers pull from it: it reads and packs the blocks, the pod only sends the bytes.
         self.exporter = KvExporter(self.kv_manager, self.runner, chain, self.kv_layout)
@@ -173,6 +175,8 @@ class Engine:
             raise ValueError("cross-pod KV pull needs prefix caching (blocks are found by hash)")
         self.puller = PeerPuller(self.kv_manager, self.runner, self.kv_layout, fetch,
                                  max_concurrent=max_concurrent, deadline_s=deadline_s)
+        self.pull_costs = PeerPullCosts()
+        self.puller.observers.append(self.pull_costs.observe)
         if observe is not None:
             self.puller.observers.append(observe)
         return self.puller
@@ -541,7 +545,8 @@ class Engine:
     def tier_costs(self) -> dict[str, float]:
         """Measured seconds per token, published to the router: "prefill" (recompute), each
         tier reloaded from so far, and "peer" (complete pulls, landing included); a figure
-        not measured yet is absent."""
+        not measured yet is absent. Per holder pulled from, "peer.<pod>" and
+        "peer_fixed.<pod>" (proto/pull_cost.py), and "peer" is then their median."""
         costs: dict[str, float] = {}
         if self.prefill_s_per_token is not None:
             costs["prefill"] = self.prefill_s_per_token
@@ -551,6 +556,8 @@ class Engine:
         peer = self.puller.stats.s_per_token() if self.puller is not None else None
         if peer is not None:
             costs["peer"] = peer
+        if self.pull_costs is not None:
+            costs.update(self.pull_costs.cost_map())
         return costs
 
     def close(self) -> None:
