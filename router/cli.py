@@ -67,7 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds per token to reload KV from SSD (pods may override)")
     group.add_argument("--cost-peer-per-token", type=float, default=c.peer_per_token,
                        help="seconds per token to pull KV from a peer pod that holds the "
-                            "prefix (pods may override)")
+                            "prefix (pods override it with what they measure, per peer)")
+    group.add_argument("--pull-min-token-delta", type=int, default=c.pull_min_token_delta,
+                       help="never pull fewer tokens than this (a floor under the crossover "
+                            "fitted from the pods' measured pulls, as llm-d's "
+                            "minCachedTokenDelta; 0: the crossover alone decides)")
     group.add_argument("--kv-pull", action=argparse.BooleanOptionalAction, default=d.kv_pull,
                        help="let a pod pull a prefix it lacks from a peer that holds it "
                             "(kv_source) when that is cheaper than recomputing it")
@@ -151,6 +155,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         disk_per_token=args.cost_disk_per_token,
         queue_per_request=args.cost_queue_per_request,
         peer_per_token=args.cost_peer_per_token,
+        pull_min_token_delta=args.pull_min_token_delta,
         tie_rel=args.tie_tolerance,
         speed_band=args.speed_band,
     )

@@ -16,7 +16,8 @@ one pod with 2 torch threads:
   landed in the pool here), 1.8e-5 at the DRAM figure; gRPC framing, Python-side copies and
   a round trip per pull on top make it ten times the DRAM reload. Twice the SSD estimate and
   a tenth of prefill: a pull wins only where it saves most of the recompute. An estimate,
-  not a measurement (pods publish `cost.peer`).
+  not a measurement: pods publish `cost.peer`, and per peer a fitted fixed part and cost
+  per token (proto/pull_cost.py), from which the router derives each pair's crossover.
 * queue 0.025 s/request: each queued request with a 48-token uncached suffix delayed a
   probe's first token by about 25 ms (0 -> 8 queued: 39 -> 238 ms). It is scaled by each
   pod's prefill speed (pagekv-tiny measured 5.5 ms per queued request). A queued cold

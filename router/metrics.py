@@ -45,6 +45,11 @@ class RouterMetrics:
             "pagekv_router_pull_hints_total",
             "Calls forwarded with a kv_source hint: the pod pulls its prefix from a peer",
             registry=r)
+        self.pull_crossover = Gauge(
+            "pagekv_router_pull_crossover_tokens",
+            "The token delta above which pod pulling from peer beats recomputing, from the "
+            "pod's measured pull cost from that peer (+Inf: never); no pull of fewer tokens "
+            "than --pull-min-token-delta either", ["pod", "peer"], registry=r)
         self.predicted_tokens = Histogram(
             "pagekv_router_predicted_cached_tokens", "Predicted cached prompt tokens per request",
             buckets=_TOKEN_BUCKETS, registry=r)

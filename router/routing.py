@@ -25,6 +25,7 @@ from pagekv.router.config import RouterConfig
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.placement import place_cold
 from pagekv.router.pods import PodEntry, PodRegistry
+from pagekv.router.pull_crossovers import PullCrossovers
 from pagekv.router.scoring import (
     REASON_COOLDOWN,
     REASON_FALLBACK,
@@ -111,6 +112,7 @@ class Router:
                                                config.pod_keepalive_timeout_s))
         metrics.cooling_pods.set_function(self.registry.cooling)
         self.burst = BurstTracker(config.burst_ttl_s)
+        self.crossovers = PullCrossovers(metrics.pull_crossover, config.refresh_interval_s)
         self.shared = SharedBursts(self.index, config.burst_ttl_s, metrics) \
             if config.shared_bursts and config.burst_ttl_s > 0 else None
         self._sharded = is_cluster(redis_client)
@@ -250,9 +252,12 @@ class Router:
             if p.info.kind == POD_KIND_VLLM:  # no KVNode.PullBlocks either way
                 cand.lendable = cand.can_pull = False
             cand.published_costs = p.info.tier_costs
+            cand.pull_costs = p.info.pull_costs
             if p.pod_id in speeds:
                 cand.published_costs = {**p.info.tier_costs, "prefill": speeds[p.pod_id]}
             cands.append(cand)
+        if self.config.kv_pull:
+            self.crossovers.update(cands, self.config.costs, now)
         scores = score_all(cands, prompt_len, self.config.block_size, self.config.costs,
                            self.config.kv_pull)
         order, reason = rank(scores, self.config.costs, counter)

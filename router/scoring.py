@@ -20,15 +20,26 @@ within `speed_band` times of the pods' median are therefore scored at that media
 fast; only a pod further off (other hardware) keeps its own figure. Otherwise noise, not
 load, would decide where every cold prompt goes.
 
-The pull option (`score_all` with `pull`): a pod C whose predicted prefix is shorter than the
-longest one the index confirms on another pod H may pull the blocks in between from H
+The pull option (`score_all` with `pull`): a pod C whose predicted prefix is shorter than one
+the index confirms on another pod H may pull the blocks in between from H
 (GenerateRequest.kv_source) instead of recomputing them:
 
-    pull cost = cost − pulled tokens × prefill s/token + pulled tokens × peer s/token
+    pull cost = cost − pulled tokens × prefill s/token + fixed s + pulled tokens × peer s/token
 
-C keeps its own tiers for its own prefix; the peer figure is C's published `cost.peer`, else
-the configured one. C's score takes the pull cost when it is lower. The source is measured by
-the index only: a burst-predicted block may not exist yet, so it cannot be pulled.
+C keeps its own tiers for its own prefix. The pull's price is what C measured pulling from H
+(`cost.peer.<H>` and `cost.peer_fixed.<H>`, proto/pull_cost.py), else C's published
+`cost.peer` (all-in per token, no fixed part), else the configured one. So a pull is taken
+only above its crossover, the token delta where it starts to beat recomputing: fixed /
+(prefill − peer), never when a pulled token is no cheaper (`pull_crossover`); and never for
+fewer tokens than the configured floor (`--pull-min-token-delta`, 0 by default). The source
+is measured by the index only: a burst-predicted block may not exist yet, so it cannot be
+pulled.
+
+Each C weighs every holder: the cheapest pull wins, but holders whose pull costs C within
+the tie tolerance of that (a few blocks more or less of prefix, or a link a little slower)
+are near-tied, and among them the shorter queue serves it (it answers the pull sooner, and
+the pulls spread over the holders of a hot prefix instead of all landing on the deepest),
+then the cheaper pull, then the pod id.
 
 The cheapest pod wins. Pods whose costs are within the tie tolerance of the best one are
 tied; ties go to the pod this router has sent the fewest requests lately (a decayed count),
@@ -46,6 +57,7 @@ from dataclasses import dataclass, field
 
 from pagekv.proto.hashing import max_hit_blocks
 from pagekv.proto.medium import MEDIUMS, Medium
+from pagekv.proto.pull_cost import PullCost
 
 # Reasons reported in RoutingInfo.reason and as a metric label (a small fixed set).
 REASON_PREFIX = "prefix_hit"          # the chosen pod holds a prefix and is cheapest
@@ -73,6 +85,8 @@ class CostModel:
     tied, so that measurement noise between identical pods does not decide a cold request.
     `speed_band` (>= 1): published prefill speeds within this factor of the median are
     treated as the median (1 = always trust each pod's own figure).
+    `pull_min_token_delta`: a floor under the fitted crossover: no pull of fewer tokens
+    (as llm-d's minCachedTokenDelta; 0 = the crossover alone decides).
     """
 
     prefill_per_token: float
@@ -83,10 +97,12 @@ class CostModel:
     tie_rel: float = 0.05
     tie_abs_s: float = 0.0005
     speed_band: float = 2.0
+    pull_min_token_delta: int = 0  # tokens
 
     def __post_init__(self) -> None:
         for name in ("prefill_per_token", "cpu_per_token", "disk_per_token",
-                     "queue_per_request", "peer_per_token", "tie_rel", "tie_abs_s", "speed_band"):
+                     "queue_per_request", "peer_per_token", "tie_rel", "tie_abs_s", "speed_band",
+                     "pull_min_token_delta"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -108,6 +124,7 @@ class Candidate:
     recent: float = 0.0         # requests we routed there lately (decayed count)
     free_blocks: int = 0
     published_costs: Mapping[str, float] = field(default_factory=dict)
+    pull_costs: Mapping[str, PullCost] = field(default_factory=dict)  # holder -> measured
     burst_blocks: int = 0       # how many of `tiers` come only from the burst prediction
     held_blocks: int = 0        # the prefix the index confirms (what a peer could pull)
     lendable: bool = True       # may be a pull source (not while cooling down, not vLLM)
@@ -201,32 +218,45 @@ def settle_prefill_costs(published: Mapping[str, float], band: float,
 
 @dataclass(frozen=True, slots=True)
 class PullSource:
-    """The peer other pods would pull from: the longest prefix the index confirms."""
+    """A peer other pods could pull from: a prefix the index confirms there."""
 
     pod_id: str
     address: str
     blocks: int
+    queue: int = 0  # its requests (Candidate.queue): near-tied sources go to the shorter
 
 
-def pull_source(cands: Sequence[Candidate], limit: int) -> PullSource | None:
-    """The eligible, lendable pod with the most index-confirmed blocks (capped at `limit`);
-    ties go to the shorter queue (it answers the pull sooner), then the pod id."""
-    holders = [c for c in cands if c.eligible and c.lendable and min(c.held_blocks, limit) > 0]
-    if not holders:
-        return None
-    best = min(holders, key=lambda c: (-min(c.held_blocks, limit), c.queue, c.pod_id))
-    return PullSource(best.pod_id, best.address, min(best.held_blocks, limit))
+def pull_sources(cands: Sequence[Candidate], limit: int) -> list[PullSource]:
+    """The eligible, lendable pods with index-confirmed blocks (capped at `limit`)."""
+    return [PullSource(c.pod_id, c.address, min(c.held_blocks, limit), c.queue)
+            for c in cands if c.eligible and c.lendable and min(c.held_blocks, limit) > 0]
+
+
+def pull_cost(c: Candidate, holder: str, costs: CostModel) -> PullCost:
+    """What a pull from `holder` costs `c`: as `c` measured it, else at `c`'s single peer
+    figure, else at the configured one (those two all-in per token: no fixed part)."""
+    measured = c.pull_costs.get(holder)
+    if measured is not None:
+        return measured
+    return PullCost(0.0, _pod_cost(c.published_costs, "peer", costs.peer_per_token))
+
+
+def pull_crossover(c: Candidate, holder: str, costs: CostModel) -> float:
+    """The token delta a pull from `holder` must exceed to beat recomputing those tokens on
+    `c` at its prefill speed (inf: never)."""
+    prefill = _pod_cost(c.published_costs, "prefill", costs.prefill_per_token)
+    return pull_cost(c, holder, costs).crossover_tokens(prefill)
 
 
 def score_all(cands: Sequence[Candidate], prompt_len: int, block_size: int, costs: CostModel,
               pull: bool = True) -> list[Score]:
-    """Every candidate's score; with `pull`, each may take the pull option from the source."""
-    source = pull_source(cands, max_hit_blocks(prompt_len, block_size)) if pull else None
-    return [score_candidate(c, prompt_len, block_size, costs, source) for c in cands]
+    """Every candidate's score; with `pull`, each may take the pull option from a source."""
+    sources = pull_sources(cands, max_hit_blocks(prompt_len, block_size)) if pull else []
+    return [score_candidate(c, prompt_len, block_size, costs, sources) for c in cands]
 
 
 def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostModel,
-                    source: PullSource | None = None) -> Score:
+                    sources: Sequence[PullSource] = ()) -> Score:
     s = Score(c.pod_id, c.address, waiting=c.waiting, running=c.running, queue=c.queue,
               recent=c.recent, free_blocks=c.free_blocks, eligible=c.eligible,
               excluded_reason=c.excluded_reason)
@@ -248,25 +278,35 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
                 + s.cached_cpu * _pod_cost(pub, Medium.CPU, costs.cpu_per_token)
                 + s.cached_disk * _pod_cost(pub, Medium.DISK, costs.disk_per_token)
                 + s.queue_s)
-    if source is not None and c.can_pull and source.pod_id != c.pod_id:
-        _take_pull(s, source, min(len(c.tiers), limit), min(source.blocks, limit),
-                   block_size, prefill, _pod_cost(pub, "peer", costs.peer_per_token))
+    if c.can_pull:
+        _take_pull(s, c, [src for src in sources if src.pod_id != c.pod_id],
+                   min(len(c.tiers), limit), limit, block_size, prefill, costs)
     return s
 
 
-def _take_pull(s: Score, source: PullSource, own: int, blocks: int, block_size: int,
-               prefill: float, peer: float) -> None:
-    """Blocks own..blocks pulled at `peer` s/token instead of prefilled, if that is cheaper."""
-    if blocks <= own:
+def _take_pull(s: Score, c: Candidate, sources: Sequence[PullSource], own: int, limit: int,
+               block_size: int, prefill: float, costs: CostModel) -> None:
+    """The pull option from the best of `sources`, if any pull beats recomputing: blocks
+    own..source's pulled instead of prefilled."""
+    options: list[tuple[float, PullSource, int]] = []  # (cost with the pull, source, tokens)
+    for src in sources:
+        pulled = (min(src.blocks, limit) - own) * block_size
+        if pulled <= 0 or pulled < costs.pull_min_token_delta or \
+                pulled <= pull_crossover(c, src.pod_id, costs):
+            continue  # nothing to pull, or too little to beat recomputing it
+        cost = s.cost_s - pulled * prefill + pull_cost(c, src.pod_id, costs).seconds(pulled)
+        if cost < s.cost_s:  # (above the crossover it is, but for rounding at its edge)
+            options.append((cost, src, pulled))
+    if not options:
         return
-    pulled = (blocks - own) * block_size
-    pull_cost = s.cost_s - pulled * prefill + pulled * peer
-    if pull_cost >= s.cost_s:
-        return
-    s.pull_saving_s = s.cost_s - pull_cost
-    s.cost_s = pull_cost
-    s.pull_from, s.pull_address = source.pod_id, source.address
-    s.pull_blocks, s.pull_tokens = blocks, pulled
+    best = min(cost for cost, _, _ in options)
+    tolerance = max(costs.tie_abs_s, costs.tie_rel * best)
+    cost, src, pulled = min((o for o in options if o[0] <= best + tolerance),
+                            key=lambda o: (o[1].queue, o[0], o[1].pod_id))
+    s.pull_saving_s = s.cost_s - cost
+    s.cost_s = cost
+    s.pull_from, s.pull_address = src.pod_id, src.address
+    s.pull_blocks, s.pull_tokens = min(src.blocks, limit), pulled
 
 
 def queue_cost(costs: CostModel, pod_prefill: float) -> float:

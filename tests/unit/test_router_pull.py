@@ -17,7 +17,8 @@ from pagekv.router.scoring import (
     REASONS,
     Candidate,
     CostModel,
-    pull_source,
+    PullSource,
+    pull_sources,
     rank,
     score_all,
     score_candidate,
@@ -93,7 +94,7 @@ def test_no_pull_for_a_pod_that_already_holds_as_much() -> None:
 def test_burst_predicted_blocks_are_never_a_source() -> None:
     predicted = Candidate("h", "h:1", ["GPU"] * 8, burst_blocks=8)  # held_blocks 0
     cands = [predicted, Candidate("c", "c:1")]
-    assert pull_source(cands, 12) is None
+    assert pull_sources(cands, 12) == []
     assert by_pod(score_all(cands, PROMPT, BS, COSTS))["c"].pull_from == ""
 
 
@@ -108,23 +109,26 @@ def test_kv_pull_off_scores_exactly_as_without_the_option() -> None:
 
 # -- the source -------------------------------------------------------------------------------
 
+def source_of(cands: list[Candidate], pod: str = "c") -> str:
+    return by_pod(score_all([*cands, Candidate(pod, f"{pod}:1")], PROMPT, BS, COSTS))[pod] \
+        .pull_from
+
+
 def test_source_ties_go_to_the_shorter_queue_then_the_pod_id() -> None:
-    assert pull_source([holder("a", 8, waiting=3), holder("b", 8, running=1)], 12).pod_id == "b"
-    assert pull_source([holder("b", 8), holder("a", 8)], 12).pod_id == "a"
-    # Depth first: the deepest holder wins even with the longest queue.
-    cands = [holder("a", 8), holder("d", 9, waiting=5), Candidate("c", "c:1")]
-    assert pull_source(cands, 12).pod_id == "d"
+    assert source_of([holder("a", 8, waiting=3), holder("b", 8, running=1)]) == "b"
+    assert source_of([holder("b", 8), holder("a", 8)]) == "a"
+    # A block deeper saves more than the tie tolerance: depth wins over the longer queue.
+    assert source_of([holder("a", 8), holder("d", 9, waiting=5)]) == "d"
     # Capped depths are equal depths: the queue decides between them.
-    assert pull_source([holder("a", 14, waiting=2), holder("b", 13)], 12).pod_id == "b"
-    assert by_pod(score_all(cands, PROMPT, BS, COSTS))["c"].pull_from == "d"
+    assert source_of([holder("a", 14, waiting=2), holder("b", 13)]) == "b"
 
 
 def test_ineligible_and_cooling_pods_are_no_source() -> None:
     cands = [holder("x", 10, eligible=False), holder("y", 9, lendable=False), holder("a", 4),
              Candidate("c", "c:1")]
-    src = pull_source(cands, 12)
-    assert (src.pod_id, src.blocks) == ("a", 4)
-    assert pull_source(cands[:2], 12) is None
+    assert pull_sources(cands, 12) == [PullSource("a", "a:1", 4)]
+    assert pull_sources(cands[:2], 12) == []
+    assert by_pod(score_all(cands, PROMPT, BS, COSTS))["c"].pull_from == "a"
 
 
 # -- the reason and what the client is told --------------------------------------------------
