@@ -227,9 +227,12 @@ class PullSource:
 
 
 def pull_sources(cands: Sequence[Candidate], limit: int) -> list[PullSource]:
-    """The eligible, lendable pods with index-confirmed blocks (capped at `limit`)."""
-    return [PullSource(c.pod_id, c.address, min(c.held_blocks, limit), c.queue)
-            for c in cands if c.eligible and c.lendable and min(c.held_blocks, limit) > 0]
+    """The eligible, lendable pods with index-confirmed blocks (capped at `limit`), the
+    deepest first (a pod stops looking at the first that holds no more than it does)."""
+    sources = [PullSource(c.pod_id, c.address, min(c.held_blocks, limit), c.queue)
+               for c in cands if c.eligible and c.lendable and min(c.held_blocks, limit) > 0]
+    sources.sort(key=lambda src: -src.blocks)
+    return sources
 
 
 def pull_cost(c: Candidate, holder: str, costs: CostModel) -> PullCost:
@@ -278,35 +281,44 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
                 + s.cached_cpu * _pod_cost(pub, Medium.CPU, costs.cpu_per_token)
                 + s.cached_disk * _pod_cost(pub, Medium.DISK, costs.disk_per_token)
                 + s.queue_s)
-    if c.can_pull:
-        _take_pull(s, c, [src for src in sources if src.pod_id != c.pod_id],
-                   min(len(c.tiers), limit), limit, block_size, prefill, costs)
+    if c.can_pull and sources:
+        _take_pull(s, c, sources, min(len(c.tiers), limit), block_size, prefill, costs)
     return s
 
 
-def _take_pull(s: Score, c: Candidate, sources: Sequence[PullSource], own: int, limit: int,
+def _take_pull(s: Score, c: Candidate, sources: Sequence[PullSource], own: int,
                block_size: int, prefill: float, costs: CostModel) -> None:
-    """The pull option from the best of `sources`, if any pull beats recomputing: blocks
-    own..source's pulled instead of prefilled."""
+    """The pull option from the best of `sources` (other than `c`; the deepest first), if
+    any pull beats recomputing: blocks own..source's pulled instead of prefilled.
+
+    (Per request, every pod against every holder: kept to a few operations per pair.)"""
+    single = PullCost(0.0, _pod_cost(c.published_costs, "peer", costs.peer_per_token))
+    measured = c.pull_costs
+    floor = costs.pull_min_token_delta
+    base = s.cost_s
     options: list[tuple[float, PullSource, int]] = []  # (cost with the pull, source, tokens)
     for src in sources:
-        pulled = (min(src.blocks, limit) - own) * block_size
-        if pulled <= 0 or pulled < costs.pull_min_token_delta or \
-                pulled <= pull_crossover(c, src.pod_id, costs):
-            continue  # nothing to pull, or too little to beat recomputing it
-        cost = s.cost_s - pulled * prefill + pull_cost(c, src.pod_id, costs).seconds(pulled)
-        if cost < s.cost_s:  # (above the crossover it is, but for rounding at its edge)
+        pulled = (src.blocks - own) * block_size
+        if pulled <= 0 or pulled < floor:
+            break  # no more to pull from this one, nor from the shallower ones after it
+        if src.pod_id == c.pod_id:
+            continue
+        price = measured.get(src.pod_id, single) if measured else single
+        cost = base - pulled * prefill + price.fixed_s + pulled * price.per_token_s
+        # Cheaper than recomputing exactly when `pulled` is above the crossover
+        # (`pull_crossover`: fixed / (prefill - per_token)).
+        if cost < base:
             options.append((cost, src, pulled))
     if not options:
         return
-    best = min(cost for cost, _, _ in options)
+    best = min(option[0] for option in options)
     tolerance = max(costs.tie_abs_s, costs.tie_rel * best)
     cost, src, pulled = min((o for o in options if o[0] <= best + tolerance),
                             key=lambda o: (o[1].queue, o[0], o[1].pod_id))
-    s.pull_saving_s = s.cost_s - cost
+    s.pull_saving_s = base - cost
     s.cost_s = cost
     s.pull_from, s.pull_address = src.pod_id, src.address
-    s.pull_blocks, s.pull_tokens = min(src.blocks, limit), pulled
+    s.pull_blocks, s.pull_tokens = src.blocks, pulled
 
 
 def queue_cost(costs: CostModel, pod_prefill: float) -> float:
