@@ -71,6 +71,16 @@ def test_below_the_crossover_the_pod_recomputes_above_it_pulls() -> None:
     assert chosen([holder("h", 6), puller(published_costs={"peer": PEER})]).pull_from == "h"
 
 
+@pytest.mark.parametrize("fixed", [0.0, 0.01, 0.05, 0.2])
+@pytest.mark.parametrize("per_token", [1e-5, 5e-4, 9.9e-4, 1e-3, 3e-3])
+def test_the_scorer_pulls_exactly_above_the_crossover_it_exports(fixed, per_token) -> None:
+    c = puller(pull_costs={"h": PullCost(fixed, per_token)})
+    edge = pull_crossover(c, "h", COSTS)
+    for blocks in range(1, 13):
+        s = chosen([holder("h", blocks), c])
+        assert (s.pull_from == "h") == (blocks * BS > edge), (blocks, edge)
+
+
 def test_the_measured_cost_of_the_holder_is_preferred_over_the_pods_single_figure() -> None:
     # The puller's single figure says pulls are cheap, but from h it measured them slower
     # than recomputing: it pulls from g, which it has no figure of (the single one holds).
