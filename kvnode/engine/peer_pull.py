@@ -134,6 +134,9 @@ class BlockSink:
         self.count = 0          # blocks verified and in place
         self.nbytes = 0         # entry bytes received
         self.transport = ""     # what the transport says it is (metrics, logs)
+        self.started = time.monotonic()
+        self.answered = 0.0     # time.monotonic() when the peer's first message came
+        self.finished = 0.0     # ... when the last block was in place
 
     @property
     def capacity(self) -> int:
@@ -159,6 +162,7 @@ class BlockSink:
         check_pieces(hdr, self.targets[self.count])
         self.count += 1
         self.nbytes += hdr.entry_len
+        self.finished = time.monotonic()
 
     def take_entry(self, entry: bytes | memoryview) -> None:
         """The next block as one whole entry (raw or LZ4), verified and copied into place."""
@@ -169,6 +173,15 @@ class BlockSink:
         scatter(unpack_block(self.layout, mv, self.ask.hashes[i], parent), self.targets[i])
         self.count += 1
         self.nbytes += len(mv)
+        self.finished = time.monotonic()
+
+    def phases_ms(self) -> str:
+        """Where a pull's time went, for its log line."""
+        if not self.answered:
+            return "no answer"
+        done = self.finished or self.answered
+        return (f"answered in {(self.answered - self.started) * 1e3:.1f} ms, blocks in "
+                f"{(done - self.answered) * 1e3:.1f} ms")
 
 
 # A transport: the peer's blocks of `ask` into the sink, in order; raises PullFailed (its
@@ -186,6 +199,7 @@ class PullResult:
     source_pod: str = ""     # the holder
     tokens: int = 0          # tokens landed in the pool
     transport: str = ""      # the data transport the pair used ("": none reached)
+    phases: str = ""         # where the time went (the log line)
 
 
 @dataclass(slots=True)
@@ -327,6 +341,7 @@ class PeerPuller:
             logger.exception("kv pull %s failed", ask.request_id)
             out.failure, out.detail = ERROR, repr(exc)
         out.blocks, out.nbytes, out.transport = sink.count, sink.nbytes, sink.transport
+        out.phases = sink.phases_ms()
         out.seconds = time.monotonic() - t0
         return out
 
@@ -374,9 +389,9 @@ class PeerPuller:
                            pull.source.address, result.transport or "-", result.detail, landed,
                            pull.wanted)
         else:
-            logger.info("kv pull %s: %d blocks (%.1f MiB) from %s via %s in %.1f ms",
+            logger.info("kv pull %s: %d blocks (%.1f MiB) from %s via %s in %.1f ms (%s)",
                         req.request_id, landed, result.nbytes / 2**20, pull.source.pod_id,
-                        result.transport, result.seconds * 1e3)
+                        result.transport, result.seconds * 1e3, result.phases)
 
     def _end(self, pull: _Pull) -> None:
         """The pull leaves the books: its blocks are no longer in flight."""

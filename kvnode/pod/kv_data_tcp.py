@@ -58,7 +58,6 @@ END_MAGIC = b"PKVE"
 ENTRY_MAGIC = b"PKVB"
 HELLO_TIMEOUT_S = 5.0
 MAX_PENDING_HELLOS = 32   # connections not yet past their hello, at once
-SOCKET_BUFFER = 8 << 20   # SO_SNDBUF / SO_RCVBUF: a few messages in flight on a fast link
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -118,10 +117,9 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 def _tune(sock: socket.socket) -> None:
+    # Buffer sizes stay the kernel's autotuning: a fixed SO_RCVBUF would cap the window at
+    # net.core.rmem_max and turn the tuning off.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
 
 
 class TcpDataServer:

@@ -116,6 +116,7 @@ class PeerFetcher:
         try:
             chunks = iter(call)
             for chunk in chunks:
+                sink.answered = sink.answered or time.monotonic()
                 if chunk.HasField("ticket"):
                     self._receive(source, chunk.ticket, ask, sink, handle, chunks)
                     return

@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,9 @@ class KVCache:
     value_caches: list[torch.Tensor]
     k_scales: list[float] = field(default_factory=list)
     v_scales: list[float] = field(default_factory=list)
+    # block_planes' byte views of each layer's K and V, made on first use: indexing numpy
+    # rows is ~0.2 µs, slicing 60 torch tensors per block ~2 ms (a 2,048-token pull: 0.26 s).
+    _planes: list[NDArray[np.uint8]] | None = field(default=None, repr=False)
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> KVCache:
@@ -141,9 +146,11 @@ class KVCache:
         self._check_id(block_id)
         if self.key_caches[0].device.type != "cpu":
             return None
-        return [_as_bytes(cache[block_id]).numpy().data
-                for pair in zip(self.key_caches, self.value_caches, strict=True)
-                for cache in pair]
+        if self._planes is None:
+            self._planes = [cache.view(torch.uint8).numpy().reshape(self.num_blocks, -1)
+                            for pair in zip(self.key_caches, self.value_caches, strict=True)
+                            for cache in pair]
+        return [plane[block_id].data for plane in self._planes]
 
     def write_block(self, block_id: int, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
         """Inverse of ``read_block``."""
