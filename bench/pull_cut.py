@@ -8,10 +8,12 @@ The holder <-> puller link is shaped slow (so a pull takes a second or two), the
    fraction of the uncut time into the call. The call must still come back OK with the cold
    tokens, fewer prefix tokens from the peer than a whole pull (the rest recomputed), one
    fallback counted by reason in the puller's metrics, and within the pull deadline plus a
-   recompute (no hang). While the link is still down, every pod's pool must be all free again
+   recompute (no hang; the recompute bounded by 1.5x the holder's own cold run of the prompt
+   plus 2 s, unless given). While the link is still down, every pod's pool must be all free again
    (the holder's pins of the cut pull released, not waiting for the link to come back);
 3. the link restored: pulls of fresh prompts until one brings the whole prefix again
-   (`recovery_s` from the restore, None if none did within `after_s`); `next` is the first
+   (`recovery_s`: seconds from the restore, the holder's computing of each fresh prompt not
+   counted; None if none did within `after_s`); `next` is the first
    of them, on its own: over a gRPC channel it may still fall back, its connection backing
    off its retransmits and queueing the cut pull's stale bytes ahead of the new ones.
 
@@ -94,18 +96,21 @@ def seconds_until_free(bed: NetnsBed, timeout_s: float) -> tuple[float | None, d
 
 
 def cut_mid_pull(bed: NetnsBed, holder: str, puller: str, make_prompt: Callable[[], list[int]],
-                 rate: str, pull_deadline_s: float, recompute_s: float, max_tokens: int = 4,
+                 rate: str, pull_deadline_s: float, recompute_s: float | None = None,
+                 max_tokens: int = 4,
                  cut_at: float = 0.4, release_timeout_s: float = 15.0,
                  after_s: float = 15.0) -> dict:
     """The scenario above; `pull_deadline_s`: the puller's --kv-pull-deadline-s;
     `recompute_s`: a bound on the puller recomputing the prompt (no hang = the cut call back
-    within the deadline plus that)."""
-    call_timeout_s = pull_deadline_s + recompute_s + 30.0  # only a backstop: the check is below
+    within the deadline plus that; default: from the holder's cold run, see above)."""
+    cold_s: list[float] = []  # the holder's cold runs, each a fresh prompt
 
     def held() -> tuple[list[int], list[int]]:
         """A fresh prompt computed by the holder (so held there), its cold greedy tokens."""
         p = make_prompt()
-        r = generate(bed.address(holder), request(p, max_tokens), 120)
+        t0 = time.monotonic()
+        r = generate(bed.address(holder), request(p, max_tokens), 300)
+        cold_s.append(time.monotonic() - t0)
         return p, list(r.completions[0].token_ids)
 
     def pulled(p: list[int]) -> PullCall:
@@ -116,6 +121,9 @@ def cut_mid_pull(bed: NetnsBed, holder: str, puller: str, make_prompt: Callable[
     cut = False
     try:
         p, want = held()
+        if recompute_s is None:
+            recompute_s = 1.5 * cold_s[-1] + 2.0
+        call_timeout_s = pull_deadline_s + recompute_s + 30.0  # a backstop: checked below
         uncut = pulled(p)
         uncut_ok = uncut.code == "OK" and uncut.tokens == want
         full_tokens = (len(p) - 1) // BLOCK * BLOCK
@@ -140,23 +148,27 @@ def cut_mid_pull(bed: NetnsBed, holder: str, puller: str, make_prompt: Callable[
         restored = time.monotonic()
         tries: list[tuple[PullCall, bool]] = []
         recovery_s = None
-        while recovery_s is None and time.monotonic() - restored < after_s:
+        computing_s = 0.0  # the holder's cold runs since the restore: not the link's time
+        while recovery_s is None and time.monotonic() - restored - computing_s < after_s:
             p, want_next = held()
+            computing_s += cold_s[-1]
             after = pulled(p)
             whole = after.code == "OK" and after.tokens == want_next \
                 and after.peer_tokens == full_tokens and not after.fallbacks
             tries.append((after, after.code == "OK" and after.tokens == want_next))
             if whole:
-                recovery_s = time.monotonic() - restored
+                recovery_s = time.monotonic() - restored - computing_s
     finally:
         if cut:
             bed.mesh.restore(holder, puller)
         bed.mesh.set_rate(holder, puller, bed.mesh.rate)
     return {
-        "rate": rate, "full_tokens": full_tokens,
+        "rate": rate, "full_tokens": full_tokens, "holder_cold_s": cold_s[0],
+        "pull_deadline_s": pull_deadline_s, "recompute_bound_s": recompute_s,
         "uncut": {"ok": uncut_ok, "code": uncut.code, "seconds": uncut.seconds,
                   "peer_tokens": uncut.peer_tokens, "fallbacks": uncut.fallbacks,
-                  "pulled_bytes": uncut.change.get(PULLED_BYTES, 0.0)},
+                  "pulled_bytes": uncut.change.get(PULLED_BYTES, 0.0),
+                  "pull_s": uncut.change.get("pagekv_kv_pull_seconds_sum", 0.0)},
         "cut": {"code": during.code, "seconds": during.seconds, "cut_after_s": cut_after_s,
                 "wrong": during.code == "OK" and during.tokens != want,
                 "peer_tokens": during.peer_tokens, "fallbacks": during.fallbacks,
