@@ -47,7 +47,7 @@ def test_link_cut_mid_pull_falls_back_releases_pins_and_recovers(tmp_path: Path)
         r = pull_cut.cut_mid_pull(
             bed, "node-a", "node-b",
             lambda: [rng.randrange(1, 256) for _ in range(PROMPT_TOKENS)],
-            rate=RATE, pull_deadline_s=PULL_DEADLINE_S, recompute_s=5.0, cut_at=0.3,
+            rate=RATE, pull_deadline_s=PULL_DEADLINE_S, cut_at=0.3,
             after_s=RECOVERY_S + PULL_DEADLINE_S)
     assert not namespaces() & set(bed.mesh.made), "the bed left namespaces behind"
     print(pull_cut.first_pull_problem(r) or "the first pull after the restore was whole", r)
