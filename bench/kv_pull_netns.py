@@ -45,7 +45,7 @@ from pathlib import Path
 from bench import pull_cut
 from bench.kv_pull import MODEL, random_tokens, reset, stream
 from bench.machine import machine_info
-from bench.pod_metrics import fallback_reasons, grown, scrape_url
+from bench.pod_metrics import fallback_reasons, grown, scrape_url, transports
 from bench.stats import pct
 from pagekv.deploy.netns_bed import NetnsBed
 from pagekv.deploy.netns_mesh import rate_bits, unavailable_reason
@@ -97,6 +97,7 @@ class RateRun:
     pull_bytes: list[float] = field(default_factory=list)
     pull_ttft_s: list[float] = field(default_factory=list)
     local_ttft_s: list[float] = field(default_factory=list)
+    transports: dict[str, float] = field(default_factory=dict)  # "<transport>/<outcome>"
 
 
 @dataclass
@@ -137,6 +138,8 @@ class Bench:
         run.pull_s.append(change.get(PULL_SECONDS, float("nan")))
         run.pull_bytes.append(change.get(PULLED_BYTES, 0.0))
         run.pull_ttft_s.append(shot.ttft_s)
+        for k, v in transports(change).items():
+            run.transports[k] = run.transports.get(k, 0.0) + v
         run.local_ttft_s.append(local.ttft_s)
 
     def pull_bytes(self) -> int:
@@ -174,20 +177,24 @@ def summarize(run: RateRun, nbytes: int) -> dict:
             "socket_over_link": sock / link, "pull_ms_p50": pct(run.pull_s, 0.5) * 1e3,
             "pull_ttft_ms_p50": pct(run.pull_ttft_s, 0.5) * 1e3,
             "local_ttft_ms_p50": pct(run.local_ttft_s, 0.5) * 1e3, "rounds": len(run.pull_s),
+            "transports": ", ".join(f"{k} {v:.0f}" for k, v in run.transports.items())
+            or "(not reported)",
             "raw": vars(run)}
 
 
 def print_rates(rows: list[dict], nbytes: int) -> None:
     print(f"\n| link (tc tbf) | socket GB/s | socket, fresh connection | pull GB/s | "
           f"pull / socket | pull / link | socket / link | pull ms | TTFT pulled ms | "
-          f"TTFT local hit ms | rounds |  ({nbytes / 1e6:.1f} MB a pull, medians)")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"TTFT local hit ms | rounds | pulls by transport |  ({nbytes / 1e6:.1f} MB a pull, "
+          f"medians)")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['rate']} ({r['link_gb_per_s']:.3f} GB/s) | {r['socket_gb_per_s']:.3f} | "
               f"{r['socket_fresh_gb_per_s']:.3f} | {r['pull_gb_per_s']:.3f} | "
               f"{r['pull_over_socket']:.2f} | {r['pull_over_link']:.2f} | "
               f"{r['socket_over_link']:.2f} | {r['pull_ms_p50']:.0f} | "
-              f"{r['pull_ttft_ms_p50']:.0f} | {r['local_ttft_ms_p50']:.0f} | {r['rounds']} |")
+              f"{r['pull_ttft_ms_p50']:.0f} | {r['local_ttft_ms_p50']:.0f} | {r['rounds']} | "
+              f"{r['transports']} |")
 
 
 def print_cut(r: dict) -> None:
