@@ -3,8 +3,9 @@ against a plain socket on the same link in the same run (issue #28).
 
 Two real pods (SmolLM2-135M-Instruct, one torch thread each) on hosts of their own
 (deploy/netns_bed.py: Redis, the router and each pod in its own namespace); the link between
-the pods is shaped (`tc tbf`, NetnsMesh.set_rate) to each rate of `--rates` in turn. Per rate,
-alternating rounds (the order flips each round, so drift on a shared box hits both alike):
+the pods is shaped (`tc tbf`, NetnsMesh.set_rate, a 1 ms bucket) to each rate of `--rates` in
+turn. Per rate, alternating rounds (the order flips each round, so drift on a shared box hits
+both alike):
 
 - socket: bench/plain_socket.py, its two ends run with `ip netns exec` in the pods'
   namespaces, moves the bytes of one pull from the holder's host to the puller's (`sendall`
@@ -24,6 +25,7 @@ set down mid-pull: the call's outcome, its fallback's reason, the pools with the
 and the pulls after the restore.
 
     python -m bench.kv_pull_netns [--quick] [--rates 1gbit,10gbit,25gbit] [--rounds N]
+                                  [--burst-ms 1]
                                   [--cut-rate 250mbit] [--cut-prompt 1024] [--no-cut]
                                   [--json PATH]
 
@@ -182,8 +184,8 @@ def summarize(run: RateRun, nbytes: int) -> dict:
             "raw": vars(run)}
 
 
-def print_rates(rows: list[dict], nbytes: int) -> None:
-    print(f"\n| link (tc tbf) | socket GB/s | socket, fresh connection | pull GB/s | "
+def print_rates(rows: list[dict], nbytes: int, burst_ms: float) -> None:
+    print(f"\n| link (tc tbf, burst {burst_ms:g} ms) | socket GB/s | socket, fresh connection | pull GB/s | "
           f"pull / socket | pull / link | socket / link | pull ms | TTFT pulled ms | "
           f"TTFT local hit ms | rounds | pulls by transport |  ({nbytes / 1e6:.1f} MB a pull, "
           f"medians)")
@@ -227,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--pull-deadline-s", type=float, default=5.0, help="the pods' "
                     "--kv-pull-deadline-s (also bounds the cut call)")
+    ap.add_argument("--burst-ms", type=float, default=1.0, help="the tbf bucket of the "
+                    "measured links, in ms at their rate (the mesh's default 10 ms lets the "
+                    "first 12.5 MB through a 10 Gbit/s link unshaped)")
     ap.add_argument("--cut", action=argparse.BooleanOptionalAction, default=True,
                     help="the cut-mid-pull row")
     ap.add_argument("--cut-rate", default="250mbit", help="the link's rate for the cut row "
@@ -265,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         sock = SocketBaseline(bed, nbytes)
         try:
             for rate in rates:
-                bed.mesh.set_rate(HOLDER, PULLER, rate)
+                bed.mesh.set_rate(HOLDER, PULLER, rate, args.burst_ms)
                 run = RateRun(rate)
                 for r in range(rounds):
                     for step in ("socket", "pull") if r % 2 == 0 else ("pull", "socket"):
@@ -289,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: random_tokens(rng, args.cut_prompt), rate=args.cut_rate,
                 pull_deadline_s=args.pull_deadline_s, cut_at=0.3, after_s=20.0)
             bench_problems = pull_cut.problems(cut)
-            bed.mesh.set_rate(HOLDER, PULLER, rates[0])
-    print_rates(rows, nbytes)
+    print_rates(rows, nbytes, args.burst_ms)
     for row in rows:
         if row["rate"] == "10gbit":
             met = "met" if row["pull_over_link"] >= 0.8 else "not met"

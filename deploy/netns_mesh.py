@@ -222,19 +222,22 @@ class NetnsMesh:
                     self.address(near)])
             self._shape(near, dev, rate)
 
-    def _shape(self, host: str, dev: str, rate: str) -> None:
-        # burst: 10 ms at this rate (the tokens a timer tick needs), never under a few
+    def _shape(self, host: str, dev: str, rate: str, burst_ms: float = 10.0) -> None:
+        # burst: burst_ms at this rate (10: the tokens a timer tick needs), never under a few
         # frames: a larger bucket would let the first burst through at the veth's speed.
         # latency bounds the queue (packets waiting longer are dropped, as a switch's).
-        burst = max(rate_bits(rate) // 8 // 100, 16 * 1024)
+        burst = max(int(rate_bits(rate) / 8 * burst_ms / 1000), 16 * 1024)
         run_ip([*self.tc_in(host), "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                 "burst", str(burst), "latency", "200ms"])
 
-    def set_rate(self, a: str, b: str, rate: str) -> None:
-        """Reshape the link between a and b (both directions)."""
+    def set_rate(self, a: str, b: str, rate: str, burst_ms: float = 10.0) -> None:
+        """Reshape the link between a and b (both directions). `burst_ms`: the bucket, in
+        time at the rate (10 ms lets a 12.5 MB burst through a 10 Gbit/s link unshaped:
+        measuring a transfer of tens of MB, 1 ms is closer to the rate; tbf still reaches
+        it on a veth with that)."""
         self.rates[frozenset((a, b))] = rate
         for near, far in ((a, b), (b, a)):
-            self._shape(near, self.host_dev(near, far), rate)
+            self._shape(near, self.host_dev(near, far), rate, burst_ms)
 
     def cut(self, a: str, b: str) -> None:
         """Packets between a and b vanish from now on (both keep their links up)."""
