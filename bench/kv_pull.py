@@ -11,11 +11,20 @@ suffix) goes:
               gRPC (KVNode.PullBlocks) and prefills only the suffix;
 - pull, LZ4:  the same from pod C, which serves with `--kv-transfer-compress` (C got the
               prefix from A by a pull of its own, untimed);
+- pull over gRPC: to D, a pod that pulls with `--kv-transports grpc` (the blocks in the
+              PullBlocks stream, as before the data transports), from A;
 - pull from a busy peer: as `pull`, while A decodes `--busy` other requests (streams started
               before, cancelled after): a hot prefix's holder is busy by definition; A
               finds and pins the run on its engine thread (one wait for a step), then reads
               the pool rows off that thread;
 - recompute:  to B with no `kv_source`: the baseline, the whole prompt prefilled.
+
+The baseline in the same run: a plain Python socket moving the same bytes between two processes
+(bench/plain_socket.py: `sendall` from a preallocated buffer, `recv_into` a preallocated one),
+once per round; the pull's GB/s is printed against it. The crossover (the prefix length
+above which a pull beats recomputing) is fitted from the measured pulls (a short 8-block pull
+per round gives the fixed part: kvnode/engine/pull_costs.fit_line) and the measured prefill
+s/token (recompute TTFT minus local-hit TTFT, over the prefix).
 
 B's cache is reset (KVNode.ResetPrefixCache) before each of its requests, so each path is
 what it says; the paths' order rotates from round to round (drift on a shared box hits all
@@ -26,14 +35,22 @@ prompt agree). B's metrics (`pagekv_kv_pulled_bytes_total`, `pagekv_kv_pull_seco
 the bytes and seconds of each pull: the effective GB/s.
 
     python -m bench.kv_pull [--quick] [--prefix 2048] [--suffix 32] [--busy N] [--no-compress]
-                            [--json PATH]
+                            [--no-grpc] [--model M] [--json PATH]
+
+A 16,384-token prefix on pagekv-small (its positions stop at 4,096: the bench sets
+PAGEKV_ALLOW_LONG_MAX_MODEL_LEN for a longer prefix):
+
+    python -m bench.kv_pull --model pagekv-small --prefix 16384 --busy 0 --no-compress
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -48,12 +65,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.machine import machine_info
 from bench.stats import pct
 from pagekv.deploy.local_cluster import Child, LocalCluster, wait_healthy
+from pagekv.kvnode.engine.pull_costs import fit_line
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.pull_cost import PullCost
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 16
 LOCAL, PULL, PULL_LZ4, RECOMPUTE = "local hit", "pulled from peer", "pulled, LZ4", "recompute"
+PULL_GRPC = "pulled over gRPC"
+SHORT_BLOCKS = 8  # the short pull of each round (the fit's fixed part)
 BUSY = "pulled from a busy peer"
 PULL_METRICS = ("pagekv_kv_pulled_bytes_total", "pagekv_kv_pulled_blocks_total",
                 "pagekv_kv_pull_seconds_sum", "pagekv_kv_pull_seconds_count",
@@ -169,6 +190,41 @@ class BusyLoad:
         self.channel.close()
 
 
+class PlainSocket:
+    """The baseline: bench/plain_socket.py's two ends, as processes, moving `nbytes`."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.port = port = free_port()
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "bench.plain_socket", "serve", "127.0.0.1", str(port),
+             str(nbytes)], stdout=subprocess.PIPE, text=True)
+        assert self.server.stdout is not None
+        self.server.stdout.readline()  # listening
+        self.seconds: list[float] = []
+        self.once()  # warm-up: the processes' first pages
+
+    def once(self) -> float:
+        out = subprocess.run([sys.executable, "-m", "bench.plain_socket", "fetch", "127.0.0.1",
+                              str(self.port), str(self.nbytes)], capture_output=True,
+                             text=True, check=True)
+        return float(json.loads(out.stdout)["seconds"][0])
+
+    def measure(self) -> None:
+        self.seconds.append(self.once())
+
+    def close(self) -> None:
+        self.server.kill()
+        self.server.wait(10)
+
+
+def free_port() -> int:
+    """A free loopback port (bound and released: the baseline's server takes it next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class Bench:
     a: Child
@@ -178,8 +234,11 @@ class Bench:
     suffix_len: int
     max_tokens: int
     busy: int = 0
+    d: Child | None = None  # pulls over gRPC only
     shots: dict[str, list[Shot]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    short_pulls: list[tuple[int, float]] = field(default_factory=list)  # (tokens, s)
+    baseline: PlainSocket | None = None
 
     @property
     def prefix_blocks(self) -> int:
@@ -192,17 +251,18 @@ class Bench:
         if name == LOCAL:
             shot = stream(self.a.address, prompt, self.max_tokens)
         else:
-            reset(self.b.address)
-            src = {PULL: self.a, BUSY: self.a, PULL_LZ4: self.c}.get(name)
+            puller = self.d if name == PULL_GRPC and self.d is not None else self.b
+            reset(puller.address)
+            src = {PULL: self.a, BUSY: self.a, PULL_LZ4: self.c, PULL_GRPC: self.a}.get(name)
             load = BusyLoad(self.a, self.busy, random.Random(len(prompt) + prompt[-1]),
                             1024) if name == BUSY else None
             try:
-                before = scrape(self.b) if src else {}
+                before = scrape(puller) if src else {}
                 t0 = time.perf_counter()
-                shot = stream(self.b.address, prompt, self.max_tokens,
+                shot = stream(puller.address, prompt, self.max_tokens,
                               self.source(src) if src else None)
                 if src:
-                    shot.pull = delta(before, scrape(self.b))
+                    shot.pull = delta(before, scrape(puller))
                 if load:
                     shot.source_step_s = load.step_s(t0, time.perf_counter())
             finally:
@@ -222,9 +282,20 @@ class Bench:
                           or shot.pull["pagekv_kv_pulled_blocks_total"] != self.prefix_blocks):
             self.problems.append(f"{name}: pull metrics {shot.pull}")
 
+    def short_pull(self, prefix: list[int], rng: random.Random) -> None:
+        """A pull of the prefix's first blocks: the fit's short point."""
+        reset(self.b.address)
+        before = scrape(self.b)
+        stream(self.b.address, prefix[:SHORT_BLOCKS * BLOCK] + random_tokens(rng, 5), 1,
+               pb.KvSource(pod_id=self.a.name, address=self.a.address,
+                           num_blocks=SHORT_BLOCKS))
+        got = delta(before, scrape(self.b))
+        if got["pagekv_kv_pulled_blocks_total"] == SHORT_BLOCKS:
+            self.short_pulls.append((SHORT_BLOCKS * BLOCK, got["pagekv_kv_pull_seconds_sum"]))
+
     def round(self, r: int, rng: random.Random, repeats: int) -> None:
         paths = [LOCAL, PULL, *([PULL_LZ4] if self.c else []), *([BUSY] if self.busy else []),
-                 RECOMPUTE]
+                 *([PULL_GRPC] if self.d else []), RECOMPUTE]
         prefix = random_tokens(rng, self.prefix_len)
         # The prefix computed once on A (its own suffix: the measured prompt's is not cached).
         stream(self.a.address, prefix + random_tokens(rng, self.suffix_len), 1)
@@ -238,17 +309,21 @@ class Bench:
             outs = {name: self.path(name, prompt).tokens for name in todo[k:] + todo[:k]}
             if len({tuple(t) for t in outs.values()}) != 1:
                 self.problems.append(f"round {r}.{j}: greedy tokens differ: {outs}")
+            if self.baseline is not None:
+                self.baseline.measure()
+        self.short_pull(prefix, rng)
 
 
 def warm_up(bench: Bench, rng: random.Random) -> None:
     """First requests of each pod (allocations, threads) and one small pull, untimed."""
     prompt = random_tokens(rng, 8 * BLOCK + 5)
-    for pod in filter(None, (bench.a, bench.b, bench.c)):
+    for pod in filter(None, (bench.a, bench.b, bench.c, bench.d)):
         stream(pod.address, random_tokens(rng, 64), 2)
     stream(bench.a.address, prompt, 2)
-    stream(bench.b.address, prompt, 2, pb.KvSource(pod_id=bench.a.name,
-                                                  address=bench.a.address, num_blocks=8))
-    reset(bench.b.address)
+    for puller in filter(None, (bench.b, bench.d)):
+        stream(puller.address, prompt, 2, pb.KvSource(pod_id=bench.a.name,
+                                                      address=bench.a.address, num_blocks=8))
+        reset(puller.address)
 
 
 def summarize(bench: Bench) -> dict[str, dict]:
@@ -288,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                     "during the busy-peer row (0: no such row)")
     ap.add_argument("--compress", action=argparse.BooleanOptionalAction, default=True,
                     help="the LZ4 row (a third pod)")
+    ap.add_argument("--grpc", action=argparse.BooleanOptionalAction, default=True,
+                    help="the row of a pod pulling over gRPC (--kv-transports grpc)")
+    ap.add_argument("--model", default=MODEL)
     ap.add_argument("--pull-deadline-s", type=float, default=10.0,
                     help="B's --kv-pull-deadline-s (the pod default is 2 s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per pod")
@@ -305,28 +383,39 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 4 * per_prompt + args.busy * (1088 // BLOCK + 1) + 16
     node = ["--num-threads", str(args.threads), "--num-gpu-blocks", str(blocks),
             "--max-model-len", str(max(total, 1088) + BLOCK)]
-    print(f"# Cross-pod KV pull vs local hit vs recompute ({MODEL}, {args.prefix}-token prefix "
+    if total > 4096:  # beyond pagekv-small's positions (SmolLM2 has 8,192)
+        os.environ["PAGEKV_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    print(f"# Cross-pod KV pull vs local hit vs recompute ({args.model}, {args.prefix}-token "
+          f"prefix "
           f"+ {args.suffix}-token suffix, {args.max_tokens} tokens out, {rounds} prefixes x "
           f"{repeats} prompts, pods of {args.threads} torch thread(s), streaming, one request "
           f"at a time) — {machine_info()}", flush=True)
-    cluster = LocalCluster(nodes=0, model=MODEL, node_args=node, start_router=False,
+    cluster = LocalCluster(nodes=0, model=args.model, node_args=node, start_router=False,
                            run_dir=Path(tempfile.mkdtemp(prefix="pagekv-kvpull-")))
     cluster.start()
     try:
         a = cluster.start_pod("node-a")
         b = cluster.start_pod("node-b", ["--kv-pull-deadline-s", str(args.pull_deadline_s)])
         c = cluster.start_pod("node-c", ["--kv-transfer-compress"]) if args.compress else None
-        for pod in filter(None, (a, b, c)):
+        d = cluster.start_pod("node-d", ["--kv-pull-deadline-s", str(args.pull_deadline_s),
+                                         "--kv-transports", "grpc"]) if args.grpc else None
+        for pod in filter(None, (a, b, c, d)):
             wait_healthy(pod.address, 180, pod.proc)
-        bench = Bench(a, b, c, args.prefix, args.suffix, args.max_tokens, args.busy)
+        bench = Bench(a, b, c, args.prefix, args.suffix, args.max_tokens, args.busy, d)
         rng = random.Random(args.seed)
+        before = scrape(b)
         warm_up(bench, rng)
+        warm = delta(before, scrape(b))
+        block_bytes = round(warm["pagekv_kv_pulled_bytes_total"] / SHORT_BLOCKS)
+        bench.baseline = PlainSocket(block_bytes * bench.prefix_blocks)
         for r in range(rounds):
             bench.round(r, rng, repeats)
             print(f"round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {s[-1].ttft_s * 1e3:.0f} ms" for n, s in bench.shots.items()), flush=True)
     finally:
         cluster.stop()
+        if bench.baseline is not None:
+            bench.baseline.close()
     rows = summarize(bench)
     print("\n| path | requests | TTFT p50 ms | TTFT p90 ms | recompute / this (p50) "
           "| cached tokens (peer) |")
@@ -338,16 +427,36 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| pull | pulls | MB on the wire per pull | pull s p50 ms | pull s p90 ms "
           "| effective GB/s (wire) |")
     print("|---|---|---|---|---|---|")
-    for name in (PULL, PULL_LZ4, BUSY):
+    base = bench.baseline
+    socket_gbs = base.nbytes / pct(base.seconds, 0.5) / 1e9 if base and base.seconds else 0.0
+    for name in (PULL, PULL_LZ4, BUSY, PULL_GRPC):
         if name in rows:
             r = rows[name]
+            r["gb_per_s_p50"] = r["wire_bytes_per_pull"] / (r["pull_p50_ms"] / 1e3) / 1e9
             print(f"| {name} | {r['pulls']:.0f} | {r['wire_bytes_per_pull'] / 1e6:.1f} | "
                   f"{r['pull_p50_ms']:.1f} | {r['pull_p90_ms']:.1f} | "
-                  f"{r['wire_gb_per_s']:.2f} |")
+                  f"{r['gb_per_s_p50']:.2f} ({r['gb_per_s_p50'] / socket_gbs:.2f}x socket) |")
+    if base and base.seconds:
+        print(f"| plain socket (the baseline) | {len(base.seconds)} | {base.nbytes / 1e6:.1f} | "
+              f"{pct(base.seconds, 0.5) * 1e3:.1f} | {pct(base.seconds, 0.9) * 1e3:.1f} | "
+              f"{socket_gbs:.2f} (1.00x) |")
+    if PULL in rows and RECOMPUTE in rows and bench.short_pulls:
+        long_pulls = [(args.prefix, s.pull["pagekv_kv_pull_seconds_sum"])
+                      for s in bench.shots[PULL]]
+        cost = PullCost(*fit_line(bench.short_pulls + long_pulls))
+        prefill = (rows[RECOMPUTE]["ttft_p50_ms"] - rows[LOCAL]["ttft_p50_ms"]) / 1e3 / args.prefix
+        cross = cost.crossover_tokens(prefill)
+        rows["crossover"] = {"fixed_s": cost.fixed_s, "per_token_s": cost.per_token_s,
+                             "prefill_per_token_s": prefill, "crossover_tokens": cross}
+        print(f"\ncrossover: pull = {cost.fixed_s * 1e3:.1f} ms + {cost.per_token_s * 1e6:.2f} "
+              f"us/token (fitted over {len(bench.short_pulls)} {SHORT_BLOCKS * BLOCK}-token and "
+              f"{len(long_pulls)} {args.prefix}-token pulls), prefill {prefill * 1e6:.0f} "
+              f"us/token: pulling beats recomputing above **{cross:.0f} tokens**")
     if PULL in rows:
         block_bytes = rows[PULL]["wire_bytes_per_pull"] / (args.prefix // BLOCK)
         print(f"\npull seconds: B's pagekv_kv_pull_seconds (admission to landed in the pool); "
-              f"{block_bytes / 1e3:.0f} kB per {BLOCK}-token block uncompressed. "
+              f"{block_bytes / 1e3:.0f} kB per {BLOCK}-token block uncompressed; GB/s at the "
+              f"p50 pull. "
               f"Goal (issue #18): pull >= 5x faster than recompute: "
               f"{rows[PULL]['speedup_vs_recompute']:.1f}x")
     if BUSY in rows:

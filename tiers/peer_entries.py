@@ -77,16 +77,20 @@ def pack_block(layout: KvLayout, block_hash: bytes, parent_hash: bytes | None,
 
 
 def pack_header(layout: KvLayout, block_hash: bytes, parent_hash: bytes | None,
-                pieces: Sequence[memoryview]) -> bytes:
-    """The header of a raw entry whose payload is `pieces` back to back (a pool block's planes
-    where they lie): a data transport sends it, then the pieces, and never joins them."""
+                pieces: Sequence[memoryview], payload_xxh: int | None = None
+                ) -> tuple[bytes, int]:
+    """(the header, the payload's checksum) of a raw entry whose payload is `pieces` back to
+    back (a pool block's planes where they lie): a data transport sends it, then the pieces,
+    and never joins them. `payload_xxh`: the pieces' checksum, when the caller has it."""
     size = sum(p.nbytes for p in pieces)
     if size != layout.block_bytes:
         raise ValueError(f"block is {size} bytes, the layout's blocks {layout.block_bytes}")
+    if payload_xxh is None:
+        payload_xxh = checksum_of_pieces(pieces)
     return pack_entry_header_of(
         block_hash=block_hash, parent_hash=parent_hash, token_ids=(),
         layout_id=layout.layout_id, dtype_code=dtype_code(layout.dtype), codec=CODEC_RAW,
-        raw_len=size, payload_len=size, payload_xxh=checksum_of_pieces(pieces))
+        raw_len=size, payload_len=size, payload_xxh=payload_xxh), payload_xxh
 
 
 def check_header(layout: KvLayout, header: bytes | memoryview, block_hash: bytes,

@@ -115,6 +115,11 @@ class KvExporter:
                   if m != Medium.GPU]
         return self.chain.read_run(hashes)
 
+    def pool_blocks(self, run: ExportRun, lo: int, hi: int) -> list[KVCacheBlock | None]:
+        """The pool block of each of run.hashes[lo:hi] (None: a tier's), pinned by the run."""
+        pinned = iter(run.pinned[run.media[:lo].count(Medium.GPU):])
+        return [next(pinned) if m == Medium.GPU else None for m in run.media[lo:hi]]
+
     def payloads(self, run: ExportRun, lo: int, hi: int) -> list[list[memoryview]]:
         """Any thread, while the run is open. The blocks run.hashes[lo:hi] in order, each as
         its raw payload's pieces (`read_block`'s order), cut at the first tier block that is

@@ -32,6 +32,10 @@ class KVCacheBlock:
     # Lifecycle timestamps (monotonic seconds) for the block-lifetime histograms.
     alloc_time: float = 0.0
     free_time: float = 0.0
+    # xxh3 of the block's bytes once a peer pull has computed it (kvnode/pod/
+    # kv_data_session.py): a cached block's content is fixed until it is handed out again,
+    # which clears it, so a hot prefix served to many pods is checksummed once.
+    payload_xxh: int | None = None
 
     def __repr__(self) -> str:  # the default would recurse through the free-list links
         h = self.block_hash.hex()[:12] if self.block_hash else None
@@ -261,6 +265,7 @@ class BlockPool:
                 removed.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
+            block.payload_xxh = None
             block.alloc_time = now
         if removed and self.enable_kv_events:
             self._events.append(BlockRemoved(removed, Medium.GPU))

@@ -86,11 +86,17 @@ class ExportSession:
         parent = run.hashes[lo - 1] if lo else run.parent
         out: list[Frame] = []
         sent = self.sent_bytes
-        for h, pieces in zip(run.hashes[lo:hi], exporter.payloads(run, lo, hi), strict=False):
+        for h, pieces, block in zip(run.hashes[lo:hi], exporter.payloads(run, lo, hi),
+                                    exporter.pool_blocks(run, lo, hi), strict=False):
             if self.compress:
                 frame: Frame = [pack_block(exporter.layout, h, parent, _joined(pieces), True)]
             else:
-                frame = [pack_header(exporter.layout, h, parent, pieces), *pieces]
+                # A pinned pool block's checksum is kept on it (it cannot change meanwhile).
+                known = block.payload_xxh if block is not None else None
+                header, xxh = pack_header(exporter.layout, h, parent, pieces, known)
+                if block is not None:
+                    block.payload_xxh = xxh
+                frame = [header, *pieces]
             size = sum(memoryview(p).nbytes for p in frame)
             if sent + size > self.budget:
                 break
