@@ -282,17 +282,26 @@ class PeerPuller:
                 # than recompute (or pull) the same blocks a second time.
                 return False
             source = self.sources.pop(rid, None)  # one attempt per request
-            if source is not None and min(source.num_blocks, hit.max_blocks) > start:
-                self._start(req, source, start, min(source.num_blocks, hit.max_blocks), hit)
+            if (source is not None and min(source.num_blocks, hit.max_blocks) > start
+                    and self._start(req, source, start, min(source.num_blocks, hit.max_blocks),
+                                    hit)):
                 return False
         self._share(rid, hit)
         return True
 
     def _start(self, req: Request, source: KvSource, start: int, end: int,
-               hit: PrefixHit) -> None:
+               hit: PrefixHit) -> bool:
+        """Start pulling blocks start..end (as many as the pool has room for); False when it
+        has room for none (counted as no_room: the request recomputes them)."""
         pinned = list(hit.blocks)  # the prefix the pulled blocks continue stays in the pool
         self.manager.pin(pinned)   # before reserving: making room must not evict it
         dest = self.manager.take_free_blocks(end - start)
+        if not dest:
+            self.manager.unpin(pinned)
+            self.stats.fallbacks[NO_ROOM] += 1
+            logger.warning("kv pull %s from %s: no room in the pool for any of its %d blocks, "
+                           "recomputing them", req.request_id, source.pod_id, end - start)
+            return False
         hashes = list(req.block_hashes[start : start + len(dest)])
         ask = PullAsk(req.request_id, hashes, req.block_hashes[start - 1] if start else None,
                       time.monotonic() + self.deadline_s,
@@ -307,6 +316,7 @@ class PeerPuller:
         self._inflight.update(dict.fromkeys(hashes, req.request_id))
         logger.debug("kv pull %s: blocks %d..%d from %s (%s), %d reserved", req.request_id,
                      start, end, source.pod_id, source.address, len(dest))
+        return True
 
     def _targets(self, dest: list[KVCacheBlock]
                  ) -> tuple[torch.Tensor | None, list[list[memoryview]]]:

@@ -266,3 +266,45 @@ def test_a_request_waits_for_the_pull_in_flight_of_its_prefix(cold):
     assert last["second"].cached_tokens_by_tier[Medium.GPU] == full * 16
     assert dst.puller.stats.blocks == full
     assert_nothing_pinned(src, dst)
+
+
+@pytest.mark.parametrize("room", ["some", "none"])
+def test_a_pull_takes_only_the_room_the_pool_has(cold, room):
+    """The pulled run lands in pool blocks reserved at the pull's start: with room for some
+    of them the rest is recomputed (no_room); with room for none no pull is made at all."""
+    src = engine()
+    run(src, PROMPT)
+    calls = []
+    inner = direct_fetch(src)
+
+    def counted(source, ask, handle, sink):
+        calls.append(len(ask.hashes))
+        inner(source, ask, handle, sink)
+
+    full = (len(PROMPT) - 1) // 16
+    dst = engine(num_gpu_blocks=30, max_model_len=480)
+    dst.enable_peer_pull(counted, deadline_s=10)
+    # Another request holds 21 of the pool's 30 blocks (some room) or all 30 while the pull
+    # is admitted.
+    other = [(i * 7) % 250 + 1 for i in range(330 if room == "some" else 466)]
+    dst.add_request("other", other, SamplingParams(max_tokens=2 if room == "some" else 12,
+                                                   temperature=0.0, ignore_eos=True))
+    dst.step()
+    dst.add_request("r", PROMPT, P, kv_source=SOURCE)
+    outs: dict[str, list] = {}
+    last = {}
+    deadline = time.monotonic() + 60
+    while dst.has_unfinished():
+        assert time.monotonic() < deadline
+        for out in dst.step():
+            outs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            last[out.request_id] = out
+    assert outs["r"] == cold[16]
+    assert dst.puller.stats.fallbacks["no_room"] == 1
+    peer = last["r"].cached_tokens_by_tier.get(PEER_SHARE, 0)
+    if room == "some":
+        assert calls and 0 < calls[0] < full
+        assert peer == calls[0] * 16
+    else:
+        assert calls == [] and peer == 0
+    assert_nothing_pinned(src, dst)
