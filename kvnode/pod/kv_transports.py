@@ -33,8 +33,16 @@ def data_servers(config: TransferConfig, host: str, tls: TlsFiles | None) -> lis
     servers: list[DataServer] = []
     for name in config.transports:
         if name == "tcp":
-            servers.append(TcpDataServer(host, config.data_port,
-                                         server_ssl_context(tls) if tls is not None else None))
+            try:
+                servers.append(TcpDataServer(host, config.data_port,
+                                             server_ssl_context(tls) if tls is not None
+                                             else None))
+            except OSError as exc:
+                for server in servers:
+                    server.close()
+                raise RuntimeError(f"cannot listen on the KV data port {host}:"
+                                   f"{config.data_port} (--kv-data-port): {exc.strerror or exc}"
+                                   ) from None
         elif name == "mooncake" and _mooncake_usable(tls):
             from pagekv.kvnode.pod.kv_data_mooncake import MooncakeDataServer
             servers.append(MooncakeDataServer(host))
