@@ -81,14 +81,7 @@ def _recv_into_pieces(sock: socket.socket, pieces: Sequence[memoryview]) -> None
         n = sock.recvmsg_into(views)[0]
         if n == 0:
             raise ConnectionError("the peer closed the data connection")
-        while n:
-            first = views[0]
-            if n >= first.nbytes:
-                n -= first.nbytes
-                views.pop(0)
-            else:
-                views[0] = first[n:]
-                n = 0
+        _advance(views, n)
 
 
 def _send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> None:
@@ -99,15 +92,19 @@ def _send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> N
             sock.sendall(view)
         return
     while views:
-        n = sock.sendmsg(views)
-        while n:
-            first = views[0]
-            if n >= first.nbytes:
-                n -= first.nbytes
-                views.pop(0)
-            else:
-                views[0] = first[n:]
-                n = 0
+        _advance(views, sock.sendmsg(views))
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first `n` bytes of `views` (what one scatter/gather call moved)."""
+    while n:
+        first = views[0]
+        if n >= first.nbytes:
+            n -= first.nbytes
+            views.pop(0)
+        else:
+            views[0] = first[n:]
+            n = 0
 
 
 def _shutdown(sock: socket.socket) -> None:
