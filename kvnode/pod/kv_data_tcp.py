@@ -56,6 +56,7 @@ VERSION = 1
 END = struct.Struct("<4sI")
 END_MAGIC = b"PKVE"
 ENTRY_MAGIC = b"PKVB"
+IOV_MAX = 1024            # pieces one sendmsg may take (Linux's UIO_MAXIOV)
 HELLO_TIMEOUT_S = 5.0
 MAX_PENDING_HELLOS = 32   # connections not yet past their hello, at once
 
@@ -92,7 +93,7 @@ def _send_pieces(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> N
             sock.sendall(view)
         return
     while views:
-        _advance(views, sock.sendmsg(views))
+        _advance(views, sock.sendmsg(views[:IOV_MAX]))
 
 
 def _advance(views: list[memoryview], n: int) -> None:
@@ -220,8 +221,7 @@ class TcpDataServer:
             sock.settimeout(remaining)
             hi = min(lo + step, session.num_blocks)
             frames = session.frames(lo, hi)
-            for frame in frames:
-                _send_pieces(sock, frame)
+            _send_pieces(sock, [piece for frame in frames for piece in frame])  # one gather
             session.sent(frames)
             if len(frames) < hi - lo:
                 break  # the byte limit, or a tier block gone
