@@ -17,6 +17,13 @@ into a registered slab, `ready_blocks` relayed on its stdout as the control stre
 this process receives each pull into a pool through a BlockSink (every header and checksum
 checked), timed from the ask to the last block landed; the plain socket in the same rounds.
 
+With `--pods`, whole pulls between real pod processes on the real model (SmolLM2-135M, one
+torch thread each): holder A serves `--kv-transports mooncake,tcp`, pullers B (tcp) and C
+(mooncake) each pull a fresh 2,048-token prefix A computed, and a plain socket moves as many
+bytes, the three in rotating order; a pull's GB/s is its puller's pagekv_kv_pulled_bytes_total
+over its pagekv_kv_pull_seconds (admission to landed), every pull checked whole
+(cached_tokens_peer, no fallback) and its greedy tokens A's.
+
     python -m bench.mooncake_probe serve HOST NBYTES            # the Mooncake holder (internal)
     python -m bench.mooncake_probe holder TOKENS BLOCK_SIZE     # the transports' (internal)
 """
@@ -238,6 +245,108 @@ def transports(tokens: int, block_size: int, rounds: int) -> int:
     return 0
 
 
+def pods(prefix: int, rounds: int) -> int:
+    import random
+    import tempfile
+    from pathlib import Path
+
+    import grpc
+
+    from bench.kv_pull import BLOCK, MODEL, random_tokens, reset
+    from bench.pod_metrics import scrape_url
+    from pagekv.deploy.local_cluster import LocalCluster, wait_healthy
+    from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+    from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+
+    def generate(address: str, tokens: list[int], source: pb.KvSource | None = None):
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=tokens), sampling=pb.SamplingParams(
+            max_tokens=2, temperature=0.0, ignore_eos=True))
+        if source is not None:
+            req.kv_source.CopyFrom(source)
+        with grpc.insecure_channel(address) as ch:
+            return pb_grpc.GenerationStub(ch).Generate(req, timeout=300)
+
+    node = ["--num-threads", "1", "--num-gpu-blocks", str(2 * prefix // BLOCK + 64),
+            "--max-model-len", str(prefix + 64), "--kv-pull-deadline-s", "30"]
+    cluster = LocalCluster(nodes=0, model=MODEL, node_args=node, start_router=False,
+                           run_dir=Path(tempfile.mkdtemp(prefix="pagekv-mooncake-")))
+    cluster.start()
+    rng = random.Random(28)
+    got: dict[str, list[float]] = {"tcp": [], "mooncake": [], "plain socket": []}
+    sizes: list[float] = []
+    plain: subprocess.Popen | None = None
+    sock: socket.socket | None = None
+    try:
+        a = cluster.start_pod("node-a", ["--kv-transports", "mooncake,tcp"])
+        pullers = {t: cluster.start_pod(f"node-{t}", ["--kv-transports", t])
+                   for t in ("tcp", "mooncake")}
+        for child in (a, *pullers.values()):
+            wait_healthy(child.target(), 300, child.proc)
+        full = (prefix - 1) // BLOCK
+
+        def pull(name: str, tokens: list[int], want: list[int]) -> float:
+            b = pullers[name]
+            reset(b.target())
+            url = f"http://127.0.0.1:{b.metrics_port}/metrics"
+            before = scrape_url(url)
+            resp = generate(b.target(), tokens, pb.KvSource(
+                pod_id="node-a", address=a.target(), num_blocks=full))
+            after = scrape_url(url)
+            assert list(resp.completions[0].token_ids) == want, name
+            assert resp.usage.cached_tokens_peer == full * BLOCK, (name, resp.usage)
+            grew = {k: after[k] - before.get(k, 0.0) for k in after}
+            assert not any(v for k, v in grew.items() if "fallbacks" in k), (name, grew)
+            sizes.append(grew["pagekv_kv_pulled_bytes_total"])
+            return grew["pagekv_kv_pull_seconds_sum"]
+
+        for r in range(rounds + 1):  # the first round warms up (connections, pages)
+            tokens = random_tokens(rng, prefix)
+            want = list(generate(a.target(), tokens).completions[0].token_ids)
+            if r == 0:
+                for name in pullers:
+                    pull(name, tokens, want)
+                nbytes = int(sizes[0])
+                port = _free_port("127.0.0.1")
+                plain = subprocess.Popen([sys.executable, "-m", "bench.plain_socket", "serve",
+                                          "127.0.0.1", str(port), str(nbytes)],
+                                         stdout=subprocess.PIPE, text=True)
+                assert plain.stdout is not None
+                plain.stdout.readline()
+                sock = tuned(socket.create_connection(("127.0.0.1", port), timeout=60))
+                view = memoryview(bytearray(nbytes))
+                view[:] = b"\x00" * nbytes
+                continue
+            names = list(got)[r % 3:] + list(got)[: r % 3]  # each path first in turn
+            for name in names:
+                if name == "plain socket":
+                    assert sock is not None
+                    t0 = time.perf_counter()
+                    sock.sendall(ASK.pack(nbytes))
+                    recv_exact(sock, view)
+                    got[name].append(time.perf_counter() - t0)
+                else:
+                    got[name].append(pull(name, tokens, want))
+    finally:
+        if sock is not None:
+            sock.close()
+        if plain is not None:
+            plain.kill()
+            plain.wait()
+        cluster.stop()
+    print(f"whole pulls of a {prefix}-token prefix ({nbytes / 1e6:.1f} MB, {MODEL}) between "
+          f"pods on loopback, admission to landed; {rounds} rounds, the paths' order rotating")
+    print("| path | median GB/s | best GB/s | median ms | vs plain socket (medians) |")
+    print("|---|---|---|---|---|")
+    base = nbytes / statistics.median(got["plain socket"])
+    rows = {"plain socket": got["plain socket"], "pull, PageKV tcp transport": got["tcp"],
+            "pull, Mooncake transport (tcp)": got["mooncake"]}
+    for name, values in rows.items():
+        med = nbytes / statistics.median(values)
+        print(f"| {name} | {med / 1e9:.2f} | {nbytes / min(values) / 1e9:.2f} | "
+              f"{statistics.median(values) * 1e3:.0f} | {med / base:.2f}x |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -254,7 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transports", action="store_true", help="the transports' data path")
     ap.add_argument("--tokens", type=int, default=2048, help="--transports: the run's tokens")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--pods", action="store_true", help="whole pulls between real pods")
+    ap.add_argument("--prefix", type=int, default=2048, help="--pods: the prefix's tokens")
     args = ap.parse_args(argv)
+    if args.pods:
+        return pods(args.prefix, args.rounds)
     if args.transports:
         return transports(args.tokens, args.block_size, args.rounds)
     secs = run(args.host, args.bytes, args.rounds)
