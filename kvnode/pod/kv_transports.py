@@ -45,7 +45,11 @@ def data_servers(config: TransferConfig, host: str, tls: TlsFiles | None) -> lis
                                    ) from None
         elif name == "mooncake" and _mooncake_usable(tls):
             from pagekv.kvnode.pod.kv_data_mooncake import MooncakeDataServer
-            servers.append(MooncakeDataServer(host))
+            try:  # a slab per pull served at once, each as big as a call may send
+                servers.append(MooncakeDataServer(host, slabs=config.serve_max_concurrent,
+                                                  slab_bytes=config.serve_max_bytes))
+            except RuntimeError as exc:  # its engine would not start or register memory
+                logger.warning("KV transport mooncake: not served (%s)", exc)
     return servers
 
 
