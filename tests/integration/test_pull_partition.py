@@ -3,8 +3,9 @@ the puller on hosts of their own (deploy/netns_bed.py), their link shaped slow, 
 while the pull's bytes move. The request must still come back with the cold greedy tokens
 (what arrived kept, the rest recomputed, one fallback counted by reason), within the pull
 deadline plus a recompute; with the link still down, no block stays pinned on either pod;
-restored, a pull brings the whole prefix again within RECOVERY_S (the very first one after the
-restore is printed, not asserted: over gRPC it may still fall back, see bench/pull_cut.py). The scenario is bench/pull_cut.py.
+restored, the very next pull brings the whole prefix again (on the default tcp data transport,
+whose connection is the pull's own; over gRPC's shared channel at a few Mbit/s it can still
+fall back, behind the cut pull's queued bytes and TCP's retransmit backoff: bench/pull_cut.py). The scenario is bench/pull_cut.py.
 
 Skipped where namespaces cannot be made (not root, no iproute2)."""
 
@@ -50,8 +51,8 @@ def test_link_cut_mid_pull_falls_back_releases_pins_and_recovers(tmp_path: Path)
             rate=RATE, pull_deadline_s=PULL_DEADLINE_S, cut_at=0.3,
             after_s=RECOVERY_S + PULL_DEADLINE_S)
     assert not namespaces() & set(bed.mesh.made), "the bed left namespaces behind"
-    print(pull_cut.first_pull_problem(r) or "the first pull after the restore was whole", r)
     assert not pull_cut.problems(r), (pull_cut.problems(r), r)
+    assert pull_cut.first_pull_problem(r) is None, r
     # Spelled out (problems() says the same): the cut landed mid-pull, the call recomputed the
     # rest with the cold tokens, no pin outlived the cut, and the restored link pulls whole prefixes again.
     assert 0.3 < r["uncut"]["seconds"] < PULL_DEADLINE_S, r  # a pull long enough to cut
@@ -60,3 +61,4 @@ def test_link_cut_mid_pull_falls_back_releases_pins_and_recovers(tmp_path: Path)
     assert set(r["cut"]["fallbacks"]) <= {"deadline", "peer_unavailable"}, r
     assert r["release_s"] is not None, r
     assert r["recovery_s"] is not None and r["recovery_s"] < RECOVERY_S, r
+    assert r["pulls_after_restore"] == 1, r
