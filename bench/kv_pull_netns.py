@@ -165,7 +165,8 @@ class Bench:
 
 
 def gbps(nbytes: float, seconds: list[float]) -> float:
-    return nbytes / pct(seconds, 0.5) / 1e9 if seconds else float("nan")
+    """The median round's GB/s (taken over rates, as the pull's, so both pick alike)."""
+    return pct([nbytes / s for s in seconds], 0.5) / 1e9 if seconds else float("nan")
 
 
 def summarize(run: RateRun, nbytes: int) -> dict:
@@ -234,10 +235,12 @@ def main(argv: list[str] | None = None) -> int:
                     "first 12.5 MB through a 10 Gbit/s link unshaped)")
     ap.add_argument("--cut", action=argparse.BooleanOptionalAction, default=True,
                     help="the cut-mid-pull row")
-    ap.add_argument("--cut-rate", default="250mbit", help="the link's rate for the cut row "
-                    "(slow enough that its pull takes a second or two)")
-    ap.add_argument("--cut-prompt", type=int, default=1024, help="the cut row's prompt tokens "
-                    "(each is computed cold by the holder: a long one costs minutes here)")
+    ap.add_argument("--cut-rate", default=None, help="the link's rate for the cut row, slow "
+                    "enough that its pull takes a second or two (default 250mbit, 125mbit "
+                    "quick)")
+    ap.add_argument("--cut-prompt", type=int, default=None, help="the cut row's prompt tokens "
+                    "(each computed cold by the holder: a long one costs minutes here; "
+                    "default 1024, 512 quick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix % BLOCK:
         ap.error(f"--prefix must be a multiple of the block size {BLOCK}")
     rates = (args.rates or ("10gbit" if args.quick else "1gbit,10gbit,25gbit")).split(",")
+    args.cut_rate = args.cut_rate or ("125mbit" if args.quick else "250mbit")
+    args.cut_prompt = args.cut_prompt or (512 if args.quick else 1024)
     for rate in [*rates, args.cut_rate]:
         rate_bits(rate)  # a wrong rate fails now, not after the pods started
     rounds = args.rounds or (2 if args.quick else 6)
