@@ -141,9 +141,13 @@ def stream(address: str, prompt: list[int], max_tokens: int,
     return Shot(first, tokens, usage)
 
 
+# Ordinary vocabulary ids: SmolLM2's special tokens sit at the bottom of its 49,152; the
+# pagekv-* presets have a byte vocabulary (main sets this for them).
+TOKEN_RANGE = [1000, 40000]
+
+
 def random_tokens(rng: random.Random, n: int) -> list[int]:
-    # Ordinary vocabulary ids (SmolLM2's special tokens sit at the bottom of its 49,152).
-    return [rng.randrange(1000, 40000) for _ in range(n)]
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
 
 class BusyLoad:
@@ -383,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 4 * per_prompt + args.busy * (1088 // BLOCK + 1) + 16
     node = ["--num-threads", str(args.threads), "--num-gpu-blocks", str(blocks),
             "--max-model-len", str(max(total, 1088) + BLOCK)]
+    if args.model.startswith("pagekv-"):
+        TOKEN_RANGE[:] = [3, 250]
     if total > 4096:  # beyond pagekv-small's positions (SmolLM2 has 8,192)
         os.environ["PAGEKV_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     print(f"# Cross-pod KV pull vs local hit vs recompute ({args.model}, {args.prefix}-token "

@@ -26,6 +26,7 @@ from pagekv.tiers.ssd_format import (
     canonical_layout,
     checksum,
     checksum_of_pieces,
+    entry_header_size,
     layout_id_of,
     pack_entry_header,
     pack_entry_header_of,
@@ -91,6 +92,12 @@ def pack_header(layout: KvLayout, block_hash: bytes, parent_hash: bytes | None,
         block_hash=block_hash, parent_hash=parent_hash, token_ids=(),
         layout_id=layout.layout_id, dtype_code=dtype_code(layout.dtype), codec=CODEC_RAW,
         raw_len=size, payload_len=size, payload_xxh=payload_xxh), payload_xxh
+
+
+def raw_header_len(block_hash: bytes, parent_hash: bytes | None) -> int:
+    """The header length of `pack_header`'s entry for this block (no token ids): what a
+    receiver posts for it before the bytes come."""
+    return entry_header_size(len(block_hash), len(parent_hash or b""), 0)
 
 
 def check_header(layout: KvLayout, header: bytes | memoryview, block_hash: bytes,

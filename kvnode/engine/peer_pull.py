@@ -42,6 +42,7 @@ from pagekv.tiers.peer_entries import (
     KvLayout,
     check_header,
     check_pieces,
+    raw_header_len,
     scatter,
     unpack_block,
 )
@@ -153,9 +154,15 @@ class BlockSink:
         parent = self.ask.hashes[i - 1] if i else self.ask.parent
         return check_header(self.layout, header, self.ask.hashes[i], parent)
 
-    def pieces(self) -> list[memoryview]:
-        """Where the next block's raw payload goes, in order."""
-        return self.targets[self.count]
+    def pieces(self, ahead: int = 0) -> list[memoryview]:
+        """Where the raw payload of the next block (or of the one `ahead` after it) goes."""
+        return self.targets[self.count + ahead]
+
+    def header_len(self, ahead: int = 0) -> int:
+        """The length of the next block's header (or that of the one `ahead` after it) as
+        its holder packs a raw entry (tiers.peer_entries.pack_header)."""
+        i = self.count + ahead
+        return raw_header_len(self.ask.hashes[i], self.ask.hashes[i - 1] if i else self.ask.parent)
 
     def commit(self, hdr: EntryHeader) -> None:
         """The payload `hdr` announced is in `pieces()`: verify it; the block counts."""

@@ -47,6 +47,7 @@ class ExportSession:
         self.sent_bytes = 0
         self.ready = 0                # blocks made available so far (a transport's progress)
         self.finished = False         # the transport sent everything it will
+        self._pending_bytes = 0       # bytes of the frames given, not yet sent
         self._close_run = close_run
         self._holders = 1             # the control call
         self._ended = False           # the control call let go
@@ -90,6 +91,7 @@ class ExportSession:
                                     exporter.pool_blocks(run, lo, hi), strict=False):
             if self.compress:
                 frame: Frame = [pack_block(exporter.layout, h, parent, _joined(pieces), True)]
+                size = len(frame[0])
             else:
                 # A pinned pool block's checksum is kept on it (it cannot change meanwhile).
                 known = block.payload_xxh if block is not None else None
@@ -97,19 +99,21 @@ class ExportSession:
                 if block is not None:
                     block.payload_xxh = xxh
                 frame = [header, *pieces]
-            size = sum(memoryview(p).nbytes for p in frame)
+                size = len(header) + exporter.layout.block_bytes  # pack_header checked it
             if sent + size > self.budget:
                 break
             sent += size
             out.append(frame)
             parent = h
+        self._pending_bytes = sent - self.sent_bytes
         return out
 
     def sent(self, frames: list[Frame]) -> None:
-        """Frames the transport has delivered (or made ready to be read)."""
+        """The frames the last `frames` call gave are delivered (or ready to be read)."""
         with self._changed:
             self.sent_blocks += len(frames)
-            self.sent_bytes += sum(memoryview(p).nbytes for f in frames for p in f)
+            self.sent_bytes += self._pending_bytes
+            self._pending_bytes = 0
             self.ready = self.sent_blocks
             self._changed.notify_all()
 

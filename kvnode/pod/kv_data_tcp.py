@@ -5,14 +5,18 @@ ticket naming this transport, the holder's data port and a session token. The pu
 connects to that port on the host it dialed for gRPC, and the bytes flow here:
 
     puller → holder   "PKVT" | version u16 | token (32 bytes)
-    holder → puller   entry | entry | ... | "PKVE" | blocks u32
+    holder → puller   chunk | chunk | ... | "PKVE" | blocks u32
+    chunk             "PKVC" | n u32 | n raw entries      (or, LZ4: one entry, "PKVB"...)
 
 Each entry is the SSD tier's self-describing entry (tiers/ssd_format.py: hashes, layout id,
 both checksums, then the payload), exactly what the gRPC path carries. The holder sends a
 host pool's block from where it lies: the header, then the block's per-layer planes in one
-`sendmsg` (a gather write, no copy in Python). The puller reads the header, checks it
-(kvnode/engine/peer_pull.BlockSink), and `recvmsg_into`s the payload straight into the pool
-block reserved for it (a scatter read), then verifies its checksum there before it counts.
+`sendmsg` (a gather write, no copy in Python), a chunk of blocks at a time. Both ends know
+each raw entry's header length (from the hashes asked), so the puller posts one
+`recvmsg_into` for a whole chunk: each header into a buffer, each payload straight into the
+pool block reserved for it (a scatter read); then it checks every header (kvnode/engine/
+peer_pull.BlockSink) and verifies every payload's checksum where it landed, before it counts.
+A chunk whose bytes are not those entries fails those checks: nothing of it counts.
 Nothing on the hot path allocates per message: the kernel copies from the socket into the
 pool and out of the pool into the socket.
 
@@ -55,6 +59,8 @@ HELLO_MAGIC = b"PKVT"
 VERSION = 1
 END = struct.Struct("<4sI")
 END_MAGIC = b"PKVE"
+CHUNK = struct.Struct("<4sI")
+CHUNK_MAGIC = b"PKVC"
 ENTRY_MAGIC = b"PKVB"
 IOV_MAX = 1024            # pieces one sendmsg may take (Linux's UIO_MAXIOV)
 HELLO_TIMEOUT_S = 5.0
@@ -79,7 +85,7 @@ def _recv_into_pieces(sock: socket.socket, pieces: Sequence[memoryview]) -> None
                 view = view[n:]
         return
     while views:
-        n = sock.recvmsg_into(views)[0]
+        n = sock.recvmsg_into(views[:IOV_MAX])[0]
         if n == 0:
             raise ConnectionError("the peer closed the data connection")
         _advance(views, n)
@@ -221,7 +227,11 @@ class TcpDataServer:
             sock.settimeout(remaining)
             hi = min(lo + step, session.num_blocks)
             frames = session.frames(lo, hi)
-            _send_pieces(sock, [piece for frame in frames for piece in frame])  # one gather
+            if session.compress:  # LZ4 entries: lengths the puller cannot know, one by one
+                _send_pieces(sock, [piece for frame in frames for piece in frame])
+            elif frames:
+                _send_pieces(sock, [CHUNK.pack(CHUNK_MAGIC, len(frames)),
+                                    *(piece for frame in frames for piece in frame)])
             session.sent(frames)
             if len(frames) < hi - lo:
                 break  # the byte limit, or a tier block gone
@@ -287,6 +297,10 @@ class TcpDataClient:
                     raise PullFailed(PEER_MISSING, f"the peer says it sent {count} blocks, "
                                                    f"{sink.count} arrived")
                 return
+            if fixed_view[:4] == CHUNK_MAGIC:
+                (n,) = struct.unpack("<I", _recv_exact(sock, 4))
+                self._receive_chunk(sock, n, sink)
+                continue
             if fixed_view[:4] != ENTRY_MAGIC:
                 raise ConnectionError("the data stream is out of step (not an entry)")
             _recv_into_pieces(sock, [fixed_view[4:]])
@@ -305,3 +319,17 @@ class TcpDataClient:
                                           f"{hdr.raw_len}-byte block")
                 sink.take_entry(header + _recv_exact(sock, hdr.payload_len))
 
+    @staticmethod
+    def _receive_chunk(sock: socket.socket, n: int, sink: BlockSink) -> None:
+        """`n` raw entries in one scatter read: headers into buffers, payloads in place."""
+        if not 0 < n <= sink.capacity - sink.count:
+            raise ConnectionError(f"a chunk of {n} blocks where {sink.capacity - sink.count} "
+                                  f"are still asked for")
+        headers = [bytearray(sink.header_len(k)) for k in range(n)]
+        views: list[memoryview] = []
+        for k, header in enumerate(headers):
+            views.append(memoryview(header))
+            views.extend(sink.pieces(k))
+        _recv_into_pieces(sock, views)
+        for header in headers:
+            sink.commit(sink.expect(header))
