@@ -189,6 +189,7 @@ class AsyncEngine:
                     break
                 cmd()
             if not eng.has_unfinished():
+                eng.idle_tick()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue

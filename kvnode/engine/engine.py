@@ -280,6 +280,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
+    def idle_tick(self) -> None:
+        """What is owed while no request is unfinished (no step runs): the pool blocks of a
+        pull its request gave up go back once the pull's worker is out."""
+        if self.puller is not None and self.puller.has_pending():
+            self.puller.finish_pulls()
+
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.tiers is not None:

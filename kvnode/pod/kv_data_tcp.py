@@ -35,6 +35,7 @@ import ssl
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from pagekv.kvnode.engine.peer_pull import (
@@ -64,7 +65,7 @@ CHUNK_MAGIC = b"PKVC"
 ENTRY_MAGIC = b"PKVB"
 IOV_MAX = 1024            # pieces one sendmsg may take (Linux's UIO_MAXIOV)
 HELLO_TIMEOUT_S = 5.0
-MAX_PENDING_HELLOS = 32   # connections not yet past their hello, at once
+MAX_PENDING_HELLOS = 32   # connections not yet past their hello; a newer one evicts the oldest
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -139,7 +140,7 @@ class TcpDataServer:
         self._ssl = ssl_context
         self._sessions: dict[bytes, ExportSession] = {}
         self._lock = threading.Lock()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_HELLOS)
+        self._pending: deque[socket.socket] = deque()  # accepted, no hello yet
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="kv-data-accept",
                                         daemon=True)
@@ -168,10 +169,13 @@ class TcpDataServer:
                     return
                 time.sleep(0.05)  # out of descriptors: do not spin
                 continue
-            if not self._pending.acquire(blocking=False):
-                self.connections_refused += 1
-                conn.close()  # a flood of idle connections gets nothing
-                continue
+            with self._lock:
+                if len(self._pending) >= MAX_PENDING_HELLOS:
+                    # The oldest silent one makes room: a real puller says hello within a
+                    # round trip, so a flood of idle connections cannot keep it out.
+                    _shutdown(self._pending.popleft())
+                    self.connections_refused += 1
+                self._pending.append(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kv-data-send",
                              daemon=True).start()
 
@@ -185,6 +189,8 @@ class TcpDataServer:
                     self._send(sock, session)  # type: ignore[arg-type]  # set with session
         except (OSError, ValueError) as exc:
             logger.debug("data connection ended: %s", exc)
+            if session is not None:
+                session.finish()  # nothing more will go: the control call need not wait
         finally:
             if session is not None:
                 session.detach()
@@ -205,7 +211,8 @@ class TcpDataServer:
             self.connections_refused += 1
             return None
         finally:
-            self._pending.release()
+            with self._lock, contextlib.suppress(ValueError):
+                self._pending.remove(conn)
 
     def _claim(self, sock: socket.socket) -> ExportSession | None:
         token = _recv_exact(sock, TOKEN_BYTES)
@@ -263,12 +270,23 @@ class TcpDataClient:
         if timeout <= 0:
             raise PullFailed(DEADLINE, "no time left before the pull's deadline")
         try:
-            raw = socket.create_connection((host, ticket.port), timeout=timeout)
-        except OSError as exc:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, ticket.port, type=socket.SOCK_STREAM)[0]
+            raw = socket.socket(family, kind, proto)
+        except (OSError, UnicodeError, OverflowError) as exc:
             raise PullFailed(PEER_UNAVAILABLE, f"data port {host}:{ticket.port}: {exc}") from None
         with raw:
-            _tune(raw)
+            # Before connecting: a cancel must also stop a connect to an unreachable holder.
             handle.on_cancel(lambda: _shutdown(raw))
+            try:
+                raw.settimeout(timeout)
+                raw.connect(address)
+            except OSError as exc:
+                if handle.cancelled:
+                    return
+                raise PullFailed(PEER_UNAVAILABLE,
+                                 f"data port {host}:{ticket.port}: {exc}") from None
+            _tune(raw)
             try:
                 sock = (self._ssl.wrap_socket(raw, server_hostname=host)
                         if self._ssl is not None else raw)

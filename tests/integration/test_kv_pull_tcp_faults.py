@@ -353,9 +353,6 @@ def test_puller_cancelled_mid_transfer_stops_its_worker(pods, fake):
     no_leaks(b, a)
 
 
-@pytest.mark.xfail(strict=True, reason="peer_pull/async_engine: a forgotten pull's reserved "
-                   "blocks are released only by Engine.step (finish_pulls), which the idle "
-                   "loop never runs: they stay taken until the next request comes")
 def test_cancelled_pull_gives_its_blocks_back_while_idle(pods, fake):
     """D's request cancelled while its worker hangs in connect (a holder across a
     partition): the worker gives up at D's 4 s deadline, and then, with no other request
@@ -368,10 +365,6 @@ def test_cancelled_pull_gives_its_blocks_back_while_idle(pods, fake):
         wait_for(lambda: kick(d), "D idle after its next request", D_DEADLINE_S + QUICK_S)
 
 
-@pytest.mark.xfail(strict=True, reason="kv_data_tcp.TcpDataClient.receive: the pull's cancel "
-                   "does not reach a connect in progress (on_cancel is registered after "
-                   "create_connection returns): the worker and its reserved blocks stay "
-                   "until the connect times out at the pull's deadline")
 def test_cancel_interrupts_a_hanging_connect(pods, fake):
     d = pods.d
     t0 = cancel_mid_pull(pods, "d", fake, 56, "jammed")
@@ -512,9 +505,6 @@ def test_data_port_sends_nothing_to_a_bad_hello(pods):
     no_leaks(a, b)
 
 
-@pytest.mark.xfail(strict=True, reason="kv_data_tcp: MAX_PENDING_HELLOS idle connections "
-                   "make TcpDataServer refuse every new one, a real puller's included, for "
-                   "up to HELLO_TIMEOUT_S (see the report to the lead)")
 def test_idle_connection_flood_does_not_stop_a_pull(pods):
     a, b = pods.a, pods.b
     port = pods.data_port
