@@ -29,6 +29,7 @@ HELLO_TIMEOUT_S, or bytes that are not a hello: the connection is closed, nothin
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -63,6 +64,7 @@ END_MAGIC = b"PKVE"
 CHUNK = struct.Struct("<4sI")
 CHUNK_MAGIC = b"PKVC"
 ENTRY_MAGIC = b"PKVB"
+RECEIVE_WINDOW_MAX = 16 << 20  # the most _size_receive_window asks for
 IOV_MAX = 1024            # pieces one sendmsg may take (Linux's UIO_MAXIOV)
 HELLO_TIMEOUT_S = 5.0
 MAX_PENDING_HELLOS = 32   # connections not yet past their hello; a newer one evicts the oldest
@@ -125,6 +127,27 @@ def _tune(sock: socket.socket) -> None:
     # Buffer sizes stay the kernel's autotuning: a fixed SO_RCVBUF would cap the window at
     # net.core.rmem_max and turn the tuning off.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _size_receive_window(sock: socket.socket) -> None:
+    """Before connecting, the receive buffer at once as large as the kernel allows
+    (net.core.rmem_max, 4 MiB here): a fresh connection's autotuning starts at 128 KiB and
+    grows only as the reader keeps up, which a one-pull connection never outlives (94 MB on
+    loopback: 1.27-1.38 GB/s autotuned, 1.55-1.57 with 4 MiB, alternating rounds). A window of
+    4 MiB covers a datacenter link's bandwidth-delay product (100 Gbit/s x 300 us)."""
+    size = _rmem_max()
+    if size:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, min(size, RECEIVE_WINDOW_MAX))
+
+
+@functools.cache
+def _rmem_max() -> int:
+    try:
+        with open("/proc/sys/net/core/rmem_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0  # not Linux, or hidden: the kernel's autotuning
 
 
 class TcpDataServer:
@@ -279,6 +302,7 @@ class TcpDataClient:
             # Before connecting: a cancel must also stop a connect to an unreachable holder.
             handle.on_cancel(lambda: _shutdown(raw))
             try:
+                _size_receive_window(raw)
                 raw.settimeout(timeout)
                 raw.connect(address)
             except OSError as exc:
