@@ -100,7 +100,7 @@ def raw_header_len(block_hash: bytes, parent_hash: bytes | None) -> int:
     return entry_header_size(len(block_hash), len(parent_hash or b""), 0)
 
 
-def check_header(layout: KvLayout, header: bytes | memoryview, block_hash: bytes,
+def check_header(layout: KvLayout, header: bytes | bytearray | memoryview, block_hash: bytes,
                  parent_hash: bytes | None) -> EntryHeader:
     """The entry header at the start of `header`, verified: intact, of this layout, and
     exactly that block of the chain (EntryRejected otherwise). Its payload is not checked."""

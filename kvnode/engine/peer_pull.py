@@ -143,7 +143,7 @@ class BlockSink:
     def capacity(self) -> int:
         return len(self.targets)
 
-    def expect(self, header: bytes | memoryview) -> EntryHeader:
+    def expect(self, header: bytes | bytearray | memoryview) -> EntryHeader:
         """The next block's header, checked (its chain position, layout, checksum)."""
         i = self.count
         if i >= self.capacity:
