@@ -206,10 +206,10 @@ class TcpDataServer:
         session = None
         try:
             with conn:
-                sock = self._hello(conn)
-                session = self._claim(sock) if sock is not None else None
+                hello = self._hello(conn)
+                session = self._claim(hello[1]) if hello is not None else None
                 if session is not None:
-                    self._send(sock, session)  # type: ignore[arg-type]  # set with session
+                    self._send(hello[0], session)  # type: ignore[index]  # set with session
         except (OSError, ValueError) as exc:
             logger.debug("data connection ended: %s", exc)
             if session is not None:
@@ -218,8 +218,9 @@ class TcpDataServer:
             if session is not None:
                 session.detach()
 
-    def _hello(self, conn: socket.socket) -> socket.socket | None:
-        """The connection, past TLS and a valid hello's first bytes; None if refused."""
+    def _hello(self, conn: socket.socket) -> tuple[socket.socket, bytes] | None:
+        """The connection past TLS and a whole valid hello, and the token it names; None if
+        refused. The connection counts as silent until then (MAX_PENDING_HELLOS)."""
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
             sock: socket.socket = conn
@@ -229,7 +230,7 @@ class TcpDataServer:
             if magic != HELLO_MAGIC or version != VERSION:
                 self.connections_refused += 1
                 return None
-            return sock
+            return sock, _recv_exact(sock, TOKEN_BYTES)
         except (OSError, ConnectionError, ssl.SSLError):
             self.connections_refused += 1
             return None
@@ -237,8 +238,7 @@ class TcpDataServer:
             with self._lock, contextlib.suppress(ValueError):
                 self._pending.remove(conn)
 
-    def _claim(self, sock: socket.socket) -> ExportSession | None:
-        token = _recv_exact(sock, TOKEN_BYTES)
+    def _claim(self, token: bytes) -> ExportSession | None:
         with self._lock:
             session = self._sessions.pop(token, None)  # single use
         if session is None or not session.attach():
