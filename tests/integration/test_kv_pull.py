@@ -43,6 +43,15 @@ def metrics(pod) -> dict[tuple[str, tuple], float]:
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+def wait_router_sees(router, pods: int) -> None:
+    """Until the router counts `pods` live pods (a pod joins it at its next index refresh,
+    which a loaded box may delay past the cluster's start)."""
+    deadline = time.monotonic() + 30
+    while metrics(router).get(("pagekv_router_live_pods", ()), 0) < pods:
+        assert time.monotonic() < deadline, f"the router never saw {pods} live pods"
+        time.sleep(0.1)
+
+
 def wait_indexed(redis_url: str, pod_id: str, blocks: int) -> None:
     """Until the index shows `pod_id` holding PROMPT's first `blocks` blocks (its publisher
     flushes every 50 ms; a loaded box may take longer)."""
@@ -120,6 +129,7 @@ def test_router_sends_a_busy_holders_prefix_to_an_idle_pod_by_pull(tmp_path):
     cluster = LocalCluster(nodes=2, run_dir=tmp_path, node_args=args,
                            router_args=["--cost-queue-per-request", "10"]).start()
     try:
+        wait_router_sees(cluster.router, 2)
         router = cluster.router.address
         first = generate(router, PROMPT)
         holder = first.routing.chosen_pod

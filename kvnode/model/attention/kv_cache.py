@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
+from typing import Any
+
 import torch
-from numpy.typing import NDArray
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,8 @@ class KVCache:
     v_scales: list[float] = field(default_factory=list)
     # block_planes' byte views of each layer's K and V, made on first use: indexing numpy
     # rows is ~0.2 µs, slicing 60 torch tensors per block ~2 ms (a 2,048-token pull: 0.26 s).
-    _planes: list[NDArray[np.uint8]] | None = field(default=None, repr=False)
+    # numpy arrays (torch's own .numpy(): this module imports no numpy, a CUDA host has none)
+    _planes: list[Any] | None = field(default=None, repr=False)
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> KVCache:
