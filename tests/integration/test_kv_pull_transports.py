@@ -153,7 +153,8 @@ def test_pull_on_each_transport_from_each_tier(cluster, tier, transport):
     got = generate(puller, tokens, pb.KvSource(pod_id=holder.name, address=holder.target(),
                                                num_blocks=full))
     assert list(got.completions[0].token_ids) == want
-    assert got.usage.cached_tokens_peer == full * bs, puller.log_tail(10)
+    assert got.usage.cached_tokens_peer == got.usage.cached_tokens == full * bs, \
+        puller.log_tail(10)
     served, pulled = metrics(holder), metrics(puller)
 
     def grew(before, after, name: str, **labels: str) -> float:
@@ -162,6 +163,8 @@ def test_pull_on_each_transport_from_each_tier(cluster, tier, transport):
     assert grew(served0, served, "pagekv_kv_served_blocks_total", tier=tier) == full
     assert grew(pulled0, pulled, "pagekv_kv_pulled_blocks_total") == full
     assert grew(pulled0, pulled, "pagekv_kv_pull_fallbacks_total") == 0
+    assert grew(pulled0, pulled, "pagekv_prefix_cache_hits_tokens_total", tier="PEER") == \
+        full * bs
     assert grew(pulled0, pulled, "pagekv_kv_pulls_by_transport_total", transport=transport,
                 outcome="ok") == 1, puller.log_tail(10)
     for pod in (puller, holder):
