@@ -168,7 +168,6 @@ class TcpDataServer:
         self._thread = threading.Thread(target=self._accept_loop, name="kv-data-accept",
                                         daemon=True)
         self._thread.start()
-        self.connections_refused = 0  # bad hellos, unknown tokens (a metric and a test hook)
 
     def offer(self, session: ExportSession) -> pb.TransferTicket:
         """Make the session reachable by its token until it is taken or ends."""
@@ -197,7 +196,6 @@ class TcpDataServer:
                     # The oldest silent one makes room: a real puller says hello within a
                     # round trip, so a flood of idle connections cannot keep it out.
                     _shutdown(self._pending.popleft())
-                    self.connections_refused += 1
                 self._pending.append(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kv-data-send",
                              daemon=True).start()
@@ -228,11 +226,9 @@ class TcpDataServer:
                 sock = self._ssl.wrap_socket(conn, server_side=True)
             magic, version = HELLO.unpack(_recv_exact(sock, HELLO.size))
             if magic != HELLO_MAGIC or version != VERSION:
-                self.connections_refused += 1
                 return None
             return sock, _recv_exact(sock, TOKEN_BYTES)
         except (OSError, ConnectionError, ssl.SSLError):
-            self.connections_refused += 1
             return None
         finally:
             with self._lock, contextlib.suppress(ValueError):
@@ -242,7 +238,6 @@ class TcpDataServer:
         with self._lock:
             session = self._sessions.pop(token, None)  # single use
         if session is None or not session.attach():
-            self.connections_refused += 1
             return None
         return session
 

@@ -13,7 +13,7 @@ import logging
 
 from pagekv.kvnode.pod.kv_data_tcp import TcpDataClient, TcpDataServer
 from pagekv.kvnode.pod.kv_pull_client import DataClient
-from pagekv.kvnode.pod.kv_transfer import GRPC, DataServer, TransferConfig
+from pagekv.kvnode.pod.kv_transfer import DataServer, TransferConfig
 from pagekv.proto.credentials import TlsFiles, client_ssl_context, server_ssl_context
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,3 @@ def _mooncake_usable(tls: TlsFiles | None) -> bool:
         logger.warning("KV transport mooncake: not used (%s)", why)
     return why is None
 
-
-def describe(config: TransferConfig) -> str:
-    """For the start-up log line."""
-    return ", ".join(config.transports) + ("" if GRPC in config.transports else
-                                           " (grpc for peers that offer none)")
