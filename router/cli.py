@@ -75,6 +75,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-pull", action=argparse.BooleanOptionalAction, default=d.kv_pull,
                        help="let a pod pull a prefix it lacks from a peer that holds it "
                             "(kv_source) when that is cheaper than recomputing it")
+    group.add_argument("--pd-split", action=argparse.BooleanOptionalAction,
+                       default=d.pd_split,
+                       help="with prefill pods live (pagekv node --role prefill): prefill a "
+                            "long uncached prompt there and hand its KV over to the decode pod")
+    group.add_argument("--pd-threshold-tokens", type=int, default=d.pd_threshold_tokens,
+                       help="split a prompt whose uncached part is at least this long (0: each "
+                            "decode pod's measured prefill budget, the prompt tokens it can "
+                            "compute in one decode step's time)")
+    group.add_argument("--pd-default-threshold-tokens", type=int,
+                       default=d.pd_default_threshold_tokens,
+                       help="the threshold of a decode pod that has not measured its budget yet")
+    group.add_argument("--pd-hold-ms", type=int, default=d.pd_hold_ms,
+                       help="how long a prefill pod holds a prompt's blocks for the decode "
+                            "pod's pull (then they are only cached)")
     group.add_argument("--cold-placement", default=d.cold_placement, choices=COLD_PLACEMENTS,
                        help="a prompt no pod holds any of: hash (its first block's rendezvous "
                             "hash over the pods within the load band, so its siblings meet) or "
@@ -180,7 +194,10 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         pod_tls=tls_from(args, "pod-tls"), tenants=tenants_from(args),
         pod_api_token=token_from(args.pod_api_token, POD_API_TOKEN_ENV),
         redis_tls=tls_from(args, "redis"), vllm_tls=tls_from(args, "vllm-tls"),
-        served_model_names=args.served_model_name,
+        served_model_names=args.served_model_name, pd_split=args.pd_split,
+        pd_threshold_tokens=args.pd_threshold_tokens,
+        pd_default_threshold_tokens=args.pd_default_threshold_tokens,
+        pd_hold_ms=args.pd_hold_ms,
     )
 
 

@@ -50,6 +50,29 @@ class RouterMetrics:
             "The token delta above which pod pulling from peer beats recomputing, from the "
             "pod's measured pull cost from that peer (+Inf: never); no pull of fewer tokens "
             "than --pull-min-token-delta either", ["pod", "peer"], registry=r)
+        # Prefill/decode disaggregation (router/disaggregation.py).
+        self.pd_requests = Counter(
+            "pagekv_router_pd_requests_total",
+            "Requests with prefill pods live, by what the router did (split: prefilled on a "
+            "prefill pod, handed over; local: the decode pod computes its own, short or hit)",
+            ["decision"], registry=r)
+        self.pd_fallbacks = Counter(
+            "pagekv_router_pd_fallbacks_total",
+            "Split requests whose decode pod computed (part of) the prompt itself, by reason "
+            "(prefill_unavailable, prefill_stalled, prefill_failed, or the decode pod's pull "
+            "fallback: deadline, peer_unavailable, ...)", ["reason"], registry=r)
+        self.pd_threshold = Gauge(
+            "pagekv_router_pd_threshold_tokens",
+            "The uncached prompt length from which a request for this pod is split (its "
+            "measured prefill budget, or the configured threshold)", ["pod"], registry=r)
+        self.pd_prefill_seconds = Histogram(
+            "pagekv_router_pd_prefill_seconds", "Split requests: the prefill pod's call",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0), registry=r)
+        self.pd_handover_seconds = Histogram(
+            "pagekv_router_pd_handover_seconds",
+            "Split requests: the decode pod's wait for the prompt's KV (its pull), as it reports",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r)
         self.predicted_tokens = Histogram(
             "pagekv_router_predicted_cached_tokens", "Predicted cached prompt tokens per request",
             buckets=_TOKEN_BUCKETS, registry=r)

@@ -22,6 +22,7 @@ from pagekv.proto.pagekv.v1 import pagekv_pb2
 from pagekv.proto.requests import parse_prompt
 from pagekv.router.burst import BurstTracker
 from pagekv.router.config import RouterConfig
+from pagekv.router.disaggregation import LOCAL, SPLIT, SplitPlan, plan_split, serving_pods
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.placement import place_cold
 from pagekv.router.pods import PodEntry, PodRegistry
@@ -68,6 +69,8 @@ class Decision:
     lookup_ms: float
     predicted: dict[str, int] = field(default_factory=dict)  # pod -> predicted cached tokens
     held: dict[str, int] = field(default_factory=dict)  # pod -> blocks the index confirms
+    split: SplitPlan | None = None  # P/D: prefill on one of these pods first, then hand over
+    pd_threshold: int = 0  # the threshold order[0]'s split was decided at (0: none considered)
 
     def routing_info(self, chosen: Score, reason: str | None = None,
                      pulled: bool = True) -> pagekv_pb2.RoutingInfo:
@@ -208,7 +211,7 @@ class Router:
         counter = self._next_counter()
         prompt_len = len(prepared.token_ids)
         if policy != "prefix":
-            base = self._base_scores(reg.eligible())
+            base = self._base_scores(serving_pods(reg.eligible()))
             if policy == "round_robin":
                 order, reason = order_round_robin(base, counter), REASON_ROUND_ROBIN
             else:
@@ -222,7 +225,7 @@ class Router:
             matches, lookup_ms = await self._lookup(prepared)
         cause = "index_down" if matches is None else ""
         if cause:  # load only, among the last known pods
-            base = self._base_scores(reg.eligible())
+            base = self._base_scores(serving_pods(reg.eligible()))
             self.metrics.fallbacks.labels(cause=cause).inc()
             return self._finish(order_least_loaded(base, counter), REASON_FALLBACK, base,
                                 prepared, lookup_ms)
@@ -258,14 +261,26 @@ class Router:
             cands.append(cand)
         if self.config.kv_pull:
             self.crossovers.update(cands, self.config.costs, now)
+        # Every pod is a pull source; only the serving ones (decode, mixed) take requests.
         scores = score_all(cands, prompt_len, self.config.block_size, self.config.costs,
                            self.config.kv_pull)
-        order, reason = rank(scores, self.config.costs, counter)
+        serving = {p.pod_id for p in serving_pods(pods)}
+        order, reason = rank([s for s in scores if s.pod_id in serving], self.config.costs,
+                             counter)
         if self.config.cold_placement == "hash" and prepared.block_hashes:
             order, reason = place_cold(order, reason, self.config.costs,
                                        prepared.block_hashes[0])
-        return self._finish(order, reason, scores, prepared, lookup_ms,
-                            {c.pod_id: c.held_blocks for c in cands if c.held_blocks})
+        prefill_order, _ = rank([s for s in scores if s.pod_id not in serving],
+                                self.config.costs, counter)
+        decision = self._finish(order, reason, scores, prepared, lookup_ms,
+                                {c.pod_id: c.held_blocks for c in cands if c.held_blocks})
+        split, threshold = plan_split(decision.order, prefill_order, reg.pods, prompt_len,
+                                      self.config)
+        if threshold:
+            self.metrics.pd_threshold.labels(pod=decision.order[0].pod_id).set(threshold)
+            self.metrics.pd_requests.labels(decision=SPLIT if split else LOCAL).inc()
+        decision.split, decision.pd_threshold = split, threshold
+        return decision
 
     def _finish(self, order: list[Score], reason: str, scores: list[Score], prepared: Prepared,
                 lookup_ms: float, held: dict[str, int] | None = None) -> Decision:

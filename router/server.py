@@ -24,7 +24,9 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,10 +43,16 @@ from pagekv.proto.requests import BadRequest, already_in_flight, check_request, 
 from pagekv.proto.serving import HealthServicer, add_servicer
 from pagekv.proto.tenant_identity import NoTenant, TenantSalting
 from pagekv.router.config import RouterConfig
+from pagekv.router.disaggregation import (
+    PREFILL_FAILED,
+    PREFILL_STALLED,
+    PREFILL_UNAVAILABLE,
+    fallback_label,
+)
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.pods import PodEntry
 from pagekv.router.routing import Decision, Prepared, Router
-from pagekv.router.scoring import REASON_RETRY, Score
+from pagekv.router.scoring import REASON_PD_PREFILL, REASON_RETRY, Score
 from pagekv.router.tokenize import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,6 +81,20 @@ class _Attempt:
         self.entry.inflight -= 1
         self.entry.call_finished()
         self.metrics.inflight.dec()
+
+
+@dataclass(slots=True)
+class _Handover:
+    """A split request's prefill half, as its decode attempts see it: where its prompt's KV
+    is held (`source`, None when the prefill failed), and the figures of the routing info."""
+
+    source: pagekv_pb2.KvSource | None = None
+    prefill: Score | None = None
+    prefill_ms: float = 0.0
+    fallback: str = ""  # why the decode pod computes the prompt itself ("" : it does not)
+
+    def expected_tokens(self, block_size: int) -> int:
+        return self.source.num_blocks * block_size if self.source is not None else 0
 
 
 class RouterService(pagekv_pb2_grpc.GenerationServicer):
@@ -156,9 +178,15 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             self.router.dispatched(score.pod_id, prepared, decision.held.get(score.pod_id, 0))
         return entry, reason
 
-    def _aim(self, prepared: Prepared, score: Score, failed: set[str]) -> bool:
-        """Point this attempt's request at its pod's pull source, or at none; True: a hint."""
+    def _aim(self, prepared: Prepared, score: Score, failed: set[str],
+             handover: _Handover | None = None) -> bool:
+        """Point this attempt's request at its pod's pull source, or at none; True: a hint.
+        A split request's decode pod pulls from the prefill pod that holds the prompt."""
         forward = prepared.forward
+        if handover is not None and handover.source is not None and \
+                handover.source.pod_id not in failed:
+            forward.kv_source.CopyFrom(handover.source)
+            return True
         source = score.pull_from
         if not source or source == score.pod_id or source in failed:
             forward.ClearField("kv_source")
@@ -210,11 +238,112 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         trailing = tuple((k, v) for k, v in (exc.trailing_metadata() or ()))
         await context.abort(code, exc.details() or "", trailing)
 
+    # -- P/D: the prefill half of a split request ------------------------------------------
+    async def _handover(self, context: HandlerContext, prepared: Prepared,
+                        decision: Decision) -> _Handover | None:
+        """Prefill a split request's prompt on a prefill pod (the next one on UNAVAILABLE,
+        a stall or a full queue) and say where its KV is held; None: not split. A prefill
+        that fails everywhere leaves the decode pod to compute the prompt (same tokens)."""
+        plan = decision.split
+        if plan is None:
+            return None
+        cfg = self.router.config
+        request = _prefill_request(prepared, cfg.pd_hold_ms)
+        stall = cfg.stall_bound()
+        fallback = PREFILL_UNAVAILABLE
+        failed: set[str] = set()
+        t0 = time.perf_counter()
+        for score in plan.prefill_order[:cfg.max_attempts]:
+            entry = self._entry(score)
+            if entry is None:
+                continue
+            source = score.pull_from  # the prefill pod's own pull option, as any pod's
+            if source and source != score.pod_id and source not in failed:
+                request.kv_source.CopyFrom(pagekv_pb2.KvSource(
+                    pod_id=source, address=score.pull_address, num_blocks=score.pull_blocks))
+            else:
+                request.ClearField("kv_source")
+            self.metrics.requests.labels(pod=score.pod_id, reason=REASON_PD_PREFILL).inc()
+            bound_s = stall.unary_s(score.cost_s, 1, entry.step_s)
+            t_call = time.perf_counter()
+            with _Attempt(entry, self.metrics):
+                call = entry.stub.Generate(request, timeout=context.time_remaining())
+                watch = asyncio.timeout(bound_s)
+                try:
+                    async with watch:
+                        await call
+                except TimeoutError:
+                    if not watch.expired():
+                        raise
+                    call.cancel()
+                    assert bound_s is not None
+                    self._on_stall(score, bound_s, 0, True)
+                    failed.add(score.pod_id)
+                    fallback = PREFILL_STALLED
+                    continue
+                except grpc.aio.AioRpcError as exc:
+                    failed.add(score.pod_id)
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        self._on_unavailable(score, exc)
+                        fallback = PREFILL_UNAVAILABLE
+                        continue
+                    fallback = PREFILL_FAILED
+                    logger.warning("P/D: prefill pod %s answered %s (%s)", score.pod_id,
+                                   exc.code().name, exc.details())
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        continue  # its queue is full: another prefill pod may take it
+                    break
+                except asyncio.CancelledError:
+                    call.cancel()  # the client went away
+                    raise
+            entry.made_progress()
+            seconds = time.perf_counter() - t_call
+            self.metrics.pd_prefill_seconds.observe(seconds)
+            self.router.dispatched(score.pod_id, prepared, decision.held.get(score.pod_id, 0))
+            return _Handover(pagekv_pb2.KvSource(
+                pod_id=score.pod_id, address=score.address,
+                num_blocks=len(prepared.block_hashes), handover_id=request.request_id),
+                score, seconds * 1e3)
+        self.metrics.pd_fallbacks.labels(reason=fallback).inc()
+        logger.warning("P/D: the prefill of a %d-token prompt failed (%s) on %s; its decode "
+                       "pod computes it", len(prepared.token_ids), fallback,
+                       ", ".join(sorted(failed)) or "no prefill pod")
+        return _Handover(fallback=fallback, prefill_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _note_handover(self, info: pagekv_pb2.RoutingInfo, decision: Decision,
+                       handover: _Handover | None, usage: pagekv_pb2.Usage) -> None:
+        """The split's figures in the routing info, and in the metrics."""
+        info.pd_threshold_tokens = decision.pd_threshold
+        if handover is None:
+            return
+        if handover.prefill is not None:
+            info.prefill_pod = handover.prefill.pod_id
+            info.prefill_address = handover.prefill.address
+        info.prefill_ms = handover.prefill_ms
+        info.handover_ms, info.handover_tokens = usage.kv_pull_ms, usage.cached_tokens_peer
+        fallback = handover.fallback
+        if handover.source is not None:
+            if usage.kv_pull_fallback:
+                fallback = fallback_label(usage.kv_pull_fallback)
+                self.metrics.pd_fallbacks.labels(reason=fallback).inc()
+            self.metrics.pd_handover_seconds.observe(usage.kv_pull_ms / 1e3)
+        info.pd_fallback = fallback
+
+    def _hinted_tokens(self, decision: Decision, score: Score, hinted: bool,
+                       handover: _Handover | None) -> int:
+        """Tokens the attempt's hint should add to the pod's cached prefix."""
+        if not hinted:
+            return 0
+        if handover is not None and handover.source is not None:
+            lookup = decision.prompt_blocks * self.router.config.block_size
+            return max(0, lookup - decision.predicted.get(score.pod_id, 0))
+        return score.pull_tokens
+
     def _finish(self, context: HandlerContext, prepared: Prepared,
                 decision: Decision, score: Score, usage: pagekv_pb2.Usage,
-                overhead_s: float, hinted: bool) -> None:
+                overhead_s: float, hinted_tokens: int) -> None:
         # The pod's usage counts pulled tokens as cached: so does the prediction here.
-        predicted = decision.predicted.get(score.pod_id, 0) + (score.pull_tokens if hinted else 0)
+        predicted = decision.predicted.get(score.pod_id, 0) + hinted_tokens
         self.metrics.observe_cached(predicted, usage.cached_tokens, len(prepared.token_ids))
         self.metrics.overhead_seconds.observe(overhead_s)
         context.set_trailing_metadata(((OVERHEAD_METADATA_KEY, str(int(overhead_s * 1e6))),))
@@ -236,11 +365,12 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
         failed: set[str] = set()  # pods UNAVAILABLE for this request: no pull source either
         stall = self.router.config.stall_bound()
+        handover = await self._handover(context, prepared, decision)
         for i, score in enumerate(attempts):
             entry, reason = self._dispatch(score, i, decision, prepared)
             if entry is None:
                 continue  # dropped from the registry since the decision
-            hinted = self._aim(prepared, score, failed)
+            hinted = self._aim(prepared, score, failed, handover)
             t_call = time.perf_counter()
             bound_s = stall.unary_s(score.cost_s, _max_tokens(prepared.forward), entry.step_s)
             with _Attempt(entry, self.metrics):
@@ -276,10 +406,14 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                     raise
             t_back = time.perf_counter()
             response.routing.CopyFrom(decision.routing_info(score, reason, hinted))
+            self._note_handover(response.routing, decision, handover, response.usage)
             if not response.served_by:
                 response.served_by = score.pod_id
             overhead = (t_call - t0 - in_pods) + (time.perf_counter() - t_back)
-            self._finish(context, prepared, decision, score, response.usage, overhead, hinted)
+            if handover is not None:
+                overhead -= handover.prefill_ms / 1e3  # the prefill pod's time, not ours
+            self._finish(context, prepared, decision, score, response.usage, overhead,
+                         self._hinted_tokens(decision, score, hinted, handover))
             return response
         self.metrics.failures.labels(code="UNAVAILABLE").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
@@ -308,11 +442,14 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         in_pods = 0.0  # time spent in failed pod calls: not the router's overhead
         failed: set[str] = set()  # pods UNAVAILABLE for this request: no pull source either
         stall = self.router.config.stall_bound()
+        handover = await self._handover(context, prepared, decision)
+        if handover is not None:
+            in_pods += handover.prefill_ms / 1e3  # the prefill pod's time, not ours
         for i, score in enumerate(attempts):
             entry, reason = self._dispatch(score, i, decision, prepared)
             if entry is None:
                 continue
-            hinted = self._aim(prepared, score, failed)
+            hinted = self._aim(prepared, score, failed, handover)
             t_call = time.perf_counter()
             overhead = t_call - t0 - in_pods
             sent = 0  # chunks passed on to the client
@@ -341,13 +478,16 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                             t_last = time.perf_counter()
                             chunk.routing.CopyFrom(
                                 decision.routing_info(score, reason, hinted))
+                            self._note_handover(chunk.routing, decision, handover,
+                                                chunk.usage)
                             if not chunk.served_by:
                                 chunk.served_by = score.pod_id
                             overhead += time.perf_counter() - t_last
                             entry.note_steps(t_last - t_call, _steps(chunk.usage,
                                                                      prepared.forward))
                             self._finish(context, prepared, decision, score, chunk.usage,
-                                         overhead, hinted)
+                                         overhead,
+                                         self._hinted_tokens(decision, score, hinted, handover))
                         sent += 1
                         yield chunk
                 except TimeoutError:
@@ -377,6 +517,22 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             return
         self.metrics.failures.labels(code="UNAVAILABLE").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
+
+
+def _prefill_request(prepared: Prepared, hold_ms: int) -> pagekv_pb2.GenerateRequest:
+    """The prefill half of a split request: its prompt, salt and adapter, one greedy token
+    (what is sampled does not matter: the decode pod samples the request's own), and the
+    hold that keeps the prompt's blocks for the decode pod's pull."""
+    forward = prepared.forward
+    request = pagekv_pb2.GenerateRequest(
+        request_id=f"pd-{uuid.uuid4().hex}", cache_salt=forward.cache_salt,
+        handover=pagekv_pb2.Handover(hold_ms=hold_ms))
+    request.token_ids.ids.extend(prepared.token_ids)
+    if forward.HasField("lora_id"):
+        request.lora_id = forward.lora_id
+    request.sampling.max_tokens = 1
+    request.sampling.temperature = 0.0
+    return request
 
 
 def _max_tokens(request: pagekv_pb2.GenerateRequest) -> int | None:

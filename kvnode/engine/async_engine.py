@@ -136,6 +136,7 @@ class AsyncEngine:
         lora_id: str | None = None,
         kv_source: KvSource | None = None,
         prompt: str | None = None,
+        hold_s: float = 0.0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas as they are produced; closing the iterator aborts it.
         `prompt`: the prompt's text when the client sent text (RequestOutput.prompt)."""
@@ -153,7 +154,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(
                     request_id, prompt_token_ids, params, cache_salt, lora_id, arrival, kv_source,
-                    prompt=prompt,
+                    prompt=prompt, hold_s=hold_s,
                 )
                 loop.call_soon_threadsafe(_set_result, admitted, None)
             except Exception as e:

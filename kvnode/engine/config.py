@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 from pagekv.kvnode.memory.kv_cache_manager import VALID_BLOCK_SIZES
 from pagekv.proto.hashing import HASH_ALGOS
+from pagekv.proto.index.schema import POD_ROLES
 
 
 @dataclass(slots=True)
@@ -36,6 +37,7 @@ class EngineArgs:
     block_metrics_sample_rate: float = 0.01
     dtype: str = "auto"  # vLLM's: only the dtype PageKV computes in on the device is accepted
     seed: int | None = None  # vLLM's: seeds the sampling of requests without their own seed
+    role: str = "mixed"  # prefill/decode disaggregation: prefill, decode or mixed
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -53,6 +55,7 @@ CHOICES: dict[str, tuple] = {
     "attention_backend": ("auto", "torch", "cpp", "triton"),
     # kvnode.engine.model_dtype.DTYPE_NAMES and "auto" (a torch module: a test keeps them equal)
     "dtype": ("auto", "bfloat16", "float", "float16", "float32", "half"),
+    "role": POD_ROLES,
 }
 # Options whose values are sizes in bytes ("2GiB", "512MB", "1e9").
 BYTE_SIZES = frozenset({"cpu_offload_bytes", "disk_offload_bytes", "kv_cache_memory"})
@@ -94,4 +97,8 @@ HELP: dict[str, str] = {
              "naming another dtype than that is refused",
     "seed": "seed of the sampling of requests that give no seed of their own: repeated runs "
             "of the same requests give the same outputs (default: unseeded)",
+    "role": "prefill/decode disaggregation: prefill (computes prompts and holds their KV for "
+            "a decode pod's pull), decode (generates from handed-over KV; its per-step prefill "
+            "budget follows its measured decode step, its admissions reserve their output's "
+            "KV) or mixed (both; the default)",
 }

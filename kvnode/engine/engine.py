@@ -27,6 +27,7 @@ from pagekv.kvnode.engine.engine_stats import (
     PeerPullStats,
     PrefixCacheStats,
 )
+from pagekv.kvnode.engine.handover_holds import HandoverHolds
 from pagekv.kvnode.engine.kv_export import KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
 from pagekv.kvnode.engine.model_dtype import check_dtype
@@ -55,6 +56,7 @@ from pagekv.kvnode.memory.metrics import KVCacheMetrics
 from pagekv.kvnode.memory.request import Request
 from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem
 from pagekv.proto.hashing import HashConfig
+from pagekv.proto.index.schema import ROLE_DECODE
 from pagekv.proto.medium import Medium
 from pagekv.proto.requests import EMPTY_PROMPT
 from pagekv.proto.tier_stats import TierStats
@@ -133,12 +135,15 @@ class Engine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_chunked_prefill=args.enable_chunked_prefill,
             prefix_loader=self._load_prefix,
+            reserve_output=args.role == ROLE_DECODE,
         )
         self.puller: PeerPuller | None = None  # enable_peer_pull: the pod supplies a transport
         self.pull_costs: PeerPullCosts | None = None  # per holder, fitted from its pulls
         self.kv_layout = kv_layout(self.runner)  # what peers must share to exchange blocks
         # Peers pull from it: it reads and packs the blocks, the pod only sends the bytes.
         self.exporter = KvExporter(self.kv_manager, self.runner, chain, self.kv_layout)
+        # P/D: a finished prefill's prompt blocks, held for the decode pod's pull.
+        self.holds = HandoverHolds(self.kv_manager)
         self.groups: dict[str, SequenceGroup] = {}
         # Requests whose prompt logprobs are not all computed yet: while it is empty, a step
         # spends nothing on them.
@@ -155,6 +160,10 @@ class Engine:
         # and kernel warm-up), which would steer cold requests away from this pod. It is not
         # timed: pods starting together on one host would measure each other's start-up.
         self._prefill_samples: deque[float] = deque(maxlen=32)
+        # Seconds of recent decode-only steps: with the prefill cost, the prompt tokens one
+        # step can take without taking longer than a decode step (prefill_budget).
+        self._decode_samples: deque[float] = deque(maxlen=32)
+        self._prefill_budget = 0  # the last measure (an int: other threads read it)
         self._warm_up()
         self.last_step_idle = False
 
@@ -190,7 +199,15 @@ class Engine:
         """The scheduler's hook: the tiers extend the pool hit, then a peer pull."""
         if self.tiers is not None and not self.tiers.load_prefix(req, hit):
             return False
-        return self.puller is None or self.puller.load_prefix(req, hit)
+        if self.puller is None:
+            return True
+        if not self.puller.load_prefix(req, hit):
+            return False
+        pulled = self.puller.take_result(req.request_id)
+        group = self.groups.get(req.request_id)
+        if pulled is not None and group is not None:  # what its usage reports
+            group.kv_pull_s, group.kv_pull_fallback = pulled.seconds, pulled.failure or ""
+        return True
 
     # -- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
@@ -234,9 +251,11 @@ class Engine:
         arrival_time: float | None = None,
         kv_source: KvSource | None = None,
         prompt: str | None = None,
+        hold_s: float = 0.0,
     ) -> str:
         """Queue a request; `prompt` is its text when the client gave text (it is handed back
-        in its outputs, as vLLM's RequestOutput.prompt)."""
+        in its outputs, as vLLM's RequestOutput.prompt). `hold_s` > 0: a P/D prefill, whose
+        prompt blocks are held that long for a decode pod's pull once it finishes."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups or request_id in self._child_ids:
@@ -245,7 +264,7 @@ class Engine:
         self.validate(prompt_ids, params)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         group = SequenceGroup(request_id, prompt_ids, params, metrics, cache_salt, lora_id,
-                              prompt=prompt)
+                              prompt=prompt, hold_s=hold_s)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]  # the first token has none
             if len(prompt_ids) > 1:
@@ -285,6 +304,12 @@ class Engine:
         pull its request gave up go back once the pull's worker is out."""
         if self.puller is not None and self.puller.has_pending():
             self.puller.finish_pulls()
+        self.holds.expire()
+
+    def release_handover(self, handover_id: str) -> bool:
+        """A decode pod was served the blocks held under `handover_id` (a prefill's request
+        id): they go to the prefix cache now. False when no such hold is left."""
+        return self.holds.release(handover_id)
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -292,6 +317,9 @@ class Engine:
             self.tiers.finish_loads()  # finished SSD loads release their pins before scheduling
         if self.puller is not None:
             self.puller.finish_pulls()
+        self.holds.expire()
+        if self.args.role == ROLE_DECODE:
+            self.scheduler.prefill_budget = self._prefill_budget or None
         sched = self.scheduler.schedule()
         self.num_steps += 1
         self.last_step_idle = not sched.scheduled
@@ -327,6 +355,10 @@ class Engine:
         # A step that also scored prompt logprobs would overstate what a prefill costs.
         if sched.num_batched_tokens >= PREFILL_SAMPLE_MIN_TOKENS and not scored:
             self._prefill_samples.append((time.perf_counter() - t0) / sched.num_batched_tokens)
+            self._prefill_budget = self._measure_prefill_budget()
+        elif sched.num_batched_tokens == len(sched.scheduled) and not scored:
+            self._decode_samples.append(time.perf_counter() - t0)
+            self._prefill_budget = self._measure_prefill_budget()
 
         rows: list[int] = []
         sampling_seqs: list[Sequence] = []
@@ -438,7 +470,15 @@ class Engine:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """A sequence is done (finished or aborted): its blocks and tier loads go back."""
+        """A sequence is done (finished or aborted): its blocks and tier loads go back (a
+        finished P/D prefill's prompt blocks stay held for the decode pod)."""
+        group = seq.group
+        if group.hold_s > 0 and seq.index == 0 and seq.finish_reason not in (None, "abort"):
+            bs = self.args.block_size
+            full = len(group.prompt_token_ids) // bs
+            blocks = self.kv_manager.get_blocks(seq.req.request_id)[:full]
+            self.holds.hold(group.request_id,
+                            [b for b in blocks if b.block_hash is not None], group.hold_s)
         self.scheduler.remove(seq)
         self._child_ids.discard(seq.req.request_id)
         if self.tiers is not None:
@@ -481,6 +521,8 @@ class Engine:
             metrics=group.metrics,
             prompt=group.prompt,
             prompt_logprobs=prompt_logprobs,
+            kv_pull_s=group.kv_pull_s,
+            kv_pull_fallback=group.kv_pull_fallback,
         )
 
     def _publish_events(self) -> None:
@@ -496,6 +538,19 @@ class Engine:
         if not self._prefill_samples:
             return None
         return statistics.median(self._prefill_samples)
+
+    def _measure_prefill_budget(self) -> int:
+        """Prompt tokens one step can compute in about a decode step's time (measured: the
+        median decode-only step over the median prefill cost a token), at least a block and
+        at most the step's token budget; 0 until both are measured. A decode pod caps each
+        step's prefill there (its step time stays flat), and the router splits a prompt
+        whose uncached part is longer (it would stall this pod's decodes a step or more)."""
+        if not self._prefill_samples or not self._decode_samples:
+            return 0
+        per_token = statistics.median(self._prefill_samples)
+        step = statistics.median(self._decode_samples)
+        tokens = int(step / per_token) if per_token > 0 else self.args.max_num_batched_tokens
+        return max(self.args.block_size, min(tokens, self.args.max_num_batched_tokens))
 
     # -- cache state ----------------------------------------------------------------------
     def full_state(self) -> dict[bytes, Medium]:
@@ -520,7 +575,7 @@ class Engine:
         """How busy the pod is: four integer reads (the index lease reads it each renewal)."""
         mgr = self.kv_manager
         return EngineLoad(len(self.scheduler.waiting), len(self.scheduler.running),
-                          mgr.get_num_free_blocks(), mgr.num_blocks)
+                          mgr.get_num_free_blocks(), mgr.num_blocks, self._prefill_budget)
 
     def stats(self) -> EngineStats:
         """The pod's figures, copied now (any thread: a scrape, the Stats call)."""
@@ -546,6 +601,8 @@ class Engine:
             chain=self.tiers.tier_stats() if self.tiers is not None else None,
             prefix_cache=prefix,
             peer_pull=peer,
+            handover=self.holds.stats(),
+            role=self.args.role,
         )
 
     def tier_costs(self) -> dict[str, float]:
@@ -568,6 +625,7 @@ class Engine:
 
     def close(self) -> None:
         """Flush and close the tiers (the SSD tier's manifest must be consistent on exit)."""
+        self.holds.close()
         if self.puller is not None:
             self.puller.close()
         if self.tiers is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagekv.kvnode.engine.handover_holds import HoldStats
 from pagekv.kvnode.memory.metrics import Histogram
 from pagekv.proto.medium import Medium
 from pagekv.proto.tier_stats import ChainStats, TierStats
@@ -25,11 +26,13 @@ class EngineLoad:
     running: int
     free_blocks: int
     num_blocks: int
+    prefill_budget: int = 0  # Engine.prefill_budget: the router's P/D split threshold
 
     def as_fields(self) -> dict[str, float]:
         """The lease's `load.<name>` figures, by the names the index carries."""
         return {"waiting": self.waiting, "running": self.running,
-                "free_blocks": self.free_blocks, "num_blocks": self.num_blocks}
+                "free_blocks": self.free_blocks, "num_blocks": self.num_blocks,
+                "prefill_budget": self.prefill_budget}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,8 @@ class EngineStats:
     chain: ChainStats | None
     prefix_cache: PrefixCacheStats
     peer_pull: PeerPullStats | None
+    handover: HoldStats  # P/D: prompt blocks held for decode pods' pulls
+    role: str = "mixed"
 
     @property
     def tiers(self) -> dict[Medium, TierStats]:

@@ -74,3 +74,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing
     # precedes it); on the request's first delta only.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Its peer pull (a P/D handover on a decode pod): seconds its admission waited, and the
+    # fallback reason ("" : none, or no pull).
+    kv_pull_s: float = 0.0
+    kv_pull_fallback: str = ""

@@ -69,6 +69,7 @@ class KvSource:
     pod_id: str
     address: str
     num_blocks: int
+    handover_id: str = ""  # P/D: the prefill whose held blocks these are ("" : a plain pull)
 
 
 class PullFailed(Exception):
@@ -93,6 +94,7 @@ class PullAsk:
     tokens: list[int] = field(default_factory=list)
     cache_salt: str | None = None
     lora_id: str | None = None
+    handover_id: str = ""  # KvSource.handover_id: the holder ends its hold once served
 
 
 class PullHandle:
@@ -207,6 +209,7 @@ class PullResult:
     tokens: int = 0          # tokens landed in the pool
     transport: str = ""      # the data transport the pair used ("": none reached)
     phases: str = ""         # where the time went (the log line)
+    handover: bool = False   # a P/D handover (its source named a prefill's hold)
 
 
 @dataclass(slots=True)
@@ -268,6 +271,7 @@ class PeerPuller:
         # those go back to the pool only once the worker is out (finish_pulls).
         self._abandoned: list[_Pull] = []
         self._landed: dict[str, int] = {}  # request -> tokens pulled (its "peer" share)
+        self._results: dict[str, PullResult] = {}  # request -> its landed pull, until taken
         self._inflight: dict[bytes, str] = {}  # block hash -> the request pulling it
         self.stats = PullStats()
         self.observers: list[Callable[[PullResult], None]] = []  # each finished pull (metrics)
@@ -306,6 +310,10 @@ class PeerPuller:
         if not dest:
             self.manager.unpin(pinned)
             self.stats.fallbacks[NO_ROOM] += 1
+            result = self._results[req.request_id] = PullResult(
+                failure=NO_ROOM, source_pod=source.pod_id, handover=bool(source.handover_id))
+            for observe in self.observers:
+                observe(result)
             logger.warning("kv pull %s from %s: no room in the pool for any of its %d blocks, "
                            "recomputing them", req.request_id, source.pod_id, end - start)
             return False
@@ -313,7 +321,8 @@ class PeerPuller:
         ask = PullAsk(req.request_id, hashes, req.block_hashes[start - 1] if start else None,
                       time.monotonic() + self.deadline_s,
                       req.all_token_ids[: (start + len(dest)) * self.block_size],
-                      req.cache_salt, None if req.lora_id is None else str(req.lora_id))
+                      req.cache_salt, None if req.lora_id is None else str(req.lora_id),
+                      source.handover_id)
         staging, targets = self._targets(dest)
         sink = BlockSink(self.layout, ask, targets)
         handle = PullHandle()
@@ -342,7 +351,7 @@ class PeerPuller:
                  sink: BlockSink) -> PullResult:
         """The worker's job: the peer's blocks into the sink, each verified as it comes;
         stops at the first failure with its reason, keeping the intact run before it."""
-        out = PullResult(source_pod=source.pod_id)
+        out = PullResult(source_pod=source.pod_id, handover=bool(source.handover_id))
         t0 = time.monotonic()
         try:
             if t0 >= ask.deadline:  # waited for a worker past the deadline
@@ -399,6 +408,7 @@ class PeerPuller:
             observe(result)
         if landed:
             self._landed[req.request_id] = self._landed.get(req.request_id, 0) + tokens
+        self._results[req.request_id] = result
         if result.failure is not None:
             self.stats.fallbacks[result.failure] = self.stats.fallbacks.get(result.failure, 0) + 1
             logger.warning("kv pull %s from %s (%s) via %s: %s; %d of %d blocks landed, "
@@ -455,11 +465,17 @@ class PeerPuller:
         return [p.pinned + p.dest for p in self._pulls.values()] + [
             p.dest for p in self._abandoned]
 
+    def take_result(self, request_id: str) -> PullResult | None:
+        """The request's landed pull (its wait and its fallback), once: None when it had
+        none, or it was taken already."""
+        return self._results.pop(request_id, None)
+
     def forget(self, request_id: str) -> None:
         """The request left: stop its pull; its pinned prefix is released now, its reserved
         blocks once the worker has stopped writing them."""
         self.sources.pop(request_id, None)
         self._landed.pop(request_id, None)
+        self._results.pop(request_id, None)
         pull = self._pulls.get(request_id)
         if pull is not None:
             self._end(pull)

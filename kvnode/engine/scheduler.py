@@ -55,6 +55,11 @@ class SequenceGroup:
     # vLLM's flag: while its prompt logprobs are being computed, a request reads no cached
     # prefix (pool, tiers or peer): every prompt position needs its logits.
     skip_reading_prefix_cache: bool = False
+    hold_s: float = 0.0  # a P/D prefill: its prompt blocks are held this long once finished
+    # Its peer pull, once admitted (a P/D handover on a decode pod): seconds the admission
+    # waited for it, and its fallback reason ("" : none).
+    kv_pull_s: float = 0.0
+    kv_pull_fallback: str = ""
 
     @property
     def finished(self) -> bool:
@@ -101,8 +106,15 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         prefix_loader: PrefixLoader | None = None,
+        reserve_output: bool = False,
     ) -> None:
         self.manager = manager
+        # A decode pod's: admit only what fits with its whole output, and every running
+        # sequence's too, so a decode never preempts (Scheduler._fits).
+        self.reserve_output = reserve_output
+        # A decode pod's: prompt tokens (prefill chunks) a step may compute besides its
+        # decodes (None: the whole token budget), so its step time stays flat.
+        self.prefill_budget: int | None = None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -134,9 +146,31 @@ class Scheduler:
         self.waiting.appendleft(seq)
         logger.debug("preempted %s (recompute)", seq.req.request_id)
 
+    def _output_blocks(self, seq: Sequence, tokens: int) -> int:
+        """Blocks a sequence of `tokens` tokens needs to reach its max_tokens."""
+        bs = self.manager.block_size
+        left = max(0, seq.group.params.max_tokens - len(seq.req.output_token_ids))
+        return -(-(tokens + left) // bs)
+
+    def _fits(self, seq: Sequence, hit: PrefixHit) -> bool:
+        """With reserve_output: the pool's free blocks cover this request's prompt and
+        output (its n samples each) after every running sequence's own rest of output."""
+        mgr = self.manager
+        reserved = 0
+        for r in self.running:
+            held = len(mgr.req_to_blocks.get(r.req.request_id, ()))
+            reserved += max(0, self._output_blocks(r, r.req.num_tokens) - held)
+        n = seq.group.params.n
+        need = self._output_blocks(seq, seq.req.num_tokens) - len(hit.blocks)
+        bs = mgr.block_size
+        need += (n - 1) * -(-seq.group.params.max_tokens // bs)
+        return mgr.get_num_free_blocks() - reserved >= need
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chunked = self.enable_chunked_prefill
+        # Prompt tokens this step may still take (a decode pod's cap; else the budget's).
+        prefill_left = self.prefill_budget if chunked and self.prefill_budget else budget
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
         mgr = self.manager
@@ -146,6 +180,11 @@ class Scheduler:
             seq = self.running[i]
             req = seq.req
             num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > 1 and num_new > prefill_left:  # a prefill chunk past the cap
+                if prefill_left < 1:
+                    i += 1
+                    continue
+                num_new = prefill_left
             if num_new > budget:
                 if not chunked:
                     i += 1
@@ -161,6 +200,8 @@ class Scheduler:
                 break
             scheduled.append((seq, num_new))
             budget -= num_new
+            if num_new > 1:
+                prefill_left -= num_new
             i += 1
 
         now = time.monotonic()
@@ -181,10 +222,16 @@ class Scheduler:
                 continue
             num_hit = hit.num_tokens
             num_new = req.num_tokens - num_hit
+            if num_new > 1 and num_new > prefill_left:
+                if prefill_left < 1:
+                    break
+                num_new = prefill_left
             if num_new > budget:
                 if not chunked:
                     break
                 num_new = budget
+            if self.reserve_output and self.running and not self._fits(seq, hit):
+                break
             if mgr.allocate_slots(req, num_new, hit) is None:
                 break
             req.num_computed_tokens = num_hit
@@ -192,6 +239,8 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, num_new))
             budget -= num_new
+            if num_new > 1:
+                prefill_left -= num_new
             group = seq.group
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now

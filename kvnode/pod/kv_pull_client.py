@@ -109,7 +109,7 @@ class PeerFetcher:
             hash_config=self.hash_config, kv_layout=self.layout.json,
             request_id=ask.request_id, chain_token_ids=ask.tokens,
             cache_salt=ask.cache_salt or "", lora_id=ask.lora_id or "",
-            transports=list(self.clients))
+            transports=list(self.clients), handover_id=ask.handover_id)
         call = self._stub(source.address).PullBlocks(request, timeout=timeout,
                                                      metadata=self.metadata)
         handle.on_cancel(call.cancel)

@@ -28,6 +28,7 @@ from prometheus_client import Counter, Gauge
 
 from pagekv.kvnode.engine.kv_export import ChainClaim, ExportRun, KvExporter
 from pagekv.kvnode.pod.kv_data_session import ExportSession
+from pagekv.kvnode.pod.messages import engine_request_id
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -212,12 +213,13 @@ class KvTransferService:
             finally:
                 session.end()
                 self._count(run, 0, session.sent_blocks, session.sent_bytes)
+            self._served(request, session.sent_blocks)
             logger.debug("served %s on %s: %d of %d blocks asked, %d bytes",
                          request.request_id or "-", server.name, session.sent_blocks,
                          len(hashes), session.sent_bytes)
             return
         per_message = max(1, self.chunk_bytes // eng.kv_layout.block_bytes)
-        sent = 0
+        sent = served = 0
         try:
             for lo in range(0, len(run.hashes), per_message):
                 hi = min(lo + per_message, len(run.hashes))
@@ -233,13 +235,25 @@ class KvTransferService:
                 if kept:
                     self._count(run, lo, len(kept), sum(len(e) for e in kept))
                     yield pb.PullBlocksChunk(entries=kept)
+                served += len(kept)
                 if len(kept) < hi - lo:
                     break  # the byte limit, or a tier block gone since the run was found
         finally:
             # Posted, not awaited: this also runs when the call is cancelled.
             pod.aengine.post(lambda: exporter.close(run))
+        self._served(request, served)
         logger.debug("served %s: %d of %d blocks asked, %d bytes", request.request_id or "-",
                      len(run.hashes), len(hashes), sent)
+
+    def _served(self, request: pb.PullBlocksRequest, blocks: int) -> None:
+        """A P/D handover's pull was served all it asked for: the prefill's hold ends (its
+        blocks go to the prefix cache). A pull served short leaves the hold to its deadline,
+        so a retry (another decode pod) still finds the blocks."""
+        if not request.handover_id or blocks < len(request.block_hashes):
+            return
+        eng = self.pod.engine
+        hid = engine_request_id(request.handover_id)
+        self.pod.aengine.post(lambda: eng.release_handover(hid))
 
     @staticmethod
     async def _progress(session: ExportSession):

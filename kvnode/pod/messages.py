@@ -157,4 +157,6 @@ def usage(prompt_tokens: int, delta, completion_tokens: int) -> pb.Usage:
         cached_tokens_cpu=by.get(Medium.CPU, 0),
         cached_tokens_disk=by.get(Medium.DISK, 0),
         cached_tokens_peer=by.get(PEER_SHARE, 0),
+        kv_pull_ms=delta.kv_pull_s * 1e3,
+        kv_pull_fallback=delta.kv_pull_fallback,
     )

@@ -22,7 +22,7 @@ from pagekv.proto.tier_stats import ChainStats
 
 if TYPE_CHECKING:
     from pagekv.kvnode.engine.engine import Engine
-    from pagekv.kvnode.engine.engine_stats import PeerPullStats
+    from pagekv.kvnode.engine.engine_stats import EngineStats, PeerPullStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -61,6 +61,21 @@ class EngineCollector(Collector):
         for reason, n in st.fallbacks.items():
             fallbacks.add_metric([*self.label_values, reason], n)
         yield fallbacks
+
+    def _role_metrics(self, st: EngineStats) -> Iterable:
+        """The pod's P/D role, and what its prefills hold for decode pods."""
+        role = GaugeMetricFamily("pagekv_pod_role", "The pod's prefill/decode role (--role): "
+                                 "1 for its role", labels=[*self.label_names, "role"])
+        role.add_metric([*self.label_values, st.role], 1)
+        yield role
+        yield self._gauge("pagekv_handover_held_blocks", "Prompt blocks of finished prefills "
+                          "held for a decode pod's pull (P/D)", st.handover.held_blocks)
+        ended = CounterMetricFamily("pagekv_handover_holds", "Prefill holds ended, by how "
+                                    "(served: pulled in full; expired; evicted: room for newer "
+                                    "holds; closed)", labels=[*self.label_names, "outcome"])
+        for outcome, n in st.handover.ended.items():
+            ended.add_metric([*self.label_values, outcome], n)
+        yield ended
 
     def collect(self) -> Iterable:
         st = self.engine.stats()
@@ -103,6 +118,7 @@ class EngineCollector(Collector):
             yield from self._tier_metrics(st.chain)
         if st.peer_pull is not None:
             yield from self._pull_metrics(st.peer_pull)
+        yield from self._role_metrics(st)
         if self.publish_lag is not None:
             yield histogram_family("pagekv_index_publish_lag_seconds",
                                    "Index publisher: submit to visible in Redis, per batch",

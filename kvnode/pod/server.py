@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pagekv.kvnode.engine.async_engine import AsyncEngine, QueueFull
 from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
-from pagekv.kvnode.engine.peer_pull import KvSource, PullResult
+from pagekv.kvnode.engine.peer_pull import NO_ROOM, KvSource, PullResult
 from pagekv.kvnode.index.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
 from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.kvnode.pod.kv_pull_client import PeerFetcher
@@ -50,6 +50,7 @@ from pagekv.proto.grpc_security import TokenGuard, bind, transport
 from pagekv.proto.index import REDIS_ERRORS, IndexSchema, check_tls_url
 from pagekv.proto.index.connect import connect
 from pagekv.proto.index.schema import text
+from pagekv.proto.index.writes import role_fields
 from pagekv.proto.openai import Backend, HttpServer
 from pagekv.proto.openai.limits import HttpLimits
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
@@ -102,6 +103,11 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         salt = self.pod.salting.salt(context, prompt.cache_salt)  # NoTenant
         return rid, tokens, params, salt, prompt.lora_id, self._kv_source(request)
 
+    @staticmethod
+    def _hold_s(request: pb.GenerateRequest) -> float:
+        """A P/D prefill's hold (Handover.hold_ms) in seconds; 0: not a prefill half."""
+        return request.handover.hold_ms / 1e3 if request.HasField("handover") else 0.0
+
     def _kv_source(self, request: pb.GenerateRequest) -> KvSource | None:
         """The request's peer hint, unless it names this pod or nothing to pull."""
         src = request.kv_source
@@ -109,7 +115,7 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
             return None
         if src.pod_id == self.pod.pod_id or src.address == self.pod.address:
             return None
-        return KvSource(src.pod_id, src.address, src.num_blocks)
+        return KvSource(src.pod_id, src.address, src.num_blocks, src.handover_id)
 
     async def _stream(self, request, context):
         """The request's deltas; every failure becomes a gRPC status, never a stack trace."""
@@ -120,7 +126,8 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
             rid, tokens, params, salt, lora, source = await self._parse(request, context)
             # aclosing: a cancelled call aborts its request now, not when collected.
             async with contextlib.aclosing(
-                pod.aengine.generate(engine_request_id(rid), tokens, params, salt, lora, source)
+                pod.aengine.generate(engine_request_id(rid), tokens, params, salt, lora, source,
+                                     hold_s=self._hold_s(request))
             ) as deltas:
                 async for delta in deltas:
                     yield rid, tokens, delta
@@ -284,6 +291,17 @@ class PodServer:
             "pagekv_kv_pulls_by_transport", "Cross-pod KV pulls by the data transport the "
             "pair used (grpc: the blocks in the PullBlocks stream) and outcome (ok, fallback)",
             [*self.metric_labels, "transport", "outcome"], registry=self.registry)
+        self.handover_seconds = Histogram(
+            "pagekv_handover_seconds", "P/D handovers pulled by this decode pod: admission to "
+            "landed (fallbacks included)", [*self.metric_labels], registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+        self.handover_bytes = Counter(
+            "pagekv_handover_bytes", "P/D handovers: entry bytes received from prefill pods",
+            [*self.metric_labels], registry=self.registry)
+        self.handover_fallbacks = Counter(
+            "pagekv_handover_fallbacks", "P/D handovers that fell back to computing (the rest "
+            "of) the prompt here, by reason", [*self.metric_labels, "reason"],
+            registry=self.registry)
         self.http_responses = Counter(
             "pagekv_http_requests", "OpenAI API (HTTP) responses by route and status",
             [*self.metric_labels, "route", "status"], registry=self.registry)
@@ -339,6 +357,7 @@ class PodServer:
             hash_config=self.wire_hash_config(
                 namespace=self.schema.namespace if self.schema else ""),
             epoch=(self.publisher.epoch or "") if self.publisher else "",
+            role=a.role, handover_held_blocks=st.handover.held_blocks,
         )
 
     async def start(self) -> None:
@@ -409,6 +428,10 @@ class PodServer:
         labels = self.metric_labels
 
         def observe(result: PullResult) -> None:
+            if result.handover:
+                self._observe_handover(result)
+            if result.failure == NO_ROOM and not result.transport:
+                return  # never started: no time, no transport
             self.pull_seconds.labels(**labels).observe(result.seconds)
             self.pulls_by_transport.labels(
                 **labels, transport=result.transport or "none",
@@ -423,6 +446,14 @@ class PodServer:
                     "peer token required" if cfg.peer_token else
                     "refused to all (no --peer-api-token)" if self.guard.active else
                     "OPEN to anyone who reaches the port")
+
+    def _observe_handover(self, result: PullResult) -> None:
+        """A P/D handover this decode pod pulled (or failed to): its time, bytes, outcome."""
+        labels = self.metric_labels
+        self.handover_seconds.labels(**labels).observe(result.seconds)
+        self.handover_bytes.labels(**labels).inc(result.nbytes)
+        if result.failure is not None:
+            self.handover_fallbacks.labels(**labels, reason=result.failure).inc()
 
     async def _start_engine(self) -> None:
         # Building the engine loads weights: keep the event loop free meanwhile. It is built
@@ -442,6 +473,7 @@ class PodServer:
                 self.load,
                 lambda: aengine.call(engine.full_state), self.tier_costs,
                 lease_ttl_s=self.lease_ttl_s, redis_tls=self.redis_tls,
+                registration=role_fields(self.args.role),
             )
             engine.event_sinks.append(self.publisher.submit)
         if self.kv_events_config is not None:

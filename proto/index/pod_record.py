@@ -24,7 +24,14 @@ from pagekv.proto.index.bad_records import (
     BAD_REPLY,
     BadRecords,
 )
-from pagekv.proto.index.schema import POD_KIND_PAGEKV, POD_KIND_VLLM, POD_KINDS, text
+from pagekv.proto.index.schema import (
+    POD_KIND_PAGEKV,
+    POD_KIND_VLLM,
+    POD_KINDS,
+    POD_ROLES,
+    ROLE_MIXED,
+    text,
+)
 from pagekv.proto.pull_cost import FIXED_PREFIX, PER_TOKEN_PREFIX, PullCost
 
 logger = logging.getLogger(__name__)
@@ -56,6 +63,7 @@ class PodInfo:
     http_address: str = ""  # host:port of its OpenAI HTTP API, when registered
     # holder pod id -> what a pull from it costs this pod, as measured (proto/pull_cost.py)
     pull_costs: dict[str, PullCost] = field(default_factory=dict)
+    role: str = ROLE_MIXED  # its P/D phase (schema.POD_ROLES)
 
     @property
     def waiting(self) -> int:
@@ -135,6 +143,8 @@ def _reachable(fields: dict[str, str]) -> str:
         url = fields.get("http_address") or address
         return "" if url and url.isprintable() and " " not in url else \
             f"http_address {url!r}"
+    if fields.get("role", ROLE_MIXED) not in POD_ROLES:
+        return f"role {fields['role']!r} (known: {', '.join(POD_ROLES)})"
     return "" if _is_host_port(address) else f"address {address!r}"
 
 
@@ -201,4 +211,5 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
         kind=fields.get("kind", POD_KIND_PAGEKV),
         http_address=fields.get("http_address", ""),
         pull_costs=_pull_costs(pod_id, per_holder, bad),
+        role=fields.get("role", ROLE_MIXED),
     )

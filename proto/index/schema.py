@@ -33,6 +33,11 @@ NAMESPACES_SUFFIX = ":namespaces"  # `<prefix>:namespaces`, a SET of every names
 # a vLLM pod (its blocks written by `pagekv ingest-vllm`) serves OpenAI HTTP at `http_address`.
 POD_KIND_PAGEKV, POD_KIND_VLLM = "pagekv", "vllm"
 POD_KINDS: tuple[str, ...] = (POD_KIND_PAGEKV, POD_KIND_VLLM)
+# A pod's phase in prefill/decode disaggregation (`pagekv node --role`): a prefill pod
+# computes prompts for decode pods, a decode pod generates from handed-over KV, a mixed pod
+# does both (and every pod without the field is mixed).
+ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = "prefill", "decode", "mixed"
+POD_ROLES: tuple[str, ...] = (ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE)
 
 # Block claims are spread over this many hash tags, by the first bits of the chain's root
 # hash. Enough to spread over any realistic shard count; few enough that a pod's per-bucket

@@ -23,7 +23,7 @@ from redis.exceptions import NoScriptError
 from pagekv.proto.index import scripts
 from pagekv.proto.index.connect import REDIS_ERRORS, is_cluster
 from pagekv.proto.index.mirror import BucketChange
-from pagekv.proto.index.schema import POD_KINDS, IndexSchema, bucket_name, text
+from pagekv.proto.index.schema import POD_KINDS, POD_ROLES, IndexSchema, bucket_name, text
 
 PIPELINE_CHUNK = 4096  # commands per pipeline round trip when writing many claims
 # Claim writes per CLAIM_WRITES call: Redis runs a script alone, so each stays ~1 ms long.
@@ -50,6 +50,14 @@ def kind_fields(kind: str, http_address: str = "") -> dict[str, str]:
     if http_address:
         fields["http_address"] = http_address
     return fields
+
+
+def role_fields(role: str) -> dict[str, str]:
+    """The registration field of a pod's P/D role (schema.POD_ROLES), read back as
+    `PodInfo.role`."""
+    if role not in POD_ROLES:
+        raise ValueError(f"unknown pod role {role!r}; valid: {', '.join(POD_ROLES)}")
+    return {"role": role}
 
 
 def load_fields(load: Mapping[str, float]) -> Iterator[tuple[str, str]]:

@@ -63,7 +63,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., min_p: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "lora_id", "kv_source")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "lora_id", "kv_source", "handover")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -78,17 +79,26 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     lora_id: int
     kv_source: KvSource
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ...) -> None: ...
+    handover: Handover
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ...) -> None: ...
+
+class Handover(_message.Message):
+    __slots__ = ("hold_ms",)
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    hold_ms: int
+    def __init__(self, hold_ms: _Optional[int] = ...) -> None: ...
 
 class KvSource(_message.Message):
-    __slots__ = ("pod_id", "address", "num_blocks")
+    __slots__ = ("pod_id", "address", "num_blocks", "handover_id")
     POD_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
     pod_id: str
     address: str
     num_blocks: int
-    def __init__(self, pod_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    handover_id: str
+    def __init__(self, pod_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., handover_id: _Optional[str] = ...) -> None: ...
 
 class Logprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -127,7 +137,7 @@ class Completion(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_gpu", "cached_tokens_cpu", "cached_tokens_disk", "cached_tokens_peer")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_gpu", "cached_tokens_cpu", "cached_tokens_disk", "cached_tokens_peer", "kv_pull_ms", "kv_pull_fallback")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +145,8 @@ class Usage(_message.Message):
     CACHED_TOKENS_CPU_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_DISK_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_PEER_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -142,7 +154,9 @@ class Usage(_message.Message):
     cached_tokens_cpu: int
     cached_tokens_disk: int
     cached_tokens_peer: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_gpu: _Optional[int] = ..., cached_tokens_cpu: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ..., cached_tokens_peer: _Optional[int] = ...) -> None: ...
+    kv_pull_ms: float
+    kv_pull_fallback: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_gpu: _Optional[int] = ..., cached_tokens_cpu: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ..., cached_tokens_peer: _Optional[int] = ..., kv_pull_ms: _Optional[float] = ..., kv_pull_fallback: _Optional[str] = ...) -> None: ...
 
 class CandidateScore(_message.Message):
     __slots__ = ("pod_id", "address", "cached_tokens", "cached_tokens_gpu", "cached_tokens_cpu", "cached_tokens_disk", "queue_waiting", "queue_running", "estimated_cost_s", "eligible", "excluded_reason", "pull_from", "pull_tokens", "pull_saving_s")
@@ -177,7 +191,7 @@ class CandidateScore(_message.Message):
     def __init__(self, pod_id: _Optional[str] = ..., address: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_gpu: _Optional[int] = ..., cached_tokens_cpu: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ..., queue_waiting: _Optional[int] = ..., queue_running: _Optional[int] = ..., estimated_cost_s: _Optional[float] = ..., eligible: _Optional[bool] = ..., excluded_reason: _Optional[str] = ..., pull_from: _Optional[str] = ..., pull_tokens: _Optional[int] = ..., pull_saving_s: _Optional[float] = ...) -> None: ...
 
 class RoutingInfo(_message.Message):
-    __slots__ = ("chosen_pod", "chosen_address", "reason", "predicted_cached_tokens", "prompt_blocks", "lookup_ms", "candidates", "pull_from", "pull_tokens", "predicted_pull_saving_s")
+    __slots__ = ("chosen_pod", "chosen_address", "reason", "predicted_cached_tokens", "prompt_blocks", "lookup_ms", "candidates", "pull_from", "pull_tokens", "predicted_pull_saving_s", "prefill_pod", "prefill_address", "prefill_ms", "handover_ms", "handover_tokens", "pd_fallback", "pd_threshold_tokens")
     CHOSEN_POD_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +202,13 @@ class RoutingInfo(_message.Message):
     PULL_FROM_FIELD_NUMBER: _ClassVar[int]
     PULL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_PULL_SAVING_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_POD_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PD_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    PD_THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     chosen_pod: str
     chosen_address: str
     reason: str
@@ -198,7 +219,14 @@ class RoutingInfo(_message.Message):
     pull_from: str
     pull_tokens: int
     predicted_pull_saving_s: float
-    def __init__(self, chosen_pod: _Optional[str] = ..., chosen_address: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., lookup_ms: _Optional[float] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., pull_from: _Optional[str] = ..., pull_tokens: _Optional[int] = ..., predicted_pull_saving_s: _Optional[float] = ...) -> None: ...
+    prefill_pod: str
+    prefill_address: str
+    prefill_ms: float
+    handover_ms: float
+    handover_tokens: int
+    pd_fallback: str
+    pd_threshold_tokens: int
+    def __init__(self, chosen_pod: _Optional[str] = ..., chosen_address: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., lookup_ms: _Optional[float] = ..., candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., pull_from: _Optional[str] = ..., pull_tokens: _Optional[int] = ..., predicted_pull_saving_s: _Optional[float] = ..., prefill_pod: _Optional[str] = ..., prefill_address: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., handover_ms: _Optional[float] = ..., handover_tokens: _Optional[int] = ..., pd_fallback: _Optional[str] = ..., pd_threshold_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "completions", "usage", "served_by", "routing")
@@ -271,7 +299,7 @@ class HashConfig(_message.Message):
     def __init__(self, algo: _Optional[str] = ..., seed_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pod_id", "model", "block_size", "num_blocks", "num_free_blocks", "usage", "tiers", "num_waiting", "num_running", "hash_config", "epoch")
+    __slots__ = ("pod_id", "model", "block_size", "num_blocks", "num_free_blocks", "usage", "tiers", "num_waiting", "num_running", "hash_config", "epoch", "role", "handover_held_blocks")
     POD_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +311,8 @@ class StatsResponse(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     HASH_CONFIG_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pod_id: str
     model: str
     block_size: int
@@ -294,10 +324,12 @@ class StatsResponse(_message.Message):
     num_running: int
     hash_config: HashConfig
     epoch: str
-    def __init__(self, pod_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., epoch: _Optional[str] = ...) -> None: ...
+    role: str
+    handover_held_blocks: int
+    def __init__(self, pod_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., epoch: _Optional[str] = ..., role: _Optional[str] = ..., handover_held_blocks: _Optional[int] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "hash_config", "kv_layout", "max_bytes", "request_id", "chain_token_ids", "cache_salt", "lora_id", "transports")
+    __slots__ = ("block_hashes", "parent_hash", "hash_config", "kv_layout", "max_bytes", "request_id", "chain_token_ids", "cache_salt", "lora_id", "transports", "handover_id")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     HASH_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +340,7 @@ class PullBlocksRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     hash_config: HashConfig
@@ -318,7 +351,8 @@ class PullBlocksRequest(_message.Message):
     cache_salt: str
     lora_id: str
     transports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., kv_layout: _Optional[str] = ..., max_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., chain_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
+    handover_id: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., hash_config: _Optional[_Union[HashConfig, _Mapping]] = ..., kv_layout: _Optional[str] = ..., max_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., chain_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., handover_id: _Optional[str] = ...) -> None: ...
 
 class PullBlocksChunk(_message.Message):
     __slots__ = ("entries", "ticket", "ready_blocks")

@@ -1,0 +1,95 @@
+"""Prefill/decode disaggregation: when to split a request, and onto which pods.
+
+A fleet with prefill pods (`pagekv node --role prefill`) serves every request on a decode
+or mixed pod, chosen as always (prefix, load, pull option). A request whose prompt is still
+mostly uncached there — at least the pod's split threshold — is split: its prompt is first
+computed on a prefill pod (one token sampled, the blocks held for a pull), then the decode
+pod pulls that KV on admission (KvSource with the handover id) and generates. Below the
+threshold, or when the decode pod holds the prefix already, nothing is split: the handover
+would cost more than the prefill it spares the decode pod.
+
+The threshold is the decode pod's prefill budget, which it measures and publishes
+(`load.prefill_budget`, kvnode/engine/engine.py): the prompt tokens it can compute in about
+one decode step's time. A longer prefill would stall its running decodes a step or more;
+a shorter one costs them less than a step, about what a pull's fixed cost does. A pod that
+has not measured yet gets the configured stand-in; `--pd-threshold-tokens` overrides both.
+Prefill pods are ranked among themselves by the same scores (their own prefix hits first,
+so a prefix prefilled once is prefilled there again, cheaply), and never get a whole
+request while a decode or mixed pod is live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pagekv.proto.index.schema import ROLE_PREFILL
+from pagekv.router.config import RouterConfig
+from pagekv.router.pods import PodEntry
+from pagekv.router.scoring import Score
+
+# The `decision` label of pagekv_router_pd_requests_total.
+SPLIT, LOCAL = "split", "local"
+# Router-side fallback reasons (pagekv_router_pd_fallbacks_total): the prefill half failed,
+# so the decode pod computes the whole prompt. A decode pod's pull that fell back reports
+# its own reason (kvnode/engine/peer_pull.py FALLBACK_REASONS) in its usage.
+PREFILL_UNAVAILABLE = "prefill_unavailable"  # every prefill pod tried was UNAVAILABLE
+PREFILL_STALLED = "prefill_stalled"          # the prefill call made no progress in its bound
+PREFILL_FAILED = "prefill_failed"            # any other status from the prefill pod
+# A decode pod's own pull fallbacks (kvnode/engine/peer_pull.py FALLBACK_REASONS; a test
+# keeps the two equal): a reason a pod reports that is not one of them counts as "other".
+PULL_FALLBACKS = ("peer_unavailable", "peer_busy", "peer_missing", "deadline", "checksum",
+                  "hash_mismatch", "config_mismatch", "no_room", "error")
+
+
+def fallback_label(reason: str) -> str:
+    """A pod-reported pull fallback as a bounded metric label."""
+    return reason if reason in PULL_FALLBACKS else "other"
+
+
+@dataclass(slots=True)
+class SplitPlan:
+    """A request to split: the prefill pods to try, best first, and why it was split."""
+
+    prefill_order: list[Score]
+    threshold: int  # the decode pod's split threshold (tokens)
+    uncached: int   # the prompt tokens the decode pod would have computed itself
+
+
+def is_prefill(entry: PodEntry) -> bool:
+    return entry.info.role == ROLE_PREFILL
+
+
+def serving_pods(pods: Sequence[PodEntry]) -> list[PodEntry]:
+    """The pods a whole request may go to: decode and mixed ones; the prefill pods only
+    when none of those is live (a degraded fleet still serves)."""
+    others = [p for p in pods if not is_prefill(p)]
+    return others or list(pods)
+
+
+def split_threshold(entry: PodEntry, config: RouterConfig) -> int:
+    """The uncached prompt tokens from which a request for `entry` is split."""
+    if config.pd_threshold_tokens:
+        return config.pd_threshold_tokens
+    measured = int(entry.info.load.get("prefill_budget", 0))
+    return measured if measured > 0 else config.pd_default_threshold_tokens
+
+
+def plan_split(order: Sequence[Score], prefill_order: Sequence[Score],
+               pods: Mapping[str, PodEntry], prompt_len: int,
+               config: RouterConfig) -> tuple[SplitPlan | None, int]:
+    """The split of a request whose serving pods are ranked `order` (best first) and whose
+    prefill pods `prefill_order`: None to serve it whole on order[0]. Also returns the
+    threshold considered (0: no split possible: no prefill pod, or order[0] is one)."""
+    if not config.pd_split or not order or not prefill_order:
+        return None, 0
+    best = pods.get(order[0].pod_id)
+    if best is None or is_prefill(best):
+        return None, 0
+    threshold = split_threshold(best, config)
+    first = order[0]
+    # What the decode pod would compute itself: neither cached there nor pulled.
+    uncached = prompt_len - first.cached_tokens - (first.pull_tokens if first.pull_from else 0)
+    if uncached < threshold:
+        return None, threshold
+    return SplitPlan(list(prefill_order), threshold, uncached), threshold
