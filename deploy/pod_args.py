@@ -52,6 +52,12 @@ def _flag_value_at(node_args: list[str], flag: str) -> tuple[int, str] | None:
     return found
 
 
+def flag_value(node_args: list[str], flag: str) -> str | None:
+    """The value the pods will see for `flag` (its last occurrence), None when absent."""
+    found = _flag_value_at(node_args, flag)
+    return found[1] if found is not None else None
+
+
 def one_ssd_dir_per_pod(node_args: list[str]) -> tuple[list[str], str | None]:
     """The node args with each pod's own SSD directory, and what was changed, to log
     (None: nothing was)."""

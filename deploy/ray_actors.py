@@ -157,12 +157,12 @@ class RouterActor:
         return sorted(p.pod_id for p in router.registry.eligible()) if router else []
 
     def pods(self) -> dict[str, dict[str, Any]]:
-        """The router's view of every live pod: address, epoch, published costs."""
+        """The router's view of every live pod: address, epoch, P/D role, published costs."""
         router = self.server.router
         if router is None:
             return {}
         return {p.pod_id: {"address": p.info.address, "epoch": p.info.epoch,
-                           "costs": dict(p.info.tier_costs),
+                           "role": p.info.role, "costs": dict(p.info.tier_costs),
                            "excluded": p.excluded_reason}
                 for p in router.registry.pods.values()}
 

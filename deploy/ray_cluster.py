@@ -3,12 +3,15 @@
     python -m pagekv.deploy.ray_cluster --num-nodes 4 --redis-url redis://10.0.0.5:6380/0 \\
         --model pagekv-small --address auto            # on a running Ray cluster
     pagekv ray-up --local --num-nodes 2 --redis-url redis://127.0.0.1:6380/0   # a local one
+    pagekv ray-up --local --prefill-nodes 1 --decode-nodes 1 --redis-url ...  # P/D roles
 
 One pod per GPU (`num_gpus=1`) where the cluster has GPUs, else one pod per `--pod-cpus`
 CPUs. The pods' bundles sit in one placement group with strategy SPREAD, so they land on
-different nodes when there are several. Each pod actor runs a `PodServer` (engine, gRPC,
-metrics, Redis index publisher) on an asyncio loop in a thread of its own, bound to its node's
-IP and a free port. The router is one more actor, placed on the driver's node (normally the
+different nodes when there are several. --num-nodes counts mixed pods; --prefill-nodes and
+--decode-nodes add pods of those P/D roles (ids ray-prefill-0, ray-decode-0: deploy/
+pod_roles.py), each actor's engine started with its role. Each pod actor runs a `PodServer`
+(engine, gRPC, metrics, Redis index publisher) on an asyncio loop in a thread of its own,
+bound to its node's IP and a free port. The router is one more actor, placed on the driver's node (normally the
 head) so that clients have a fixed address to dial.
 
 Actors restart when they die (`max_restarts`): Ray runs the constructor again, which starts a
@@ -44,8 +47,10 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from pagekv.deploy.pod_roles import mixed_pod_count, ray_pod_specs
 from pagekv.deploy.ray_actors import START_TIMEOUT_S, PodActor, RouterActor, pod_name
 from pagekv.deploy.ray_placement import plan_pod_cpus, wait_ready
+from pagekv.proto.index.schema import ROLE_MIXED
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class ClusterHandles:
     detached: bool = False
     metrics_addresses: list[str] = field(default_factory=list)
     router_http_address: str | None = None  # the router's OpenAI API
+    pod_roles: list[str] = field(default_factory=list)  # P/D role of each pod, in pod order
 
     def refresh(self, timeout: float = 60.0) -> bool:
         """Re-read every actor's address (they move when an actor restarts); True when any
@@ -85,8 +91,11 @@ class ClusterHandles:
         lines = [f"router:  {self.router_address or '(none)'}"]
         if self.router_http_address:
             lines.append(f"OpenAI API: http://{self.router_http_address}/v1")
-        lines += [f"{pid}:  {addr}" for pid, addr in zip(self.pod_ids, self.pod_addresses,
-                                                          strict=True)]
+        roles = self.pod_roles or [ROLE_MIXED] * len(self.pod_ids)
+        named = any(role != ROLE_MIXED for role in roles)
+        lines += [f"{pid}:  {addr}" + (f"   role {role}" if named else "")
+                  for pid, addr, role in zip(self.pod_ids, self.pod_addresses, roles,
+                                             strict=True)]
         if self.metrics_addresses:
             lines.append("metrics: " + " ".join(self.metrics_addresses))
         return "\n".join(lines)
@@ -117,8 +126,11 @@ def deploy_cluster(
     max_task_retries: int = 3,
     detach: bool = False,
     start_timeout_s: float = START_TIMEOUT_S,
+    prefill_pods: int = 0,
+    decode_pods: int = 0,
 ) -> ClusterHandles:
-    """Start `num_pods` pod actors and the router on the connected Ray cluster.
+    """Start `num_pods` mixed pod actors, `prefill_pods` prefill and `decode_pods` decode
+    ones (P/D roles: deploy/pod_roles.py) and the router on the connected Ray cluster.
 
     `host=None` binds every server to its node's IP; tests pass "127.0.0.1". `use_gpus=None`
     reserves one GPU per pod when the cluster has that many. `pod_cpus=None` gives each pod at
@@ -127,12 +139,12 @@ def deploy_cluster(
     """
     if not ray.is_initialized():
         raise RuntimeError("connect to Ray first: ray.init(address='auto') or ray.init()")
-    if num_pods < 1:
-        raise ValueError(f"num_pods must be >= 1, got {num_pods}")
     from pagekv.kvnode.engine.config import EngineArgs  # plain dataclass, no torch
 
     ekw = {"model": model, **(engine_kwargs or {})}
     eargs = EngineArgs(**ekw)  # a misspelt option fails here, not in every actor
+    specs = ray_pod_specs(num_pods, prefill_pods, decode_pods, ekw)
+    num_pods = len(specs)
     gpus = _cluster_gpus()
     if use_gpus is None:
         use_gpus = gpus >= num_pods
@@ -155,25 +167,22 @@ def deploy_cluster(
         raise
     logger.info("placement group ready: %d bundles of %s (SPREAD)", num_pods, bundle)
 
-    pod_ids = [f"ray-pod-{i}" for i in range(num_pods)]
+    pod_ids = [spec.pod_id for spec in specs]
     pod_cls = ray.remote(PodActor)
     # Actor handles are Any, as in ClusterHandles: Ray types `handle.method.remote` only for
     # methods decorated with @ray.method.
     pods: list[Any] = []
-    for i, pod_id in enumerate(pod_ids):
-        kwargs = dict(ekw)
-        if kwargs.get("disk_offload_dir"):  # each pod its own SSD directory
-            kwargs["disk_offload_dir"] = str(Path(kwargs["disk_offload_dir"]) / pod_id)
+    for i, spec in enumerate(specs):
         opts: dict[str, Any] = {
             "num_cpus": pod_cpus, "num_gpus": 1 if use_gpus else 0,
             "max_restarts": max_restarts, "max_task_retries": max_task_retries,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=i),
         }
-        if detach:
+        if detach:  # numbered over every role: `--down` finds them all
             opts.update(name=pod_name(i), namespace=NAMESPACE, lifetime="detached")
         pods.append(pod_cls.options(**opts).remote(
-            pod_id, redis_url, kwargs, host, serve_metrics, lease_ttl_s))
+            spec.pod_id, redis_url, spec.engine_kwargs, host, serve_metrics, lease_ttl_s))
 
     router: Any = None
     if start_router:
@@ -196,7 +205,8 @@ def deploy_cluster(
             rkw, router_host, router_port, router_metrics_port, None, router_http_port)
 
     handles = ClusterHandles(pods=pods, pod_ids=pod_ids, pod_addresses=[], router=router,
-                             router_address=None, placement_group=pg, detached=detach)
+                             router_address=None, placement_group=pg, detached=detach,
+                             pod_roles=[spec.role for spec in specs])
     try:
         demands = {pid: dict(bundle) for pid in pod_ids}
         refs = {pid: p.address.remote() for pid, p in zip(pod_ids, pods, strict=True)}
@@ -269,7 +279,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--num-nodes", "--num-pods", dest="num_pods", type=int, default=None,
                    metavar="N",
-                   help="pods to run (default: one per GPU in the cluster, else 2)")
+                   help="mixed pods to run (default: one per GPU in the cluster, else 2; 0 "
+                        "with --prefill-nodes/--decode-nodes)")
+    p.add_argument("--prefill-nodes", type=int, default=0, metavar="N",
+                   help="prefill pods (ray-prefill-0...: --role prefill), beside the mixed ones")
+    p.add_argument("--decode-nodes", type=int, default=0, metavar="M",
+                   help="decode pods (ray-decode-0...: --role decode)")
     p.add_argument("--redis-url", default=None,
                    help="the Redis index every pod and the router use (required, except with "
                         "--down)")
@@ -325,14 +340,22 @@ def main(args: argparse.Namespace) -> int:
     if not args.redis_url:
         logger.error("--redis-url is required (the index the pods publish to)")
         return 2
-    num_pods = args.num_pods
-    _connect(args, (num_pods or 2) * (args.pod_cpus or 1.0) + args.router_cpus)
+    roles = args.prefill_nodes + args.decode_nodes
+    try:  # refused before Ray starts: a bad count or a --role beside the role counts
+        ray_pod_specs(mixed_pod_count(args.num_pods, args.prefill_nodes, args.decode_nodes, 0),
+                      args.prefill_nodes, args.decode_nodes, {**engine, "model": model})
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    pods_guess = roles + (args.num_pods if args.num_pods is not None else 0 if roles else 2)
+    _connect(args, pods_guess * (args.pod_cpus or 1.0) + args.router_cpus)
     try:
-        if num_pods is None:
-            num_pods = int(_cluster_gpus()) or 2
+        num_pods = mixed_pod_count(args.num_pods, args.prefill_nodes, args.decode_nodes,
+                                   _cluster_gpus())
         try:
             handles = deploy_cluster(
                 num_pods, args.redis_url, model, engine_kwargs=engine, host=args.host,
+                prefill_pods=args.prefill_nodes, decode_pods=args.decode_nodes,
                 use_gpus={"auto": None, "yes": True, "no": False}[args.gpus],
                 pod_cpus=args.pod_cpus, router_cpus=args.router_cpus,
                 router_port=args.router_port, router_metrics_port=args.router_metrics_port,

@@ -281,6 +281,47 @@ def test_waiting_for_placement_logs_and_times_out_naming_what_is_missing(
     assert router_stub(cluster).Generate(request(tokens(9, 40)), timeout=60).completions
 
 
+def test_ray_up_deploys_pods_with_their_roles(cluster: ClusterHandles,
+                                              redis_url: str) -> None:
+    """--prefill-nodes/--decode-nodes on the suite's Ray instance: each actor's engine has its
+    role (Stats, the registration). Pods only, a quarter CPU each (what the running deployment
+    leaves free), in Redis database 1: the running router never sees them."""
+    other_db = redis_url.rsplit("/", 1)[0] + "/1"
+    handles = deploy_cluster(0, other_db, "pagekv-tiny", engine_kwargs=ENGINE,
+                             host="127.0.0.1", pod_cpus=0.25, start_router=False,
+                             serve_metrics=False, lease_ttl_s=1.5, start_timeout_s=120.0,
+                             prefill_pods=1, decode_pods=1)
+    try:
+        assert handles.pod_ids == ["ray-prefill-0", "ray-decode-0"]
+        assert handles.pod_roles == ["prefill", "decode"]
+        assert "ray-prefill-0:  127.0.0.1:" in handles.describe()
+        assert "role decode" in handles.describe()
+        for pod_id, address, role in zip(handles.pod_ids, handles.pod_addresses,
+                                         handles.pod_roles, strict=True):
+            with grpc.insecure_channel(address) as channel:
+                stats = pb_grpc.KVNodeStub(channel).Stats(pb.StatsRequest(), timeout=30)
+            assert (stats.pod_id, stats.role) == (pod_id, role)
+        client = redis.Redis.from_url(other_db)
+        live = wait_for(lambda: len(pods := list_live_pods(client, SCHEMA)) == 2 and pods,
+                        "both role pods in the index")
+        assert {p.pod_id: p.role for p in live} == {"ray-prefill-0": "prefill",
+                                                    "ray-decode-0": "decode"}
+    finally:
+        shutdown_cluster(handles, drain_timeout_s=5.0)
+    # The running deployment's router saw none of them.
+    assert ray.get(cluster.router.live_pods.remote()) == sorted(cluster.pod_ids)
+
+
+def test_ray_up_refuses_an_engine_role_beside_role_counts_before_starting_ray() -> None:
+    from pagekv.deploy.ray_cluster import cli_main
+
+    was_up = ray.is_initialized()
+    rc = cli_main(["--local", "--redis-url", "redis://127.0.0.1:1/0", "--role", "decode",
+                   "--prefill-nodes", "1"])
+    assert rc == 2
+    assert ray.is_initialized() == was_up  # neither joined nor shut down
+
+
 def test_pod_cpus_fit_the_router_in_when_not_given() -> None:
     from pagekv.deploy.ray_placement import plan_pod_cpus
 
