@@ -1,12 +1,18 @@
-"""`pagekv up --prefill-nodes 1 --decode-nodes 1` as a user runs it: the pods start with their
-roles (ids, start-up lines, Stats, the role metric on the targets prometheus.yml scrapes) and a
-long prompt through the router is prefilled on the prefill pod and decoded on the decode pod.
-One cluster, one request (P/D correctness itself: the lead's tests of router and engine)."""
+"""Deploying with P/D roles. `pagekv up --prefill-nodes 1 --decode-nodes 1` as a user runs it:
+the pods start with their roles (ids, start-up lines, Stats, the role metric on the targets
+prometheus.yml scrapes) and a long prompt through the router is prefilled on the prefill pod
+and decoded on the decode pod: one cluster, one request (P/D itself is tested with the router
+and the engine). docker-compose.pd.yml: docker-compose.yml's pods with roles, nothing else
+changed, validated by `docker-compose config` (no Docker engine needed).
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +31,9 @@ from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+COMPOSE, PD_OVERRIDE = ROOT / "docker-compose.yml", ROOT / "docker-compose.pd.yml"
+GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
+PD_PODS = {"kvnode-a": ("prefill-a", "prefill"), "kvnode-b": ("decode-a", "decode")}
 THRESHOLD = 64  # the router's --pd-threshold-tokens: a 400-token cold prompt is split
 
 
@@ -108,7 +117,71 @@ def test_up_with_roles_starts_role_pods_and_the_router_splits_a_long_prompt(tmp_
                               if metric(t, "pagekv_pod_role", role="decode") == 1)
         assert metric(decode_metrics, "pagekv_handover_seconds_count") == 1
         assert metric(decode_metrics, "pagekv_handover_bytes_total") > 0
+        # The run's prometheus.yml loads every rules file, the P/D alerts' included.
+        check = subprocess.run(["promtool", "check", "config", str(run_dir / "prometheus.yml")],
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0 and "pagekv-pd.rules.yml" in check.stdout, check.stdout
     finally:
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0 and "cluster stopped" in rest, rest
+
+
+# -- docker-compose.pd.yml ----------------------------------------------------------------
+
+def without_role(argv: list[str]) -> list[str]:
+    at = argv.index("--role")
+    return argv[:at] + argv[at + 2:]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return str(argv[argv.index(name) + 1])
+
+
+def test_pd_compose_override_is_the_compose_pods_with_roles() -> None:
+    base = yaml.safe_load(COMPOSE.read_text())["services"]
+    override = yaml.safe_load(PD_OVERRIDE.read_text())["services"]
+    assert set(override) == set(PD_PODS)
+    from pagekv.kvnode.pod.node_cli import add_arguments
+
+    for service, (pod_id, role) in PD_PODS.items():
+        assert set(override[service]) == {"command"}  # volumes, health, GPUs: the base's
+        command = override[service]["command"]
+        assert (flag(command, "--pod-id"), flag(command, "--role")) == (pod_id, role)
+        # Every other flag is the base file's (a command replaces the base's whole).
+        expected = list(base[service]["command"])
+        expected[expected.index("--pod-id") + 1] = pod_id
+        assert without_role(command) == expected
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)  # what `pagekv node` in the container parses, with the defaults
+        defaults = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg) for arg in command[1:]]
+        assert parser.parse_args(defaults).role == role
+
+
+def test_pd_compose_validates_with_docker_compose() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose); the "
+                    "override is still checked against the base file without it")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKV_")}
+    base = subprocess.run([binary, "--project-directory", str(ROOT), "-f", str(COMPOSE),
+                           "config", "--services"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert base.returncode == 0, base.stderr
+    for extra in ([], [GPU_OVERRIDE]):
+        args = [binary, "--project-directory", str(ROOT)]
+        for f in (COMPOSE, PD_OVERRIDE, *extra):
+            args += ["-f", str(f)]
+        done = subprocess.run([*args, "config"], capture_output=True, text=True, env=env,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        merged = yaml.safe_load(done.stdout)["services"]
+        assert set(merged) == set(base.stdout.split())  # the same services, none added
+        for service, (pod_id, role) in PD_PODS.items():
+            command = merged[service]["command"]
+            assert (flag(command, "--pod-id"), flag(command, "--role")) == (pod_id, role)
+            assert merged[service]["volumes"] and merged[service]["healthcheck"]
+            if extra:  # the GPU override still reserves a device per pod
+                assert merged[service]["deploy"]["resources"]["reservations"]["devices"]
+        router = merged["router"]["command"]
+        assert "--role" not in router
