@@ -2,10 +2,10 @@
 
 --nodes (`up`) and --num-nodes (`ray-up`) count mixed pods, which prefill and decode as every
 pod did before disaggregation; --prefill-nodes and --decode-nodes add pods of those roles
-(`pagekv node --role`, README "Prefill/decode disaggregation"). Given either, --nodes defaults
-to 0: `pagekv up --prefill-nodes 1 --decode-nodes 1` is two pods. A pod's id says its role:
-node-a, node-b... (mixed: the ids `pagekv up` always gave), prefill-a..., decode-a...; on Ray
-ray-pod-0... (mixed, as before), ray-prefill-0..., ray-decode-0....
+(`pagekv node --role`; the split itself: router/disaggregation.py). Given either, --nodes
+defaults to 0: `pagekv up --prefill-nodes 1 --decode-nodes 1` is two pods. A pod's id says
+its role: node-a, node-b... (mixed: the ids `pagekv up` always gave), prefill-a...,
+decode-a...; on Ray ray-pod-0... (mixed, as before), ray-prefill-0..., ray-decode-0....
 
 A pod's role comes from these counts only: a --role among the flags every pod gets would give
 them all one role, whatever the counts say, so it is refused there. On Ray an engine --role
