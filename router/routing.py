@@ -131,6 +131,7 @@ class Router:
         prompt = parse_prompt(request, self.tokenizer.encode, self.config.prompt_limits)
         forward = pagekv_pb2.GenerateRequest()
         forward.CopyFrom(request)
+        forward.ClearField("handover")  # the router's to set (a prefill half), no client's
         if prompt.kind == "text":
             forward.token_ids.ids.extend(prompt.token_ids)  # setting the oneof clears `text`
         ids = list(prompt.token_ids)

@@ -12,6 +12,14 @@ from) on its own attempt only: each attempt sets or clears the field on the one 
 message, so no hint outlives its attempt, none names the pod it goes to, none a pod that
 failed this request, and a client's own `kv_source` never reaches a pod.
 
+A request the decision splits (router/disaggregation.py) is first prefilled on a prefill pod
+(`_handover`: one greedy token, the prompt's blocks held there under the call's id; the next
+prefill pod on UNAVAILABLE, a stall or a full queue); its decode attempts then carry a
+`kv_source` naming that hold, whichever decode pod they go to. A prefill that fails
+everywhere leaves the decode pod to compute the prompt; either way the routing info says
+which pods served, the prefill's and the handover's time, and any fallback. A client's own
+`handover` never reaches a pod (Router.prepare clears it).
+
 Faults: a pod that fails with UNAVAILABLE before anything reached the client is replaced by
 the next-best pod (up to `max_attempts` pods); any other status from a pod, including the
 client's own errors (INVALID_ARGUMENT, RESOURCE_EXHAUSTED), is passed through unchanged. A
@@ -182,21 +190,16 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
              handover: _Handover | None = None) -> bool:
         """Point this attempt's request at its pod's pull source, or at none; True: a hint.
         A split request's decode pod pulls from the prefill pod that holds the prompt."""
-        forward = prepared.forward
         if handover is not None and handover.source is not None and \
                 handover.source.pod_id not in failed:
-            forward.kv_source.CopyFrom(handover.source)
+            prepared.forward.kv_source.CopyFrom(handover.source)
             return True
-        source = score.pull_from
-        if not source or source == score.pod_id or source in failed:
-            forward.ClearField("kv_source")
+        if not _point(prepared.forward, score, failed):
             return False
-        forward.kv_source.CopyFrom(pagekv_pb2.KvSource(
-            pod_id=source, address=score.pull_address, num_blocks=score.pull_blocks))
         self.metrics.pull_hints.inc()
         logger.debug("pull hint: %s pulls %d tokens (blocks to %d) from %s at %s, saving "
-                     "%.4f s", score.pod_id, score.pull_tokens, score.pull_blocks, source,
-                     score.pull_address, score.pull_saving_s)
+                     "%.4f s", score.pod_id, score.pull_tokens, score.pull_blocks,
+                     score.pull_from, score.pull_address, score.pull_saving_s)
         return True
 
     def _on_unavailable(self, score: Score, exc: grpc.aio.AioRpcError) -> None:
@@ -257,12 +260,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             entry = self._entry(score)
             if entry is None:
                 continue
-            source = score.pull_from  # the prefill pod's own pull option, as any pod's
-            if source and source != score.pod_id and source not in failed:
-                request.kv_source.CopyFrom(pagekv_pb2.KvSource(
-                    pod_id=source, address=score.pull_address, num_blocks=score.pull_blocks))
-            else:
-                request.ClearField("kv_source")
+            _point(request, score, failed)  # the prefill pod's own pull option, as any pod's
             self.metrics.requests.labels(pod=score.pod_id, reason=REASON_PD_PREFILL).inc()
             bound_s = stall.unary_s(score.cost_s, 1, entry.step_s)
             t_call = time.perf_counter()
@@ -517,6 +515,18 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             return
         self.metrics.failures.labels(code="UNAVAILABLE").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
+
+
+def _point(request: pagekv_pb2.GenerateRequest, score: Score, failed: set[str]) -> bool:
+    """Set the request's kv_source to `score`'s pull option, or clear it when it has none
+    usable (none, itself, a pod that failed this request); True when set."""
+    source = score.pull_from
+    if not source or source == score.pod_id or source in failed:
+        request.ClearField("kv_source")
+        return False
+    request.kv_source.CopyFrom(pagekv_pb2.KvSource(
+        pod_id=source, address=score.pull_address, num_blocks=score.pull_blocks))
+    return True
 
 
 def _prefill_request(prepared: Prepared, hold_ms: int) -> pagekv_pb2.GenerateRequest:

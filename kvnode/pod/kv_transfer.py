@@ -213,7 +213,8 @@ class KvTransferService:
             finally:
                 session.end()
                 self._count(run, 0, session.sent_blocks, session.sent_bytes)
-            self._served(request, session.sent_blocks)
+                # Here, not after: a puller that has its end frame cancels this call.
+                self._served(request, session.sent_blocks)
             logger.debug("served %s on %s: %d of %d blocks asked, %d bytes",
                          request.request_id or "-", server.name, session.sent_blocks,
                          len(hashes), session.sent_bytes)
@@ -241,7 +242,7 @@ class KvTransferService:
         finally:
             # Posted, not awaited: this also runs when the call is cancelled.
             pod.aengine.post(lambda: exporter.close(run))
-        self._served(request, served)
+            self._served(request, served)
         logger.debug("served %s: %d of %d blocks asked, %d bytes", request.request_id or "-",
                      len(run.hashes), len(hashes), sent)
 

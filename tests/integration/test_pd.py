@@ -185,7 +185,10 @@ def test_no_block_stays_pinned_and_the_metrics_show_the_roles(fleet):
     assert stats(pre).role == "prefill" and stats(dec).role == "decode"
     pm, dm, rm = metrics(pre), metrics(dec), metrics(router)
     assert value(pm, "pagekv_pod_role", role="prefill") == 1
+    # Every hold ended by its pull, none by its deadline or for room.
     assert value(pm, "pagekv_handover_holds_total", outcome="served") >= 5
+    assert value(pm, "pagekv_handover_holds_total", outcome="expired") == 0
+    assert value(pm, "pagekv_handover_holds_total", outcome="evicted") == 0
     assert value(dm, "pagekv_handover_seconds_count") >= 5
     assert value(dm, "pagekv_handover_bytes_total") > 0
     assert value(dm, "pagekv_handover_fallbacks_total") == 0
