@@ -27,6 +27,11 @@ from pagekv.proto.medium import MEDIUMS, Medium
 
 logger = logging.getLogger(__name__)
 
+# A decode pod reserves each sequence's output this far ahead at most: a request that leaves
+# max_tokens unset ("up to the context") would otherwise reserve the whole context and a
+# decode pod would admit one chat at a time; past it a very long output may still preempt.
+RESERVE_HORIZON_TOKENS = 1024
+
 
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
@@ -147,10 +152,11 @@ class Scheduler:
         logger.debug("preempted %s (recompute)", seq.req.request_id)
 
     def _output_blocks(self, seq: Sequence, tokens: int) -> int:
-        """Blocks a sequence of `tokens` tokens needs to reach its max_tokens."""
+        """Blocks a sequence of `tokens` tokens needs to reach its max_tokens (at most
+        RESERVE_HORIZON_TOKENS ahead)."""
         bs = self.manager.block_size
         left = max(0, seq.group.params.max_tokens - len(seq.req.output_token_ids))
-        return -(-(tokens + left) // bs)
+        return -(-(tokens + min(left, RESERVE_HORIZON_TOKENS)) // bs)
 
     def _fits(self, seq: Sequence, hit: PrefixHit) -> bool:
         """With reserve_output: the pool's free blocks cover this request's prompt and
@@ -163,7 +169,7 @@ class Scheduler:
         n = seq.group.params.n
         need = self._output_blocks(seq, seq.req.num_tokens) - len(hit.blocks)
         bs = mgr.block_size
-        need += (n - 1) * -(-seq.group.params.max_tokens // bs)
+        need += (n - 1) * -(-min(seq.group.params.max_tokens, RESERVE_HORIZON_TOKENS) // bs)
         return mgr.get_num_free_blocks() - reserved >= need
 
     def schedule(self) -> SchedulerOutput:
