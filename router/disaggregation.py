@@ -72,7 +72,9 @@ def split_threshold(entry: PodEntry, config: RouterConfig) -> int:
     if config.pd_threshold_tokens:
         return config.pd_threshold_tokens
     measured = int(entry.info.load.get("prefill_budget", 0))
-    return measured if measured > 0 else config.pd_default_threshold_tokens
+    # Never under a block (a pod measures at least one): a forged 1 would split everything.
+    return max(measured, config.block_size) if measured > 0 else \
+        config.pd_default_threshold_tokens
 
 
 def plan_split(order: Sequence[Score], prefill_order: Sequence[Score],

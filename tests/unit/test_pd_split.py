@@ -95,3 +95,7 @@ def test_the_role_travels_in_the_registration_and_a_forged_one_is_refused():
     assert bad.counts[BAD_REGISTRATION] == 1
     with pytest.raises(ValueError):
         role_fields("boss")
+
+
+def test_a_forged_tiny_budget_is_read_as_one_block_at_least():
+    assert split_threshold(pod("dec", ROLE_DECODE, budget=1), RouterConfig(block_size=16)) == 16
