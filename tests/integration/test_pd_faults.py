@@ -105,6 +105,20 @@ def published_budget(fleet, pod_id: str) -> int:
         client.close()
 
 
+def prefill_held(pre: Child, prompt: list[int], handover_id: str) -> pb.GenerateRequest:
+    """Prefill `prompt` on `pre` as the router's prefill half does (held under
+    `handover_id`) and return the decode half that names the hold."""
+    prefill = request(prompt, 1)
+    prefill.request_id = handover_id
+    prefill.handover.hold_ms = HOLD_MS
+    generate(pre.target(), prefill)
+    decode = request(prompt)
+    decode.kv_source.CopyFrom(pb.KvSource(pod_id=pre.name, address=pre.target(),
+                                          num_blocks=len(prompt) // BS,
+                                          handover_id=handover_id))
+    return decode
+
+
 def test_the_threshold_is_the_decode_pods_measured_budget(fleet):
     for name in ("dec-1", "dec-2"):  # a prefill-heavy step and decode-only steps, timed
         generate(pod(fleet, name).target(), request(tokens(f"warm-{name}", 300), 24))
@@ -125,14 +139,8 @@ def test_the_threshold_is_the_decode_pods_measured_budget(fleet):
 def test_a_handover_past_its_deadline_falls_back_and_the_hold_expires(fleet):
     pre, dec = pod(fleet, "pre-2"), pod(fleet, "dec-2")
     prompt = tokens("deadline", 300)
-    prefill = request(prompt, 1)
-    prefill.request_id = "pd-deadline"
-    prefill.handover.hold_ms = HOLD_MS
-    generate(pre.target(), prefill)
+    decode = prefill_held(pre, prompt, "pd-deadline")
     assert stats(pre).handover_held_blocks == 300 // BS
-    decode = request(prompt)
-    decode.kv_source.CopyFrom(pb.KvSource(pod_id="pre-2", address=pre.target(),
-                                          num_blocks=300 // BS, handover_id="pd-deadline"))
     os.kill(pre.proc.pid, signal.SIGSTOP)
     try:
         got = generate(dec.target(), decode)
@@ -180,15 +188,9 @@ def test_a_lost_prefill_pod_makes_the_router_try_the_other(fleet):
 def test_a_prefill_pod_lost_after_its_prefill_leaves_the_decode_pod_to_recompute(fleet):
     pre2, dec2 = pod(fleet, "pre-2"), pod(fleet, "dec-2")
     prompt = tokens("lost-after", 300)
-    prefill = request(prompt, 1)
-    prefill.request_id = "pd-lost"
-    prefill.handover.hold_ms = HOLD_MS
-    generate(pre2.target(), prefill)
+    decode = prefill_held(pre2, prompt, "pd-lost")
     os.killpg(pre2.proc.pid, signal.SIGKILL)
     pre2.proc.wait(10)
-    decode = request(prompt)
-    decode.kv_source.CopyFrom(pb.KvSource(pod_id="pre-2", address=pre2.target(),
-                                          num_blocks=300 // BS, handover_id="pd-lost"))
     got = generate(dec2.target(), decode)
     assert completions(got) == reference(fleet, prompt)
     assert got.usage.kv_pull_fallback == "peer_unavailable"
