@@ -572,7 +572,7 @@ class Engine:
 
     # -- stats ----------------------------------------------------------------------------
     def load(self) -> EngineLoad:
-        """How busy the pod is: four integer reads (the index lease reads it each renewal)."""
+        """How busy the pod is: integer reads (the index lease reads it each renewal)."""
         mgr = self.kv_manager
         return EngineLoad(len(self.scheduler.waiting), len(self.scheduler.running),
                           mgr.get_num_free_blocks(), mgr.num_blocks, self._prefill_budget)

@@ -5,7 +5,10 @@ then waiting ones (FCFS) while the token budget and `max_num_seqs` allow. When t
 cannot hold a running sequence's next tokens, the newest running sequence gives its blocks
 back and re-enters the waiting queue at the front; its full blocks stay hashed in the pool, so
 its recompute is mostly prefix hits. No admission happens in a step that preempted. A request
-still computing its prompt logprobs reads no cached prefix (`skip_reading_prefix_cache`).
+still computing its prompt logprobs reads no cached prefix (`skip_reading_prefix_cache`). A decode pod's scheduler (`--role decode`) also caps the
+prompt tokens of a step at its `prefill_budget` and admits a request only when its output
+fits beside every running sequence's (`reserve_output`): its decodes neither stall nor get
+preempted.
 """
 
 from __future__ import annotations
