@@ -18,7 +18,8 @@ through the router's GenerateStream (asyncio gRPC). Per request: TTFT = schedule
 the first chunk carrying a token; ITL = the gaps between its streamed token chunks (the
 decode's step time as the client sees it). The configurations run alternately (P/D, mixed,
 P/D, mixed, ... `--passes`), then optional extra P/D runs with the threshold forced
-(`--thresholds`). Printed: ITL p50/p90 (chat requests' and all), TTFT p50/p90 by class,
+(`--variants`: the router's threshold forced, and optionally the pods' pull deadline).
+Printed: ITL p50/p90 (chat requests' and all), TTFT p50/p90 by class,
 output tokens/s (over first arrival to last completion), the P/D / mixed ratios, what the
 routing info says of the splits (how many, prefill_ms, handover_ms, fallbacks, threshold), and
 why (ITL of the gaps that overlap a long prompt's prefill on the same pod, or not).
@@ -27,7 +28,7 @@ The model is pagekv-small: SmolLM2-135M prefills ~9 ms/token on one thread here 
 ~18 s: an 8K one would take minutes), pagekv-small an 8K prompt in ~8 s. Its positions stop
 at 4,096; the bench sets PAGEKV_ALLOW_LONG_MAX_MODEL_LEN for 8K prompts (dummy weights).
 
-    python -m bench.pd [--quick] [--duration S] [--passes N] [--thresholds 16,1024]
+    python -m bench.pd [--quick] [--duration S] [--passes N] [--variants 64,1024,1024:10]
                        [--plot PATH] [--json PATH]
 """
 
@@ -192,6 +193,23 @@ def classify_gaps(r: Result, windows: dict[str, dict[str, list[tuple[float, floa
     return out
 
 
+def handovers_by_holder_state(run: list[Result]) -> dict[str, list[Result]]:
+    """A run's split requests by whether their prefill pod was prefilling another long prompt
+    while their decode pod pulled from it ("busy": the pull's open waits for its step)."""
+    windows = busy_windows(run)
+    out: dict[str, list[Result]] = {"busy": [], "idle": []}
+    for r in run:
+        if not r.split or r.error or not math.isfinite(r.ttft_s):
+            continue
+        a = r.arrival_s + r.prefill_ms / 1e3
+        b = r.arrival_s + r.ttft_s
+        mine = (r.arrival_s, a)
+        busy = any(w != mine and w[0] < b and a < w[1]
+                   for w in windows.get(r.prefill_pod, {}).get(PREFILLING, ()))
+        out["busy" if busy else "idle"].append(r)
+    return out
+
+
 def summarize(runs: list[list[Result]]) -> dict:
     """The figures of one configuration's runs (each on its own clock); failed requests are
     counted, not timed; throughput per run, averaged."""
@@ -209,6 +227,10 @@ def summarize(runs: list[list[Result]]) -> dict:
                 for cls, gs in classify_gaps(r, windows).items():
                     by_class[cls] += gs
     split = [r for r in ok if r.split]
+    holder: dict[str, list[Result]] = {"busy": [], "idle": []}
+    for run in runs:
+        for k, rs in handovers_by_holder_state(run).items():
+            holder[k] += rs
     out_tokens = sum(len(r.tokens) for r in ok)
     rates = []
     for run in runs:
@@ -235,6 +257,10 @@ def summarize(runs: list[list[Result]]) -> dict:
         "handover_tokens_mean": (sum(r.handover_tokens for r in split) / len(split)
                                  if split else 0.0),
         "fallbacks": dict(Counter(r.pd_fallback for r in ok if r.pd_fallback)),
+        "handover_by_holder": {k: {"n": len(rs),
+                                   "handover_ms": quantiles_ms([r.handover_ms / 1e3 for r in rs]),
+                                   "fallbacks": sum(bool(r.pd_fallback) for r in rs)}
+                               for k, rs in holder.items()},
         "thresholds": dict(Counter(str(r.pd_threshold) for r in ok if r.pd_threshold)),
         "served_by": dict(Counter(r.served_by for r in ok)),
         "cached_tokens": sum(r.cached_tokens for r in ok),
@@ -403,6 +429,20 @@ def print_tables(summary: dict[str, dict], base: str) -> None:
               f"{f0(s['prefill_ms'][0])} / {f0(s['prefill_ms'][1])} | "
               f"{f1(s['handover_ms'][0])} / {f1(s['handover_ms'][1])} | "
               f"{s['handover_tokens_mean']:.0f} | {fb} | {served} |")
+    print("\nhandovers by the prefill pod's state during the pull (busy: prefilling another long "
+          "prompt, its step in the way of the pull's open on its engine thread):\n")
+    print("| configuration | handovers, holder idle | handover_ms p50 / p90 | fallbacks | "
+          "handovers, holder busy | handover_ms p50 / p90 | fallbacks |")
+    print("|---|---|---|---|---|---|---|")
+    for name, s in summary.items():
+        if not s["split"][CHAT] + s["split"][LONG]:
+            continue
+        cells = []
+        for k in ("idle", "busy"):
+            h = s["handover_by_holder"][k]
+            cells.append(f"{h['n']} | {f1(h['handover_ms'][0])} / {f1(h['handover_ms'][1])} | "
+                         f"{h['fallbacks']}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
     print("\nwhy: chat ITL by what the chat's own pod was doing for a long prompt during the "
           "gap (its prefill, queue included; its handover: the pull and first step):\n")
     print("| configuration | " + " | ".join(f"gaps: {c} | ITL p50 / p90 / p99 ms: {c}"
@@ -445,6 +485,12 @@ def plot(runs_by: dict[str, list[Run]], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def parse_variant(text: str) -> tuple[int, float]:
+    """'T' or 'T:S' -> (threshold tokens, pull deadline s; 0: the pods' own)."""
+    t, _, deadline = text.partition(":")
+    return int(t), float(deadline) if deadline else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="30 s of workload, one pass")
@@ -454,9 +500,10 @@ def main(argv: list[str] | None = None) -> int:
                     "alternating; default 1 quick, 2 full")
     ap.add_argument("--conversation-rate", type=float, default=WorkloadSpec.conversation_rate)
     ap.add_argument("--long-rate", type=float, default=WorkloadSpec.long_rate)
-    ap.add_argument("--thresholds", default=None, help="comma-separated --pd-threshold-tokens "
-                    "for extra P/D runs (one pass each); default none quick, '64,1024' full "
-                    "(the measured one is ~16-40 here: chats' prompts are 50-320 tokens)")
+    ap.add_argument("--variants", default=None, help="extra P/D runs (one pass each), "
+                    "comma-separated: T (the router's --pd-threshold-tokens T) or T:S (also the "
+                    "pods' --kv-pull-deadline-s S); default none quick, '64,1024,1024:10' full "
+                    "(the measured threshold is ~16-40 here, chats' prompts are 50-320 tokens)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="every pod's (default: the pods' own, 2048)")
     ap.add_argument("--pull-deadline-s", type=float, default=None,
@@ -470,8 +517,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs two cores (one per pod)")
     duration = args.duration or (30.0 if args.quick else 90.0)
     passes = args.passes or (1 if args.quick else 2)
-    thresholds = [int(x) for x in (args.thresholds if args.thresholds is not None else
-                                   ("" if args.quick else "64,1024")).split(",") if x]
+    variants = [parse_variant(v) for v in (args.variants if args.variants is not None else
+                                           ("" if args.quick else "64,1024,1024:10")).split(",")
+                if v]
     plot_path = args.plot if args.plot is not None else ("" if args.quick else "docs/pd_itl.png")
     spec = WorkloadSpec(duration_s=duration, conversation_rate=args.conversation_rate,
                         long_rate=args.long_rate)
@@ -495,12 +543,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload: {spec}; prompt tokens chat {sum(len(r.prompt) for r in reqs if r.kind == CHAT)}"
           f", long {sum(len(r.prompt) for r in reqs if r.kind == LONG)}; node flags {node}",
           flush=True)
-    plan: list[tuple[str, str, list[str]]] = [(c, c, []) for _ in range(passes)
-                                              for c in (PD, MIXED)]
-    plan += [(PD, f"P/D, threshold {t}", ["--pd-threshold-tokens", str(t)]) for t in thresholds]
+    plan: list[tuple[str, str, list[str], list[str]]] = [
+        (c, c, [], node) for _ in range(passes) for c in (PD, MIXED)]
+    for t, deadline in variants:
+        label = f"P/D, threshold {t}" + (f", pull deadline {deadline:g} s" if deadline else "")
+        plan.append((PD, label, ["--pd-threshold-tokens", str(t)],
+                     node + (["--kv-pull-deadline-s", str(deadline)] if deadline else [])))
     runs: list[Run] = []
-    for i, (config, label, extra) in enumerate(plan):
-        run = run_config(config, label, reqs, node, extra, args.seed + i)
+    for i, (config, label, extra, pod_flags) in enumerate(plan):
+        run = run_config(config, label, reqs, pod_flags, extra, args.seed + i)
         runs.append(run)
         s = summarize([run.results])
         print(f"run {i + 1}/{len(plan)} {label} (pods on cores {run.pinning}, load "

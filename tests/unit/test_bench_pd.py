@@ -19,7 +19,9 @@ from bench.pd import (
     busy_windows,
     classify_gaps,
     gaps,
+    handovers_by_holder_state,
     make_workload,
+    parse_variant,
     quantiles_ms,
     summarize,
 )
@@ -104,3 +106,20 @@ def test_summary_counts_failures_splits_and_rates_per_run():
     assert s["ttft_chat_ms"][0] == pytest.approx(200.0)
     assert sorted(s["gaps_chat_by_class"].items()) == sorted(
         {PREFILLING: 0, HANDOVER: 0, OTHER: 3}.items())
+
+
+def test_handovers_are_classed_by_whether_their_prefill_pod_was_prefilling_another_prompt():
+    first = _long(10.0, 5.0, "dec", "pre", 4000.0)    # prefill 10-14, handover 14-15
+    second = _long(12.0, 6.0, "dec", "pre", 5000.0)   # prefill 12-17: over first's handover
+    third = _long(30.0, 2.0, "dec", "pre", 1500.0)    # alone
+    chat = Result(CHAT, 16.0, 80, ttft_s=1.5, done_s=18.0, chunk_s=[17.5], tokens=[1],
+                  served_by="dec", prefill_pod="pre", prefill_ms=500.0)  # handover 16.5-17.5
+    got = handovers_by_holder_state([first, second, third, chat])
+    assert got == {"busy": [first, chat], "idle": [second, third]}
+
+
+def test_variants_name_a_threshold_and_maybe_a_pull_deadline():
+    assert parse_variant("1024") == (1024, 0.0)
+    assert parse_variant("64:10") == (64, 10.0)
+    with pytest.raises(ValueError):
+        parse_variant("x")
