@@ -28,7 +28,7 @@ from pagekv.kvnode.engine.engine_stats import (
     PrefixCacheStats,
 )
 from pagekv.kvnode.engine.handover_holds import HandoverHolds
-from pagekv.kvnode.engine.kv_export import KvExporter
+from pagekv.kvnode.engine.kv_export import ExportRun, KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
 from pagekv.kvnode.engine.model_dtype import check_dtype
 from pagekv.kvnode.engine.output_text import OutputText
@@ -307,9 +307,25 @@ class Engine:
         self.holds.expire()
 
     def release_handover(self, handover_id: str) -> bool:
-        """A decode pod was served the blocks held under `handover_id` (a prefill's request
-        id): they go to the prefix cache now. False when no such hold is left."""
+        """Engine thread. A decode pod was served the blocks held under `handover_id` (a
+        prefill's request id): they go to the prefix cache (once no transfer reads them).
+        False when no such hold is left."""
         return self.holds.release(handover_id)
+
+    def lend_handover(self, handover_id: str, block_hashes: Seq[bytes],
+                      parent_hash: bytes | None) -> ExportRun | None:
+        """Any thread. A run of the blocks held under `handover_id` to serve a pull from,
+        without the engine thread (they are pinned by the hold, which lasts until
+        `return_handover`); None when the hold does not have them all."""
+        blocks = self.holds.lend(handover_id, block_hashes)
+        if blocks is None:
+            return None
+        return ExportRun(list(block_hashes), [Medium.GPU] * len(blocks), blocks,
+                         parent=parent_hash)
+
+    def return_handover(self, handover_id: str) -> None:
+        """Any thread. The transfer of a `lend_handover` run is over."""
+        self.holds.give_back(handover_id)
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

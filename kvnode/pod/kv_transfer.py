@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -111,6 +112,10 @@ class KvTransferService:
             registry=pod.registry)
         self._active = Gauge("pagekv_kv_transfers_active", "Pull calls being served now",
                              names, registry=pod.registry).labels(**labels)
+        self._handovers_lent = Counter(
+            "pagekv_handover_served_from_hold", "P/D handover pulls served straight from the "
+            "prefill's hold (no wait for the engine thread)", names,
+            registry=pod.registry).labels(**labels)
         self._labels = labels
         self._warned: set[str] = set()
 
@@ -193,7 +198,7 @@ class KvTransferService:
             logger.debug("pull %s: the hashes asked are not the chain the caller's tokens "
                          "and salt give: nothing served", request.request_id or "-")
             return
-        run = await self._open(exporter, hashes, parent)
+        run, close = await self._run(request, hashes, parent)
         budget = min(request.max_bytes or self.max_bytes, self.max_bytes)
         server = next((self.data_servers[t] for t in request.transports
                        if t in self.data_servers), None)
@@ -204,8 +209,7 @@ class KvTransferService:
             session = ExportSession(
                 exporter, run, budget=budget,
                 deadline=time.monotonic() + (left if left is not None else 600.0),
-                compress=self.compress, chunk_bytes=self.chunk_bytes,
-                close_run=lambda: pod.aengine.post(lambda: exporter.close(run)))
+                compress=self.compress, chunk_bytes=self.chunk_bytes, close_run=close)
             try:
                 yield pb.PullBlocksChunk(ticket=server.offer(session))
                 async for chunk in self._progress(session):
@@ -240,11 +244,27 @@ class KvTransferService:
                 if len(kept) < hi - lo:
                     break  # the byte limit, or a tier block gone since the run was found
         finally:
-            # Posted, not awaited: this also runs when the call is cancelled.
-            pod.aengine.post(lambda: exporter.close(run))
+            close()  # posted or quick, not awaited: this also runs when the call is cancelled
             self._served(request, served)
         logger.debug("served %s: %d of %d blocks asked, %d bytes", request.request_id or "-",
                      len(run.hashes), len(hashes), sent)
+
+    async def _run(self, request: pb.PullBlocksRequest, hashes: list[bytes],
+                   parent: bytes | None) -> tuple[ExportRun, Callable[[], None]]:
+        """The run to serve and how to let it go. A P/D handover's blocks come straight from
+        the prefill's hold (no wait for the engine thread, busy with the next prompt's
+        step on a prefill pod); any other run is opened on the engine thread."""
+        pod = self.pod
+        eng = pod.engine
+        if request.handover_id:
+            hid = engine_request_id(request.handover_id)
+            lent = eng.lend_handover(hid, hashes, parent)
+            if lent is not None:
+                self._handovers_lent.inc()
+                return lent, lambda: eng.return_handover(hid)
+        exporter = eng.exporter
+        run = await self._open(exporter, hashes, parent)
+        return run, lambda: pod.aengine.post(lambda: exporter.close(run))
 
     def _served(self, request: pb.PullBlocksRequest, blocks: int) -> None:
         """A P/D handover's pull was served all it asked for: the prefill's hold ends (its

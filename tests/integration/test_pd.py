@@ -189,6 +189,7 @@ def test_no_block_stays_pinned_and_the_metrics_show_the_roles(fleet):
     assert value(pm, "pagekv_handover_holds_total", outcome="served") >= 5
     assert value(pm, "pagekv_handover_holds_total", outcome="expired") == 0
     assert value(pm, "pagekv_handover_holds_total", outcome="evicted") == 0
+    assert value(pm, "pagekv_handover_served_from_hold_total") >= 5  # no engine round trip
     assert value(dm, "pagekv_handover_seconds_count") >= 5
     assert value(dm, "pagekv_handover_bytes_total") > 0
     assert value(dm, "pagekv_handover_fallbacks_total") == 0

@@ -112,6 +112,25 @@ def test_a_hold_pins_until_served_or_expired_and_never_past_half_the_pool():
     assert mgr.get_num_free_blocks() == 16
 
 
+def test_a_lent_hold_outlives_its_deadline_and_its_release_until_given_back():
+    mgr = KVCacheManager(16, 16)
+    clock = Clock()
+    holds = HandoverHolds(mgr, clock)
+    a = cached_blocks(mgr, 4, "a")
+    holds.hold("a", a, 1.0)
+    hashes = [b.block_hash for b in a]
+    assert holds.lend("a", hashes[1:3]) == a[1:3]  # a run of the hold, in place
+    assert holds.lend("a", hashes[::-1]) is None and holds.lend("b", hashes) is None
+    clock.now = 5.0
+    assert holds.expire() == 0 and "a" in holds  # being read: not past its deadline yet
+    holds.hold("c", cached_blocks(mgr, 5, "c"), 9)  # room for it only by evicting "a": no
+    assert "a" in holds and "c" not in holds
+    assert holds.release("a") and "a" in holds  # served, still read: ends once given back
+    holds.give_back("a")
+    assert holds.expire() == 1 and "a" not in holds
+    assert holds.stats().ended[SERVED] == 1 and mgr.get_num_free_blocks() == 16
+
+
 def test_a_finished_prefill_holds_its_full_prompt_blocks_an_aborted_one_none():
     eng = engine()
     run(eng, PROMPT, SamplingParams(max_tokens=1, temperature=0.0), rid="pd-1", hold_s=30.0)
@@ -138,18 +157,18 @@ def test_an_unpulled_hold_expires_on_the_idle_tick():
 
 
 def exporter_fetch(src: Engine, released: list[str]):
-    """The prefill engine's blocks as the transfer service serves them, ending the hold a
-    served handover names (KvTransferService._served)."""
+    """The prefill engine's blocks as the transfer service serves them: from the hold the
+    handover names, then the hold ends (KvTransferService._run, _served)."""
     def fetch(source, ask, handle, sink):
-        run_ = src.exporter.open(ask.hashes, ask.parent)
+        run_ = src.lend_handover(ask.handover_id, ask.hashes, ask.parent)
+        assert run_ is not None, "the hold was not there to serve from"
         try:
             for entry in src.exporter.read_entries(run_, 0, len(run_.hashes)):
                 sink.take_entry(entry)
         finally:
-            src.exporter.close(run_)
-        if ask.handover_id and len(run_.hashes) == len(ask.hashes):
-            released.append(ask.handover_id)
-            src.release_handover(ask.handover_id)
+            src.return_handover(ask.handover_id)
+        released.append(ask.handover_id)
+        src.release_handover(ask.handover_id)
     return fetch
 
 
@@ -168,6 +187,7 @@ def test_a_handover_gives_the_cold_tokens_and_reports_its_wait(params):
     assert tokens == ref_tokens and len(tokens) == params.n
     assert last.cached_tokens_by_tier[PEER_SHARE] == (len(PROMPT) - 1) // 16 * 16
     assert last.kv_pull_s > 0 and last.kv_pull_fallback == ""
+    prefill.idle_tick()  # the hold ends on the prefill engine's thread
     assert released == ["pd-x"] and prefill.stats().handover.held_blocks == 0
 
 
