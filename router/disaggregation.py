@@ -29,7 +29,7 @@ from pagekv.router.pods import PodEntry
 from pagekv.router.scoring import Score
 
 # The `decision` label of pagekv_router_pd_requests_total.
-SPLIT, LOCAL = "split", "local"
+SPLIT, LOCAL, BUSY = "split", "local", "prefill_busy"
 # Router-side fallback reasons (pagekv_router_pd_fallbacks_total): the prefill half failed,
 # so the decode pod computes the whole prompt. A decode pod's pull that fell back reports
 # its own reason (kvnode/engine/peer_pull.py FALLBACK_REASONS) in its usage.
@@ -77,21 +77,40 @@ def split_threshold(entry: PodEntry, config: RouterConfig) -> int:
         config.pd_default_threshold_tokens
 
 
+def prefill_s_per_token(entry: PodEntry, config: RouterConfig) -> float:
+    """What the pod measured a prompt token's prefill costs (else the configured cost)."""
+    return entry.info.tier_costs.get("prefill", config.costs.prefill_per_token)
+
+
+def prefill_wait_s(entry: PodEntry, config: RouterConfig) -> float:
+    """How long a prompt sent to a prefill pod now waits behind the prompts it has queued
+    or is computing (`load.prefill_backlog` tokens, at its measured prefill cost)."""
+    return entry.info.load.get("prefill_backlog", 0.0) * prefill_s_per_token(entry, config)
+
+
 def plan_split(order: Sequence[Score], prefill_order: Sequence[Score],
                pods: Mapping[str, PodEntry], prompt_len: int,
-               config: RouterConfig) -> tuple[SplitPlan | None, int]:
+               config: RouterConfig) -> tuple[SplitPlan | None, int, str]:
     """The split of a request whose serving pods are ranked `order` (best first) and whose
     prefill pods `prefill_order`: None to serve it whole on order[0]. Also returns the
-    threshold considered (0: no split possible: no prefill pod, or order[0] is one)."""
+    threshold considered (0: no split possible: no prefill pod, or order[0] is one) and the
+    decision (SPLIT, LOCAL, BUSY: long enough, but every prefill pod's queue would delay it
+    longer than computing it on the decode pod takes, as Dynamo's conditional
+    disaggregation keeps a prefill local when the prefill queue is long)."""
     if not config.pd_split or not order or not prefill_order:
-        return None, 0
+        return None, 0, ""
     best = pods.get(order[0].pod_id)
     if best is None or is_prefill(best):
-        return None, 0
+        return None, 0, ""
     threshold = split_threshold(best, config)
     first = order[0]
     # What the decode pod would compute itself: neither cached there nor pulled.
     uncached = prompt_len - first.cached_tokens - (first.pull_tokens if first.pull_from else 0)
     if uncached < threshold:
-        return None, threshold
-    return SplitPlan(list(prefill_order), threshold, uncached), threshold
+        return None, threshold, LOCAL
+    local_s = uncached * prefill_s_per_token(best, config)
+    ready = [s for s in prefill_order
+             if s.pod_id in pods and prefill_wait_s(pods[s.pod_id], config) <= local_s]
+    if not ready:
+        return None, threshold, BUSY
+    return SplitPlan(ready, threshold, uncached), threshold, SPLIT

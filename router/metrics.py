@@ -54,7 +54,8 @@ class RouterMetrics:
         self.pd_requests = Counter(
             "pagekv_router_pd_requests_total",
             "Requests with prefill pods live, by what the router did (split: prefilled on a "
-            "prefill pod, handed over; local: the decode pod computes its own, short or hit)",
+            "prefill pod, handed over; local: the decode pod computes its own, short or hit; "
+            "prefill_busy: long enough, but the prefill pods' queues would delay it longer)",
             ["decision"], registry=r)
         self.pd_fallbacks = Counter(
             "pagekv_router_pd_fallbacks_total",

@@ -22,7 +22,7 @@ from pagekv.proto.pagekv.v1 import pagekv_pb2
 from pagekv.proto.requests import parse_prompt
 from pagekv.router.burst import BurstTracker
 from pagekv.router.config import RouterConfig
-from pagekv.router.disaggregation import LOCAL, SPLIT, SplitPlan, plan_split, serving_pods
+from pagekv.router.disaggregation import SplitPlan, plan_split, serving_pods
 from pagekv.router.metrics import RouterMetrics
 from pagekv.router.placement import place_cold
 from pagekv.router.pods import PodEntry, PodRegistry
@@ -275,11 +275,11 @@ class Router:
                                 self.config.costs, counter)
         decision = self._finish(order, reason, scores, prepared, lookup_ms,
                                 {c.pod_id: c.held_blocks for c in cands if c.held_blocks})
-        split, threshold = plan_split(decision.order, prefill_order, reg.pods, prompt_len,
-                                      self.config)
+        split, threshold, outcome = plan_split(decision.order, prefill_order, reg.pods,
+                                               prompt_len, self.config)
         if threshold:
             self.metrics.pd_threshold.labels(pod=decision.order[0].pod_id).set(threshold)
-            self.metrics.pd_requests.labels(decision=SPLIT if split else LOCAL).inc()
+            self.metrics.pd_requests.labels(decision=outcome).inc()
         decision.split, decision.pd_threshold = split, threshold
         return decision
 

@@ -164,6 +164,7 @@ class Engine:
         # step can take without taking longer than a decode step (prefill_budget).
         self._decode_samples: deque[float] = deque(maxlen=32)
         self._prefill_budget = 0  # the last measure (an int: other threads read it)
+        self._prefill_backlog = 0  # prompt tokens queued or part-computed, as of the last step
         self._warm_up()
         self.last_step_idle = False
 
@@ -305,6 +306,7 @@ class Engine:
         if self.puller is not None and self.puller.has_pending():
             self.puller.finish_pulls()
         self.holds.expire()
+        self._prefill_backlog = 0  # nothing unfinished: nothing queued
 
     def release_handover(self, handover_id: str) -> bool:
         """Engine thread. A decode pod was served the blocks held under `handover_id` (a
@@ -337,6 +339,7 @@ class Engine:
         if self.args.role == ROLE_DECODE:
             self.scheduler.prefill_budget = self._prefill_budget or None
         sched = self.scheduler.schedule()
+        self._prefill_backlog = self.scheduler.prefill_backlog()
         self.num_steps += 1
         self.last_step_idle = not sched.scheduled
         if not sched.scheduled:
@@ -591,7 +594,8 @@ class Engine:
         """How busy the pod is: integer reads (the index lease reads it each renewal)."""
         mgr = self.kv_manager
         return EngineLoad(len(self.scheduler.waiting), len(self.scheduler.running),
-                          mgr.get_num_free_blocks(), mgr.num_blocks, self._prefill_budget)
+                          mgr.get_num_free_blocks(), mgr.num_blocks, self._prefill_budget,
+                          self._prefill_backlog)
 
     def stats(self) -> EngineStats:
         """The pod's figures, copied now (any thread: a scrape, the Stats call)."""

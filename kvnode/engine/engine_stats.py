@@ -27,12 +27,13 @@ class EngineLoad:
     free_blocks: int
     num_blocks: int
     prefill_budget: int = 0  # Engine.prefill_budget: the router's P/D split threshold
+    prefill_backlog: int = 0  # prompt tokens queued or part-computed (a prefill pod's queue)
 
     def as_fields(self) -> dict[str, float]:
         """The lease's `load.<name>` figures, by the names the index carries."""
         return {"waiting": self.waiting, "running": self.running,
                 "free_blocks": self.free_blocks, "num_blocks": self.num_blocks,
-                "prefill_budget": self.prefill_budget}
+                "prefill_budget": self.prefill_budget, "prefill_backlog": self.prefill_backlog}
 
 
 @dataclass(frozen=True, slots=True)

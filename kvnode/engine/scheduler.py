@@ -143,6 +143,12 @@ class Scheduler:
         if seq.req.request_id in self.manager.req_to_blocks:
             self.manager.free(seq.req)
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to compute, waiting and running (the router weighs a prefill
+        pod's queue by it)."""
+        return sum(max(0, s.req.num_prompt_tokens - s.req.num_computed_tokens)
+                   for queue in (self.waiting, self.running) for s in queue)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -121,9 +121,10 @@ def test_stats_is_a_typed_copy(engine):
     assert after.peer_pull is None  # pull not enabled
     # Idle: the cheap load and the full reading agree, and carry the index's field names.
     budget = after.load.prefill_budget  # measured (0 until both step kinds were timed)
-    assert engine.load() == after.load == EngineLoad(0, 0, 64, 64, budget)
+    assert engine.load() == after.load == EngineLoad(0, 0, 64, 64, budget, 0)
     assert after.load.as_fields() == {"waiting": 0, "running": 0, "free_blocks": 64,
-                                      "num_blocks": 64, "prefill_budget": budget}
+                                      "num_blocks": 64, "prefill_budget": budget,
+                                      "prefill_backlog": 0}
 
 
 def test_metrics_page_and_stats_call_read_the_same_record(engine):

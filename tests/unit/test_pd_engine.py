@@ -255,3 +255,16 @@ def test_the_prefill_budget_is_measured_and_published():
 
 def test_the_router_knows_every_pull_fallback_reason():
     assert set(PULL_FALLBACKS) == set(FALLBACK_REASONS)
+
+
+def test_the_prefill_backlog_is_published_and_clears_when_idle():
+    eng = engine(max_num_batched_tokens=64)
+    eng.add_request("doc", PROMPT, GREEDY)
+    eng.step()  # the first 64-token chunk is scheduled: all 200 were still to compute
+    assert eng.load().prefill_backlog == len(PROMPT)
+    eng.step()
+    assert eng.load().prefill_backlog == len(PROMPT) - 64
+    while eng.has_unfinished():
+        eng.step()
+    eng.idle_tick()
+    assert eng.load().prefill_backlog == 0 and eng.load().as_fields()["prefill_backlog"] == 0

@@ -15,9 +15,12 @@ from pagekv.router.pods import PodEntry
 from pagekv.router.scoring import Score
 
 
-def pod(pod_id: str, role: str, budget: int = 0) -> PodEntry:
-    info = PodInfo(pod_id, f"127.0.0.1:{1000 + len(pod_id)}", "e", {},
-                   {"prefill_budget": budget} if budget else {}, {}, 0.0, 3000, role=role)
+def pod(pod_id: str, role: str, budget: int = 0, backlog: int = 0,
+        prefill_s: float | None = None) -> PodEntry:
+    load = {"prefill_budget": budget, "prefill_backlog": backlog}
+    costs = {"prefill": prefill_s} if prefill_s is not None else {}
+    info = PodInfo(pod_id, f"127.0.0.1:{1000 + len(pod_id)}", "e", {}, load, costs, 0.0, 3000,
+                   role=role)
     return PodEntry(info, stub=None)  # type: ignore[arg-type]  # (never called here)
 
 
@@ -35,8 +38,9 @@ def test_a_prompt_is_split_from_the_threshold_on(threshold):
     cfg = RouterConfig(pd_threshold_tokens=threshold)
     below, at = (plan_split([score("dec")], [score("pre")], PODS, n, cfg)
                  for n in (threshold - 1, threshold))
-    assert below == (None, threshold)
-    plan, considered = at
+    assert below == (None, threshold, "local")
+    plan, considered, decision = at
+    assert decision == "split"
     assert considered == threshold and plan is not None
     assert [s.pod_id for s in plan.prefill_order] == ["pre"] and plan.uncached == threshold
 
@@ -46,7 +50,7 @@ def test_the_decode_pods_measured_budget_is_its_threshold_until_overridden():
     assert split_threshold(PODS["dec"], cfg) == 96  # published load.prefill_budget
     assert split_threshold(PODS["mix"], cfg) == cfg.pd_default_threshold_tokens  # unmeasured
     assert split_threshold(PODS["dec"], RouterConfig(pd_threshold_tokens=10)) == 10
-    assert plan_split([score("dec")], [score("pre")], PODS, 95, cfg)[0] is None
+    assert plan_split([score("dec")], [score("pre")], PODS, 95, cfg)[0] is None  # (idle)
     assert plan_split([score("dec")], [score("pre")], PODS, 96, cfg)[0] is not None
 
 
@@ -61,10 +65,27 @@ def test_what_the_decode_pod_holds_or_pulls_is_not_uncached():
 
 def test_no_split_without_prefill_pods_when_off_or_onto_a_prefill_pod():
     cfg = RouterConfig(pd_threshold_tokens=8)
-    assert plan_split([score("dec")], [], PODS, 500, cfg) == (None, 0)
+    assert plan_split([score("dec")], [], PODS, 500, cfg) == (None, 0, "")
     assert plan_split([score("dec")], [score("pre")], PODS, 500,
-                      RouterConfig(pd_split=False)) == (None, 0)
-    assert plan_split([score("pre")], [score("pre")], PODS, 500, cfg) == (None, 0)
+                      RouterConfig(pd_split=False)) == (None, 0, "")
+    assert plan_split([score("pre")], [score("pre")], PODS, 500, cfg) == (None, 0, "")
+
+
+def test_a_prefill_pod_whose_queue_outlasts_the_local_prefill_is_passed_over():
+    # Both prefill at 1 ms a token; the decode pod would spend 300 ms on a 300-token prompt.
+    pods = {p.pod_id: p for p in (
+        pod("dec", ROLE_DECODE, budget=64, prefill_s=1e-3),
+        pod("busy", ROLE_PREFILL, backlog=4000, prefill_s=1e-3),   # 4 s of queue
+        pod("ready", ROLE_PREFILL, backlog=200, prefill_s=1e-3))}  # 0.2 s
+    cfg = RouterConfig()
+    plan, _, decision = plan_split([score("dec")], [score("busy"), score("ready")], pods,
+                                   300, cfg)
+    assert decision == "split" and plan is not None
+    assert [s.pod_id for s in plan.prefill_order] == ["ready"]
+    plan, threshold, decision = plan_split([score("dec")], [score("busy")], pods, 300, cfg)
+    assert plan is None and decision == "prefill_busy" and threshold == 64
+    # A document long enough to outlast the queue still goes to the busy prefill pod.
+    assert plan_split([score("dec")], [score("busy")], pods, 5000, cfg)[2] == "split"
 
 
 def test_prefill_pods_serve_whole_requests_only_when_nothing_else_is_live():
