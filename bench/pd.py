@@ -40,14 +40,17 @@ import json
 import math
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.hot_prefix import arrival_times
 from bench.machine import machine_info
@@ -342,6 +345,36 @@ def warm_up(pods: list[Child], rng: random.Random) -> None:
                         max_tokens=out, temperature=0.0, ignore_eos=True)), timeout=120)
 
 
+def pd_counters(child: Child) -> dict[str, float]:
+    """The router's P/D counters by label (`decision=split`, `reason=deadline`, ...): the
+    decisions the routing info does not carry (prefill_busy: no prefill pod free in time)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{child.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            if smp.name in ("pagekv_router_pd_requests_total",
+                            "pagekv_router_pd_fallbacks_total") and smp.value:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()))
+                key = f"{smp.name.removeprefix('pagekv_router_pd_')}{{{labels}}}"
+                out[key] = out.get(key, 0.0) + smp.value
+    return out
+
+
+def code_version() -> str:
+    """The commit the pods and router ran, '+edits' when the serving code (router/, kvnode/,
+    proto/, deploy/) differs from it in the working tree, which is what the children run."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=root).stdout.strip()
+        edited = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "router", "kvnode",
+                                 "proto", "deploy"], cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+edits" if edited else "")
+
+
 @dataclass
 class Run:
     config: str
@@ -349,6 +382,8 @@ class Run:
     results: list[Result]
     wall_s: float
     pinning: dict[str, str]
+    router_pd: dict[str, float] = field(default_factory=dict)
+    version: str = ""
 
 
 def run_config(config: str, label: str, reqs: list[Req], node: list[str],
@@ -369,9 +404,11 @@ def run_config(config: str, label: str, reqs: list[Req], node: list[str],
         router = cluster.start_router_process("router", router_extra)
         wait_healthy(router.target(), 60, router.proc)
         time.sleep(3.5)  # the router sees both pods and the decode pod's published budget
+        version = code_version()
         t = time.perf_counter()
         results = asyncio.run(open_loop(router.target(), reqs))
-        return Run(config, label, results, time.perf_counter() - t, pinning)
+        wall = time.perf_counter() - t
+        return Run(config, label, results, wall, pinning, pd_counters(router), version)
     finally:
         cluster.stop()
 
@@ -559,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{f1(s['itl_chat_ms'][1])} ms, chat TTFT p50/p90 {f0(s['ttft_chat_ms'][0])}/"
               f"{f0(s['ttft_chat_ms'][1])} ms, long TTFT p50 {f0(s['ttft_long_ms'][0])} ms, "
               f"{s['output_tokens_per_s']:.1f} tok/s, split {s['split']}, thresholds "
-              f"{s['thresholds']}, fallbacks {s['fallbacks']}, {s['failed']} failed", flush=True)
+              f"{s['thresholds']}, fallbacks {s['fallbacks']}, {s['failed']} failed; router "
+              f"P/D counters {run.router_pd}; code {run.version}", flush=True)
         for err, k in Counter(r.error for r in run.results if r.error).items():
             print(f"  {k} failed: {err[:300]}", flush=True)
     by_label: dict[str, list[Run]] = {}
@@ -587,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                        "args": vars(args), "spec": asdict(spec), "node_flags": node,
                        "summary": summary,
                        "runs": [{"config": r.config, "label": r.label, "wall_s": r.wall_s,
-                                 "pinning": r.pinning,
+                                 "pinning": r.pinning, "router_pd": r.router_pd,
+                                 "version": r.version,
                                  "results": [asdict(x) for x in r.results]} for r in runs]},
                       f)
     return 1 if any(s["failed"] for s in summary.values()) else 0
