@@ -55,7 +55,7 @@ demo: $(STAMP)
 # pytest exit code 5 (no tests collected) is a failure, like any other non-zero code.
 test: $(STAMP) typecheck
 	PAGEKV_REDIS_SERVER=$$([ -x $(REDIS_TLS) ] && echo $(abspath $(REDIS_TLS))) \
-		$(VPY) -m pytest -q -p no:cacheprovider tests
+		$(VPY) -m pytest -q -p no:cacheprovider -n 3 --dist loadgroup --no-loadscope-reorder tests
 
 # The inner loop, under 2 minutes: the unit tests (no servers) less the `workload` ones (whole
 # workloads through a model against a reference: minutes; `make test` runs them).

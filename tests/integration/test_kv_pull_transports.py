@@ -35,7 +35,8 @@ from pagekv.kvnode.pod.kv_transports import mooncake_unavailable
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.integration
+# Its Mooncake fault tests run on a network-namespace bed: one bed at a time (xdist_groups.py).
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("netns")]
 
 MOONCAKE_WHY_NOT = mooncake_unavailable()
 TIERS = ("GPU", "CPU", "DISK")

@@ -20,7 +20,8 @@ from pagekv.deploy.netns_mesh import NAME_PREFIX, base36, remove_leftovers, unav
 
 WHY_NOT = unavailable_reason()
 pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(WHY_NOT is not None, reason=f"no test bed: {WHY_NOT}")]
+              pytest.mark.skipif(WHY_NOT is not None, reason=f"no test bed: {WHY_NOT}"),
+              pytest.mark.xdist_group("netns")]  # one bed at a time (tests/xdist_groups.py)
 
 POD_ARGS = ["--num-gpu-blocks", "128", "--max-model-len", "1024", "--lease-ttl-s", "2",
             "--max-queue", "64"]

@@ -23,7 +23,8 @@ from pagekv.deploy.netns_mesh import NAME_PREFIX, unavailable_reason
 
 WHY_NOT = unavailable_reason()
 pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(WHY_NOT is not None, reason=f"no test bed: {WHY_NOT}")]
+              pytest.mark.skipif(WHY_NOT is not None, reason=f"no test bed: {WHY_NOT}"),
+              pytest.mark.xdist_group("netns")]  # one bed at a time (tests/xdist_groups.py)
 
 # pagekv-small: 6 KB of KV a token, 4 MiB stream messages of 42 blocks: this prompt's pull is
 # 18 MB in 5 messages, about 1.5 s at RATE; the cut comes while the holder still has messages
