@@ -11,6 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from pagekv.deploy.local_cluster import LocalCluster
 from pagekv.deploy.redis_acl import POD, ROUTER, AclUser, acl_setuser
@@ -23,6 +25,8 @@ pytestmark = pytest.mark.integration
 
 POD_USER = AclUser("pagekv-pod", "pod-pw-81fd0c", POD)
 ROUTER_USER = AclUser("pagekv-router", "router-pw-3e5a77", ROUTER)
+# A refused login is final: redis-py would retry it 3 times with backoff (about 4 s a call).
+NO_RETRY = Retry(NoBackoff(), 0)
 
 
 @pytest.fixture
@@ -33,15 +37,16 @@ def server(redis_binary: str, tmp_path: Path) -> Iterator[RedisProcess]:
 
 
 def test_default_user_is_refused(server: RedisProcess) -> None:
-    anonymous = redis.Redis(host=server.host, port=server.port, socket_timeout=2)
+    anonymous = redis.Redis(host=server.host, port=server.port, socket_timeout=2,
+                            retry=NO_RETRY)
     with pytest.raises(redis.exceptions.AuthenticationError):
         anonymous.get("pagekv:x")
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis(host=server.host, port=server.port, username="default",
-                    password="anything", socket_timeout=2).ping()
+                    password="anything", socket_timeout=2, retry=NO_RETRY).ping()
     with pytest.raises(redis.exceptions.AuthenticationError):  # a user's wrong password
         redis.Redis(host=server.host, port=server.port, username=POD_USER.name,
-                    password="wrong", socket_timeout=2).ping()
+                    password="wrong", socket_timeout=2, retry=NO_RETRY).ping()
 
 
 def test_pods_write_their_keys_and_nothing_else(server: RedisProcess) -> None:
