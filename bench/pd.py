@@ -196,6 +196,15 @@ def classify_gaps(r: Result, windows: dict[str, dict[str, list[tuple[float, floa
     return out
 
 
+def arrived_during_prefill(r: Result, windows: dict[str, dict[str, list[tuple[float, float]]]]
+                           ) -> bool:
+    """Whether a request arrived while the pod computing its prompt (its prefill pod when
+    split) was prefilling a long prompt (another one, for a long request)."""
+    own = windows.get(r.prefill_pod or r.served_by, {}).get(PREFILLING, ())
+    mine = (r.arrival_s, r.arrival_s + (r.prefill_ms / 1e3 if r.split else r.ttft_s))
+    return any(w != mine and w[0] <= r.arrival_s < w[1] for w in own)
+
+
 def handovers_by_holder_state(run: list[Result]) -> dict[str, list[Result]]:
     """A run's split requests by whether their prefill pod was prefilling another long prompt
     while their decode pod pulled from it ("busy": the pull's open waits for its step)."""
@@ -231,7 +240,14 @@ def summarize(runs: list[list[Result]]) -> dict:
                     by_class[cls] += gs
     split = [r for r in ok if r.split]
     holder: dict[str, list[Result]] = {"busy": [], "idle": []}
+    ttft_during: list[float] = []
+    ttft_other: list[float] = []
     for run in runs:
+        windows = busy_windows(run)
+        for r in run:
+            if r.kind == CHAT and not r.error and math.isfinite(r.ttft_s):
+                (ttft_during if arrived_during_prefill(r, windows) else ttft_other).append(
+                    r.ttft_s)
         for k, rs in handovers_by_holder_state(run).items():
             holder[k] += rs
     out_tokens = sum(len(r.tokens) for r in ok)
@@ -250,6 +266,9 @@ def summarize(runs: list[list[Result]]) -> dict:
         "gaps_chat_by_class": {c: len(g) for c, g in by_class.items()},
         "ttft_chat_ms": quantiles_ms([r.ttft_s for r in chat]),
         "ttft_long_ms": quantiles_ms([r.ttft_s for r in long_]),
+        "ttft_chat_during_prefill_ms": quantiles_ms(ttft_during),
+        "ttft_chat_other_ms": quantiles_ms(ttft_other),
+        "chats_during_prefill": len(ttft_during),
         "output_tokens": out_tokens,
         "output_tokens_per_s": sum(rates) / len(rates) if rates else 0.0,
         "tokens_per_chunk": out_tokens / chunks if chunks else float("nan"),
@@ -384,6 +403,7 @@ class Run:
     pinning: dict[str, str]
     router_pd: dict[str, float] = field(default_factory=dict)
     version: str = ""
+    load: float = float("nan")  # the 1-minute load average as the schedule ended
 
 
 def run_config(config: str, label: str, reqs: list[Req], node: list[str],
@@ -408,7 +428,8 @@ def run_config(config: str, label: str, reqs: list[Req], node: list[str],
         t = time.perf_counter()
         results = asyncio.run(open_loop(router.target(), reqs))
         wall = time.perf_counter() - t
-        return Run(config, label, results, wall, pinning, pd_counters(router), version)
+        return Run(config, label, results, wall, pinning, pd_counters(router), version,
+                   os.getloadavg()[0])
     finally:
         cluster.stop()
 
@@ -480,6 +501,16 @@ def print_tables(summary: dict[str, dict], base: str) -> None:
             cells.append(f"{h['n']} | {f1(h['handover_ms'][0])} / {f1(h['handover_ms'][1])} | "
                          f"{h['fallbacks']}")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nwhy (TTFT): chat TTFT by whether the pod computing its prompt (the prefill pod "
+          "when split) was prefilling a long prompt when it arrived (its scheduler gives a "
+          "running prefill the step's prompt budget first):\n")
+    print("| configuration | chats arriving during a long prefill | TTFT p50 / p90 ms | other "
+          "chats | TTFT p50 / p90 ms |")
+    print("|---|---|---|---|---|")
+    for name, s in summary.items():
+        d, o = s["ttft_chat_during_prefill_ms"], s["ttft_chat_other_ms"]
+        print(f"| {name} | {s['chats_during_prefill']} | {f0(d[0])} / {f0(d[1])} | "
+              f"{s['chat'] - s['chats_during_prefill']} | {f0(o[0])} / {f0(o[1])} |")
     print("\nwhy: chat ITL by what the chat's own pod was doing for a long prompt during the "
           "gap (its prefill, queue included; its handover: the pull and first step):\n")
     print("| configuration | " + " | ".join(f"gaps: {c} | ITL p50 / p90 / p99 ms: {c}"
@@ -522,6 +553,39 @@ def plot(runs_by: dict[str, list[Run]], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def report(runs: list[Run], plot_path: str, title: str) -> dict[str, dict]:
+    """The tables, the goal's line and the plot of these runs; their summaries by label."""
+    by_label: dict[str, list[Run]] = {}
+    for run in runs:
+        by_label.setdefault(run.label, []).append(run)
+    summary = {label: summarize([run.results for run in rs]) for label, rs in by_label.items()}
+    print_tables(summary, MIXED)
+    pd_s, mx = summary[PD], summary[MIXED]
+    itl_gain = mx["itl_chat_ms"][1] / pd_s["itl_chat_ms"][1]
+    tput = pd_s["output_tokens_per_s"] / mx["output_tokens_per_s"]
+    met = itl_gain >= 2.0 and tput >= 0.9
+    print(f"\nGoal (issue #29): decode (chat) ITL p90 >= 2x better than mixed at >= 0.9x its "
+          f"output tokens/s: {itl_gain:.2f}x at {tput:.2f}x — {'met' if met else 'not met'}")
+    same = sum(a.tokens == b.tokens for ra, rb in zip(by_label[PD], by_label[MIXED], strict=False)
+               for a, b in zip(ra.results, rb.results, strict=True) if not a.error and not b.error)
+    print(f"greedy outputs identical between P/D and mixed (paired runs): {same} of "
+          f"{sum(len(r.results) for r in by_label[MIXED][:len(by_label[PD])])}")
+    if plot_path:
+        plot(by_label, plot_path, title)
+        print(f"ITL CDFs: {plot_path}")
+    return summary
+
+
+def runs_from_json(path: str) -> tuple[list[Run], str]:
+    """A saved run (--json) back as runs, and its title line."""
+    with open(path) as f:
+        saved = json.load(f)
+    runs = [Run(r["config"], r["label"], [Result(**x) for x in r["results"]], r["wall_s"],
+                r["pinning"], r.get("router_pd", {}), r.get("version", ""), r.get("load", float("nan")))
+            for r in saved["runs"]]
+    return runs, f"{saved['benchmark']}: {saved['machine']}, args {saved['args']}"
+
+
 def parse_variant(text: str) -> tuple[int, float]:
     """'T' or 'T:S' -> (threshold tokens, pull deadline s; 0: the pods' own)."""
     t, _, deadline = text.partition(":")
@@ -539,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-rate", type=float, default=WorkloadSpec.long_rate)
     ap.add_argument("--variants", default=None, help="extra P/D runs (one pass each), "
                     "comma-separated: T (the router's --pd-threshold-tokens T) or T:S (also the "
-                    "pods' --kv-pull-deadline-s S); default none quick, '64,1024,1024:10' full "
+                    "pods' --kv-pull-deadline-s S); default none quick, '64,1024' full "
                     "(the measured threshold is ~16-40 here, chats' prompts are 50-320 tokens)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="every pod's (default: the pods' own, 2048)")
@@ -549,13 +613,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="PNG of the ITL CDFs; default docs/pd_itl.png "
                     "full, none quick ('' for none)")
     ap.add_argument("--json")
+    ap.add_argument("--report", metavar="JSON", help="print the tables (and --plot) of a run "
+                    "saved with --json, running nothing")
     args = ap.parse_args(argv)
+    if args.report:
+        saved, saved_title = runs_from_json(args.report)
+        print(f"# {saved_title}")
+        report(saved, args.plot or "", saved_title)
+        return 0
     if len(os.sched_getaffinity(0)) < 2:
         ap.error("needs two cores (one per pod)")
     duration = args.duration or (30.0 if args.quick else 90.0)
     passes = args.passes or (1 if args.quick else 2)
     variants = [parse_variant(v) for v in (args.variants if args.variants is not None else
-                                           ("" if args.quick else "64,1024,1024:10")).split(",")
+                                           ("" if args.quick else "64,1024")).split(",")
                 if v]
     plot_path = args.plot if args.plot is not None else ("" if args.quick else "docs/pd_itl.png")
     spec = WorkloadSpec(duration_s=duration, conversation_rate=args.conversation_rate,
@@ -600,25 +671,9 @@ def main(argv: list[str] | None = None) -> int:
               f"P/D counters {run.router_pd}; code {run.version}", flush=True)
         for err, k in Counter(r.error for r in run.results if r.error).items():
             print(f"  {k} failed: {err[:300]}", flush=True)
-    by_label: dict[str, list[Run]] = {}
-    for run in runs:
-        by_label.setdefault(run.label, []).append(run)
-    summary = {label: summarize([run.results for run in rs]) for label, rs in by_label.items()}
-    print_tables(summary, MIXED)
-    pd_s, mx = summary[PD], summary[MIXED]
-    itl_gain = mx["itl_chat_ms"][1] / pd_s["itl_chat_ms"][1]
-    tput = pd_s["output_tokens_per_s"] / mx["output_tokens_per_s"]
-    met = itl_gain >= 2.0 and tput >= 0.9
-    print(f"\nGoal (issue #29): decode (chat) ITL p90 >= 2x better than mixed at >= 0.9x its "
-          f"output tokens/s: {itl_gain:.2f}x at {tput:.2f}x — {'met' if met else 'not met'}")
-    same = sum(a.tokens == b.tokens for ra, rb in zip(by_label[PD], by_label[MIXED], strict=False)
-               for a, b in zip(ra.results, rb.results, strict=True) if not a.error and not b.error)
-    print(f"greedy outputs identical between P/D and mixed (paired runs): {same} of "
-          f"{sum(len(r.results) for r in by_label[MIXED][:len(by_label[PD])])}; load average at "
-          f"the end {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f}")
-    if plot_path:
-        plot(by_label, plot_path, title)
-        print(f"ITL CDFs: {plot_path}")
+    summary = report(runs, plot_path, title)
+    print(f"load average at the end {os.getloadavg()[0]:.2f} / {os.getloadavg()[1]:.2f} (this "
+          f"run's own two pods, router and client make ~2)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "pd", "model": MODEL, "machine": machine_info(),
@@ -626,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
                        "summary": summary,
                        "runs": [{"config": r.config, "label": r.label, "wall_s": r.wall_s,
                                  "pinning": r.pinning, "router_pd": r.router_pd,
-                                 "version": r.version,
+                                 "version": r.version, "load": r.load,
                                  "results": [asdict(x) for x in r.results]} for r in runs]},
                       f)
     return 1 if any(s["failed"] for s in summary.values()) else 0

@@ -16,6 +16,7 @@ from bench.pd import (
     PREFILLING,
     Result,
     WorkloadSpec,
+    arrived_during_prefill,
     busy_windows,
     classify_gaps,
     gaps,
@@ -123,3 +124,16 @@ def test_variants_name_a_threshold_and_maybe_a_pull_deadline():
     assert parse_variant("64:10") == (64, 10.0)
     with pytest.raises(ValueError):
         parse_variant("x")
+
+
+def test_a_chat_arriving_while_its_prompts_pod_prefills_a_long_prompt_is_told_apart():
+    whole = _long(20.0, 3.0, "dec")                 # prefilling on dec 20-23
+    split = _long(10.0, 5.0, "dec", "pre", 4000.0)  # prefilling on pre 10-14
+    w = busy_windows([whole, split])
+    on_dec = Result(CHAT, 21.0, 80, ttft_s=2.1, served_by="dec")
+    split_chat = Result(CHAT, 12.0, 80, ttft_s=2.5, served_by="dec", prefill_pod="pre",
+                        prefill_ms=2300.0)
+    late = Result(CHAT, 23.5, 80, ttft_s=0.1, served_by="dec")
+    assert arrived_during_prefill(on_dec, w) and arrived_during_prefill(split_chat, w)
+    assert not arrived_during_prefill(late, w)
+    assert not arrived_during_prefill(whole, w) and not arrived_during_prefill(split, w)
