@@ -40,6 +40,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -623,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if len(os.sched_getaffinity(0)) < 2:
         ap.error("needs two cores (one per pod)")
+    # A kill stops the run's cluster too (its `finally`), not just this process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     duration = args.duration or (30.0 if args.quick else 90.0)
     passes = args.passes or (1 if args.quick else 2)
     variants = [parse_variant(v) for v in (args.variants if args.variants is not None else
