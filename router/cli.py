@@ -80,12 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with prefill pods live (pagekv node --role prefill): prefill a "
                             "long uncached prompt there and hand its KV over to the decode pod")
     group.add_argument("--pd-threshold-tokens", type=int, default=d.pd_threshold_tokens,
-                       help="split a prompt whose uncached part is at least this long (0: each "
-                            "decode pod's measured prefill budget, the prompt tokens it can "
-                            "compute in one decode step's time)")
-    group.add_argument("--pd-default-threshold-tokens", type=int,
-                       default=d.pd_default_threshold_tokens,
-                       help="the threshold of a decode pod that has not measured its budget yet")
+                       help="split a prompt whose uncached part is at least this long, or at "
+                            "least its decode pod's measured prefill budget where that is "
+                            "larger (0: the budget alone; default measured by bench/pd.py)")
     group.add_argument("--pd-hold-ms", type=int, default=d.pd_hold_ms,
                        help="how long a prefill pod holds a prompt's blocks for the decode "
                             "pod's pull (then they are only cached)")
@@ -196,7 +193,6 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         redis_tls=tls_from(args, "redis"), vllm_tls=tls_from(args, "vllm-tls"),
         served_model_names=args.served_model_name, pd_split=args.pd_split,
         pd_threshold_tokens=args.pd_threshold_tokens,
-        pd_default_threshold_tokens=args.pd_default_threshold_tokens,
         pd_hold_ms=args.pd_hold_ms,
     )
 

@@ -112,11 +112,12 @@ class RouterConfig:
     served_model_names: list[str] | None = None
     # Prefill/decode disaggregation (router/disaggregation.py), with live prefill pods: a
     # prompt whose uncached part on its decode pod reaches the threshold is prefilled on a
-    # prefill pod and handed over. pd_threshold_tokens 0: each decode pod's measured
-    # prefill budget (load.prefill_budget), pd_default_threshold_tokens until it has one.
+    # prefill pod and handed over. The threshold: pd_threshold_tokens, or the decode pod's
+    # measured prefill budget (load.prefill_budget) where that is larger. 1024: where
+    # bench/pd.py's sweep met the ITL goal on the 2-core machine (docs/BENCHMARKS.md §21);
+    # the budget alone (16-111 tokens there) split chat turns and lost.
     pd_split: bool = True
-    pd_threshold_tokens: int = 0
-    pd_default_threshold_tokens: int = 256
+    pd_threshold_tokens: int = 1024
     pd_hold_ms: int = 10_000          # how long a prefill pod holds the prompt's blocks
 
     def __repr__(self) -> str:  # the URL's password and the tokens never reach a log
@@ -166,10 +167,8 @@ class RouterConfig:
         if self.burst_ttl_s < 0 or self.refresh_interval_s <= 0 or self.redis_timeout_s <= 0:
             raise ValueError("burst_ttl_s must be >= 0; refresh_interval_s and "
                              "redis_timeout_s must be positive")
-        if self.pd_threshold_tokens < 0 or self.pd_default_threshold_tokens < 1 or \
-                not 0 < self.pd_hold_ms <= 120_000:
-            raise ValueError("pd_threshold_tokens must be >= 0, pd_default_threshold_tokens "
-                             ">= 1 and pd_hold_ms in 1..120000")
+        if self.pd_threshold_tokens < 0 or not 0 < self.pd_hold_ms <= 120_000:
+            raise ValueError("pd_threshold_tokens must be >= 0 and pd_hold_ms in 1..120000")
         if self.redis_max_connections < 1 or self.pool_wait_s() <= 0:
             raise ValueError(f"redis_max_connections must be >= 1 and redis_pool_wait_s > 0, "
                              f"got {self.redis_max_connections} and {self.pool_wait_s()}")

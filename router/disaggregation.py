@@ -8,11 +8,13 @@ pod pulls that KV on admission (KvSource with the handover id) and generates. Be
 threshold, or when the decode pod holds the prefix already, nothing is split: the handover
 would cost more than the prefill it spares the decode pod.
 
-The threshold is the decode pod's prefill budget, which it measures and publishes
-(`load.prefill_budget`, kvnode/engine/engine.py): the prompt tokens it can compute in about
-one decode step's time. A longer prefill would stall its running decodes a step or more;
-a shorter one costs them less than a step, about what a pull's fixed cost does. A pod that
-has not measured yet gets the configured stand-in; `--pd-threshold-tokens` overrides both.
+The threshold has two measured parts. The decode pod's prefill budget, which it measures
+and publishes (`load.prefill_budget`, kvnode/engine/engine.py): the prompt tokens it can
+compute in about one decode step's time; a shorter prefill costs its decodes less than a
+step, so it is never split. And `--pd-threshold-tokens` (1024), set from bench/pd.py's
+sweep on the 2-core machine (docs/BENCHMARKS.md §21): splitting every prompt above the
+budget alone (16-111 tokens there) sent the chat turns through the one prefill pod's queue
+and lost on both ITL and TTFT; at 1024 the decode ITL p90 goal was met.
 Prefill pods are ranked among themselves by the same scores (their own prefix hits first,
 so a prefix prefilled once is prefilled there again, cheaply), and never get a whole
 request while a decode or mixed pod is live.
@@ -68,13 +70,11 @@ def serving_pods(pods: Sequence[PodEntry]) -> list[PodEntry]:
 
 
 def split_threshold(entry: PodEntry, config: RouterConfig) -> int:
-    """The uncached prompt tokens from which a request for `entry` is split."""
-    if config.pd_threshold_tokens:
-        return config.pd_threshold_tokens
+    """The uncached prompt tokens from which a request for `entry` is split: the configured
+    floor, or the pod's measured prefill budget where larger (never under a block: a pod
+    measures at least one, and a forged 1 would split everything)."""
     measured = int(entry.info.load.get("prefill_budget", 0))
-    # Never under a block (a pod measures at least one): a forged 1 would split everything.
-    return max(measured, config.block_size) if measured > 0 else \
-        config.pd_default_threshold_tokens
+    return max(config.pd_threshold_tokens, measured, config.block_size)
 
 
 def prefill_s_per_token(entry: PodEntry, config: RouterConfig) -> float:

@@ -5,8 +5,8 @@ gives the tokens every split request must match.
 The prefill pod keeps a DRAM tier and the decode pod an SSD tier under small pools, so a
 prompt that comes back after two others finds its prefix there: the decode pod reloads it
 from SSD and pulls only the rest from the prefill pod, which reloaded the same prefix from
-DRAM before computing the rest. The router splits at 64 uncached tokens (set, not measured,
-so the cases sit either side of it; the measured threshold is its own test).
+DRAM before computing the rest. The router splits at 160 uncached tokens (set, so the cases
+sit either side of it; the measured budget is test_pd_faults.py's).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tests.integration.pd_fixtures import (
 
 pytestmark = pytest.mark.integration
 
-THRESHOLD = 64
+THRESHOLD = 160  # above pagekv-tiny's measured budget (~20-80 tokens), which would win
 COMMON = ["--max-model-len", "512", "--num-threads", "1"]
 
 
@@ -49,7 +49,7 @@ def tokens(name: str, n: int) -> list[int]:
 def fleet(request, tmp_path_factory) -> Iterator[dict]:
     bs = request.param
     tmp = tmp_path_factory.mktemp(f"pd-{bs}")
-    pool = str(640 // bs)  # two 300-token prompts: a third evicts the oldest to the tier
+    pool = str(1024 // bs)  # ~three 300-token prompts: a fourth evicts the oldest to the tier
     c = LocalCluster(nodes=0, run_dir=tmp, start_router=False)
     c.start()
     ref = None
@@ -103,22 +103,22 @@ def test_prefixes_in_the_pools_and_tiers_give_the_same_tokens(fleet):
     generate(router, request(head))  # split: both pods now hold the head
     wait_indexed(fleet["redis"], bs, head, "dec", 199 // bs)
     # Pool: the head is still in the decode pod's pool; only the rest is handed over.
-    again = head + tokens("tail-a", 100)
+    again = head + tokens("tail-a", 180)
     got = generate(router, request(again))
     assert completions(got) == completions(generate(ref, request(again)))
-    assert_split(got.routing, bs, 300, local_blocks=200 // bs)
+    assert_split(got.routing, bs, 380, local_blocks=200 // bs)
     assert got.usage.cached_tokens_gpu == 200 // bs * bs
-    # Tiers: two more prompts push the head out of both pools (prefill: DRAM, decode: SSD).
+    # Tiers: three more prompts push the head out of both pools (prefill: DRAM, decode: SSD).
     cpu_hits = value(metrics(pre), "pagekv_prefix_cache_hits_tokens_total", tier="CPU")
-    for name in ("filler-1", "filler-2"):
+    for name in ("filler-1", "filler-2", "filler-3"):
         generate(router, request(tokens(name, 300)))
     wait_for(lambda: stats(dec).tiers[-1].entries > 0, "the decode pod spilled to SSD")
-    later = head + tokens("tail-b", 100)
+    later = head + tokens("tail-b", 180)
     got = generate(router, request(later))
     assert completions(got) == completions(generate(ref, request(later)))
     assert got.routing.prefill_pod == "pre" and got.routing.chosen_pod == "dec"
     assert got.usage.cached_tokens_disk > 0 and got.usage.cached_tokens_peer > 0
-    assert got.usage.cached_tokens == (300 - 1) // bs * bs
+    assert got.usage.cached_tokens == (380 - 1) // bs * bs
     assert value(metrics(pre), "pagekv_prefix_cache_hits_tokens_total", tier="CPU") > cpu_hits
 
 

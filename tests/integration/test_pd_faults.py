@@ -72,8 +72,7 @@ def fleet(tmp_path_factory) -> Iterator[dict[str, Child | str]]:
             wait_healthy(pod.target(), 120, pod.proc)
         router = c.start_router_process("router", ["--pd-threshold-tokens", "64",
                                                    "--pd-hold-ms", str(HOLD_MS)])
-        measured = c.start_router_process("router-measured",
-                                          ["--pd-default-threshold-tokens", "4000"])
+        measured = c.start_router_process("router-measured", ["--pd-threshold-tokens", "0"])
         for r in (router, measured):
             wait_healthy(r.target(), 60, r.proc)
             wait_router_sees(r, 4)
@@ -127,12 +126,15 @@ def test_the_threshold_is_the_decode_pods_measured_budget(fleet):
                  f"{name} publishes its prefill budget", 20)
     probe = request(tokens("probe", 40), 1)  # too short to time: the budgets stay put
     measured = pod(fleet, "measured").target()
-    wait_for(lambda: generate(measured, probe).routing.pd_threshold_tokens != 4000,
-             "the router read the published budgets (its registry refreshes)", 10)
+
+    def reads_the_budget() -> bool:
+        got = generate(measured, probe)
+        assert got.routing.chosen_pod in ("dec-1", "dec-2")  # never a prefill pod here
+        return got.routing.pd_threshold_tokens == max(
+            BS, published_budget(fleet, got.routing.chosen_pod))
+    # The router reads the published budgets at its registry's refresh.
+    wait_for(reads_the_budget, "the router splits at the decode pod's published budget", 10)
     got = generate(measured, probe)
-    chosen = got.routing.chosen_pod
-    assert chosen in ("dec-1", "dec-2")  # never a prefill pod while decode pods are live
-    assert got.routing.pd_threshold_tokens == published_budget(fleet, chosen)
     assert BS <= got.routing.pd_threshold_tokens <= 2048
 
 

@@ -33,9 +33,9 @@ PODS = {p.pod_id: p for p in (pod("pre", ROLE_PREFILL), pod("dec", ROLE_DECODE, 
                               pod("mix", ROLE_MIXED))}
 
 
-@pytest.mark.parametrize("threshold", [64, 200])
+@pytest.mark.parametrize("threshold", [100, 200])
 def test_a_prompt_is_split_from_the_threshold_on(threshold):
-    cfg = RouterConfig(pd_threshold_tokens=threshold)
+    cfg = RouterConfig(pd_threshold_tokens=threshold)  # above the decode pod's 96
     below, at = (plan_split([score("dec")], [score("pre")], PODS, n, cfg)
                  for n in (threshold - 1, threshold))
     assert below == (None, threshold, "local")
@@ -45,17 +45,19 @@ def test_a_prompt_is_split_from_the_threshold_on(threshold):
     assert [s.pod_id for s in plan.prefill_order] == ["pre"] and plan.uncached == threshold
 
 
-def test_the_decode_pods_measured_budget_is_its_threshold_until_overridden():
-    cfg = RouterConfig()
+def test_the_threshold_is_the_floor_or_the_decode_pods_measured_budget_if_larger():
+    assert split_threshold(PODS["dec"], RouterConfig()) == 1024  # the default floor
+    cfg = RouterConfig(pd_threshold_tokens=0)  # the budget alone
     assert split_threshold(PODS["dec"], cfg) == 96  # published load.prefill_budget
-    assert split_threshold(PODS["mix"], cfg) == cfg.pd_default_threshold_tokens  # unmeasured
-    assert split_threshold(PODS["dec"], RouterConfig(pd_threshold_tokens=10)) == 10
+    assert split_threshold(PODS["mix"], cfg) == cfg.block_size  # unmeasured: one block
+    assert split_threshold(PODS["dec"], RouterConfig(pd_threshold_tokens=10)) == 96
+    assert split_threshold(PODS["dec"], RouterConfig(pd_threshold_tokens=200)) == 200
     assert plan_split([score("dec")], [score("pre")], PODS, 95, cfg)[0] is None  # (idle)
     assert plan_split([score("dec")], [score("pre")], PODS, 96, cfg)[0] is not None
 
 
 def test_what_the_decode_pod_holds_or_pulls_is_not_uncached():
-    cfg = RouterConfig(pd_threshold_tokens=64)
+    cfg = RouterConfig(pd_threshold_tokens=64)  # (its budget, 96, applies)
     # 300 tokens, 256 of them cached on the decode pod: 44 left, under the threshold.
     assert plan_split([score("dec", cached=256)], [score("pre")], PODS, 300, cfg)[0] is None
     assert plan_split([score("dec", pull_tokens=256)], [score("pre")], PODS, 300, cfg)[0] is None
@@ -64,7 +66,7 @@ def test_what_the_decode_pod_holds_or_pulls_is_not_uncached():
 
 
 def test_no_split_without_prefill_pods_when_off_or_onto_a_prefill_pod():
-    cfg = RouterConfig(pd_threshold_tokens=8)
+    cfg = RouterConfig(pd_threshold_tokens=128)
     assert plan_split([score("dec")], [], PODS, 500, cfg) == (None, 0, "")
     assert plan_split([score("dec")], [score("pre")], PODS, 500,
                       RouterConfig(pd_split=False)) == (None, 0, "")
@@ -77,7 +79,7 @@ def test_a_prefill_pod_whose_queue_outlasts_the_local_prefill_is_passed_over():
         pod("dec", ROLE_DECODE, budget=64, prefill_s=1e-3),
         pod("busy", ROLE_PREFILL, backlog=4000, prefill_s=1e-3),   # 4 s of queue
         pod("ready", ROLE_PREFILL, backlog=200, prefill_s=1e-3))}  # 0.2 s
-    cfg = RouterConfig()
+    cfg = RouterConfig(pd_threshold_tokens=0)
     plan, _, decision = plan_split([score("dec")], [score("busy"), score("ready")], pods,
                                    300, cfg)
     assert decision == "split" and plan is not None
@@ -119,4 +121,5 @@ def test_the_role_travels_in_the_registration_and_a_forged_one_is_refused():
 
 
 def test_a_forged_tiny_budget_is_read_as_one_block_at_least():
-    assert split_threshold(pod("dec", ROLE_DECODE, budget=1), RouterConfig(block_size=16)) == 16
+    cfg = RouterConfig(block_size=16, pd_threshold_tokens=0)
+    assert split_threshold(pod("dec", ROLE_DECODE, budget=1), cfg) == 16
