@@ -6,8 +6,9 @@ Redis, the router and this client share both cores. Each configuration gets a fr
 (Redis, its two pods, its router), so every run starts with empty caches:
 
 - P/D:   pod A `--role prefill`, pod B `--role decode`; the router splits a request whose
-         uncached prompt reaches the decode pod's threshold (its measured prefill budget,
-         published as load.prefill_budget, unless --pd-threshold-tokens forces one);
+         uncached prompt reaches the split threshold (the router's --pd-threshold-tokens,
+         1,024 by default, or the decode pod's measured prefill budget where larger,
+         published as load.prefill_budget; routing info pd_threshold_tokens);
 - mixed: pods A and B `--role mixed` behind the same prefix router (nothing to split).
 
 The workload is one fixed, seeded, open-loop schedule, the same for every run: chat
@@ -28,7 +29,7 @@ The model is pagekv-small: SmolLM2-135M prefills ~9 ms/token on one thread here 
 ~18 s: an 8K one would take minutes), pagekv-small an 8K prompt in ~8 s. Its positions stop
 at 4,096; the bench sets PAGEKV_ALLOW_LONG_MAX_MODEL_LEN for 8K prompts (dummy weights).
 
-    python -m bench.pd [--quick] [--duration S] [--passes N] [--variants 64,1024,1024:10]
+    python -m bench.pd [--quick] [--duration S] [--passes N] [--variants 0,64,4096:10]
                        [--plot PATH] [--json PATH]
 """
 
@@ -629,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     duration = args.duration or (30.0 if args.quick else 90.0)
     passes = args.passes or (1 if args.quick else 2)
     variants = [parse_variant(v) for v in (args.variants if args.variants is not None else
-                                           ("" if args.quick else "64,1024")).split(",")
+                                           ("" if args.quick else "0,64")).split(",")
                 if v]
     plot_path = args.plot if args.plot is not None else ("" if args.quick else "docs/pd_itl.png")
     spec = WorkloadSpec(duration_s=duration, conversation_rate=args.conversation_rate,
@@ -657,7 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     plan: list[tuple[str, str, list[str], list[str]]] = [
         (c, c, [], node) for _ in range(passes) for c in (PD, MIXED)]
     for t, deadline in variants:
-        label = f"P/D, threshold {t}" + (f", pull deadline {deadline:g} s" if deadline else "")
+        label = (f"P/D, threshold {t}" if t else "P/D, threshold = measured budget") + (
+            f", pull deadline {deadline:g} s" if deadline else "")
         plan.append((PD, label, ["--pd-threshold-tokens", str(t)],
                      node + (["--kv-pull-deadline-s", str(deadline)] if deadline else [])))
     runs: list[Run] = []
