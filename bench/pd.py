@@ -585,7 +585,7 @@ def runs_from_json(path: str) -> tuple[list[Run], str]:
     runs = [Run(r["config"], r["label"], [Result(**x) for x in r["results"]], r["wall_s"],
                 r["pinning"], r.get("router_pd", {}), r.get("version", ""), r.get("load", float("nan")))
             for r in saved["runs"]]
-    return runs, f"{saved['benchmark']}: {saved['machine']}, args {saved['args']}"
+    return runs, saved.get("title", f"bench.pd, {len(runs)} runs") + f" — {saved['machine']}"
 
 
 def parse_variant(text: str) -> tuple[int, float]:
@@ -682,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "pd", "model": MODEL, "machine": machine_info(),
+                       "title": title,
                        "args": vars(args), "spec": asdict(spec), "node_flags": node,
                        "summary": summary,
                        "runs": [{"config": r.config, "label": r.label, "wall_s": r.wall_s,
