@@ -112,12 +112,12 @@ class RouterConfig:
     served_model_names: list[str] | None = None
     # Prefill/decode disaggregation (router/disaggregation.py), with live prefill pods: a
     # prompt whose uncached part on its decode pod reaches the threshold is prefilled on a
-    # prefill pod and handed over. The threshold: pd_threshold_tokens, or the decode pod's
-    # measured prefill budget (load.prefill_budget) where that is larger. 1024: where
-    # bench/pd.py's sweep met the ITL goal on the 2-core machine (docs/BENCHMARKS.md §21);
-    # the budget alone (16-111 tokens there) split chat turns and lost.
+    # prefill pod and handed over. The threshold: the decode pod's measured prefill budget
+    # (load.prefill_budget), or pd_threshold_tokens where that is larger (0: the budget
+    # alone; on a quiet 2-core box bench/pd.py measured the two alike, docs/BENCHMARKS.md
+    # §21: chat ITL p90 0.91x mixed's with the budget, 0.86x with 1024).
     pd_split: bool = True
-    pd_threshold_tokens: int = 1024
+    pd_threshold_tokens: int = 0
     pd_hold_ms: int = 10_000          # how long a prefill pod holds the prompt's blocks
 
     def __repr__(self) -> str:  # the URL's password and the tokens never reach a log

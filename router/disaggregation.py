@@ -8,13 +8,13 @@ pod pulls that KV on admission (KvSource with the handover id) and generates. Be
 threshold, or when the decode pod holds the prefix already, nothing is split: the handover
 would cost more than the prefill it spares the decode pod.
 
-The threshold has two measured parts. The decode pod's prefill budget, which it measures
-and publishes (`load.prefill_budget`, kvnode/engine/engine.py): the prompt tokens it can
-compute in about one decode step's time; a shorter prefill costs its decodes less than a
-step, so it is never split. And `--pd-threshold-tokens` (1024), set from bench/pd.py's
-sweep on the 2-core machine (docs/BENCHMARKS.md §21): splitting every prompt above the
-budget alone (16-111 tokens there) sent the chat turns through the one prefill pod's queue
-and lost on both ITL and TTFT; at 1024 the decode ITL p90 goal was met.
+The threshold is the decode pod's prefill budget, which it measures and publishes
+(`load.prefill_budget`, kvnode/engine/engine.py): the prompt tokens it can compute in about
+one decode step's time. A shorter prefill costs its decodes less than a step, so it is never
+split; a longer one would stall them a step or more (or, under its per-step cap, take that
+many steps). `--pd-threshold-tokens` raises it (bench/pd.py measured 1024 and the budget
+alike on a quiet 2-core box, docs/BENCHMARKS.md §21). A prompt over it still stays local
+when every prefill pod's queue would delay it longer than the local prefill takes (BUSY).
 Prefill pods are ranked among themselves by the same scores (their own prefix hits first,
 so a prefix prefilled once is prefilled there again, cheaply), and never get a whole
 request while a decode or mixed pod is live.

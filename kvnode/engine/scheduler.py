@@ -186,6 +186,10 @@ class Scheduler:
         chunked = self.enable_chunked_prefill
         # Prompt tokens this step may still take (a decode pod's cap; else the budget's).
         prefill_left = self.prefill_budget if chunked and self.prefill_budget else budget
+        # Under a cap, a running prefill (a long prompt) leaves half of it to the waiting
+        # ones: a chat turn arriving meanwhile is admitted now, not after the whole prompt.
+        held_back = prefill_left // 2 if self.prefill_budget and self.waiting else 0
+        prefill_left -= held_back
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
         mgr = self.manager
@@ -219,6 +223,7 @@ class Scheduler:
                 prefill_left -= num_new
             i += 1
 
+        prefill_left += held_back
         now = time.monotonic()
         idx = 0  # waiting sequences whose tier loads are still running are skipped, not lost
         while (

@@ -268,3 +268,15 @@ def test_the_prefill_backlog_is_published_and_clears_when_idle():
         eng.step()
     eng.idle_tick()
     assert eng.load().prefill_backlog == 0 and eng.load().as_fields()["prefill_backlog"] == 0
+
+
+def test_a_waiting_prompt_is_admitted_beside_a_long_prefill_under_the_cap():
+    eng = engine(role="decode", num_gpu_blocks=128)
+    eng.scheduler.prefill_budget = 32
+    eng.add_request("doc", PROMPT, GREEDY)
+    out = eng.scheduler.schedule()
+    assert [n for _, n in out.scheduled] == [32]  # alone: the whole cap
+    out.scheduled[0][0].req.num_computed_tokens += 32
+    eng.add_request("chat", [7] * 12, GREEDY)
+    sizes = {s.req.request_id: n for s, n in eng.scheduler.schedule().scheduled}
+    assert sizes == {"doc": 16, "chat": 12}  # the running prefill left half to the chat
