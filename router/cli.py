@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pd-threshold-tokens", type=int, default=d.pd_threshold_tokens,
                        help="split a prompt whose uncached part is at least this long, or at "
                             "least its decode pod's measured prefill budget where that is "
-                            "larger (0, the default: the measured budget alone)")
+                            "larger (0: the budget alone; the default, 1024, measured by "
+                            "bench/pd.py, docs/BENCHMARKS.md §21)")
     group.add_argument("--pd-hold-ms", type=int, default=d.pd_hold_ms,
                        help="how long a prefill pod holds a prompt's blocks for the decode "
                             "pod's pull (then they are only cached)")

@@ -114,10 +114,12 @@ class RouterConfig:
     # prompt whose uncached part on its decode pod reaches the threshold is prefilled on a
     # prefill pod and handed over. The threshold: the decode pod's measured prefill budget
     # (load.prefill_budget), or pd_threshold_tokens where that is larger (0: the budget
-    # alone; on a quiet 2-core box bench/pd.py measured the two alike, docs/BENCHMARKS.md
-    # §21: chat ITL p90 0.91x mixed's with the budget, 0.86x with 1024).
+    # alone). 1024: bench/pd.py's sweep on a quiet 2-core box (docs/BENCHMARKS.md §21): the
+    # budget alone (16-31 tokens) sent chat turns to the prefill pod, where those arriving
+    # during a document's prefill waited 5.4 s (chat TTFT p90 0.54x mixed's in one run,
+    # 13.2x in another); at 1024 chats stay on the decode pod: 11.8x over two runs.
     pd_split: bool = True
-    pd_threshold_tokens: int = 0
+    pd_threshold_tokens: int = 1024
     pd_hold_ms: int = 10_000          # how long a prefill pod holds the prompt's blocks
 
     def __repr__(self) -> str:  # the URL's password and the tokens never reach a log

@@ -12,8 +12,10 @@ The threshold is the decode pod's prefill budget, which it measures and publishe
 (`load.prefill_budget`, kvnode/engine/engine.py): the prompt tokens it can compute in about
 one decode step's time. A shorter prefill costs its decodes less than a step, so it is never
 split; a longer one would stall them a step or more (or, under its per-step cap, take that
-many steps). `--pd-threshold-tokens` raises it (bench/pd.py measured 1024 and the budget
-alike on a quiet 2-core box, docs/BENCHMARKS.md §21). A prompt over it still stays local
+many steps). `--pd-threshold-tokens` (1024) raises it: splitting from the budget alone
+(16-31 tokens on the 2-core box) sent chat turns to the one prefill pod, where the ones that
+arrived during a document's prefill waited seconds (bench/pd.py, docs/BENCHMARKS.md §21).
+A prompt over it still stays local
 when every prefill pod's queue would delay it longer than the local prefill takes (BUSY).
 Prefill pods are ranked among themselves by the same scores (their own prefix hits first,
 so a prefix prefilled once is prefilled there again, cheaply), and never get a whole

@@ -46,8 +46,8 @@ def test_a_prompt_is_split_from_the_threshold_on(threshold):
 
 
 def test_the_threshold_is_the_floor_or_the_decode_pods_measured_budget_if_larger():
-    assert split_threshold(PODS["dec"], RouterConfig(pd_threshold_tokens=1024)) == 1024
-    cfg = RouterConfig()  # the budget alone
+    assert split_threshold(PODS["dec"], RouterConfig()) == 1024  # the default floor
+    cfg = RouterConfig(pd_threshold_tokens=0)  # the budget alone
     assert split_threshold(PODS["dec"], cfg) == 96  # published load.prefill_budget
     assert split_threshold(PODS["mix"], cfg) == cfg.block_size  # unmeasured: one block
     assert split_threshold(PODS["dec"], RouterConfig(pd_threshold_tokens=10)) == 96
