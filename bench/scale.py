@@ -57,7 +57,21 @@ import redis  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
 from bench.scale_pod import PRESETS, Oracle, PodConfig, SimPod, StepCost, calibrate  # noqa: E402
-from bench.scale_trace import ScaleRequest, TraceConfig, num_tenants, trace_for_load  # noqa: E402
+from bench.scale_publishers import (  # noqa: E402
+    PodSpec,
+    PodUpdate,
+    ThreadPublishers,
+    WorkerPublishers,
+)
+from bench.scale_sweep import print_sweep  # noqa: E402
+from bench.scale_trace import (  # noqa: E402
+    ScaleRequest,
+    TraceConfig,
+    hot_pods,
+    num_tenants,
+    trace_for_load,
+)
+from bench.scale_warm import print_warm, warm_figures  # noqa: E402
 from bench.stats import pct  # noqa: E402
 from pagekv.deploy.redis_server import RedisProcess  # noqa: E402
 from pagekv.proto.hashing import HashConfig, RequestBlockHasher  # noqa: E402
@@ -65,6 +79,7 @@ from pagekv.proto.index import IndexSchema, connect_async, scripts  # noqa: E402
 from pagekv.proto.medium import PEER_SHARE, Medium  # noqa: E402
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb  # noqa: E402
 from pagekv.router.burst import BurstTracker  # noqa: E402
+from pagekv.router.config import POLICIES as ROUTER_POLICIES  # noqa: E402
 from pagekv.router.config import RouterConfig  # noqa: E402
 from pagekv.router.metrics import RouterMetrics  # noqa: E402
 from pagekv.router.placement import load_spread  # noqa: E402
@@ -73,7 +88,9 @@ from pagekv.router.tokenize import ByteEncoder  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("prefix", "round_robin", "oracle")
+POLICIES = (*ROUTER_POLICIES, "oracle")  # every router policy, and the oracle
+DEFAULT_POLICIES = ("prefix", "round_robin", "oracle")
+NO_CLAIMS = frozenset({"round_robin", "random"})  # never read claims: their pods publish none
 PUBLISH_TICK_S = 0.05  # IndexPublisher's default flush interval
 REPLAY_LOOKUPS = 500  # the last lookups of a prefix run, replayed alone at its end
 GOALS = "prefix >= 90% of the oracle's hit rate at every size; lookup p99 <= 2 ms at 256 " \
@@ -188,14 +205,34 @@ class RunOut:
     replay: dict = field(default_factory=dict)
     fallbacks: float = 0.0
     queued_at_end: int = 0
+    late_writes: int = 0       # pods' batches not visible within the tick's timeout
+    tick_wall_s: list[float] = field(default_factory=list)  # each tick with writes
+    restarts: list[tuple[float, float, int]] = field(default_factory=list)  # (sim t, wall s
+    # to build and first read, pods it saw)
+    empty_decisions: int = 0   # decisions with no pod (refreshed and decided again)
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    publishers: str = "process"     # "process": worker processes; "thread": in this one
+    workers: int = 0                # worker processes (0: default_workers)
+    shared_bursts: bool = False     # the router's --shared-bursts
+    restart_at: float | None = None  # simulated s: a fresh router replaces the running one
+
+
+def default_workers(n_pods: int) -> int:
+    """One worker process per 128 pods, 1 to 4 (a 2-core box: more only contend)."""
+    return max(1, min(4, round(n_pods / 128)))
 
 
 class Sim:
-    ARRIVE, STEP, WAKE, PUBLISH, REFRESH = range(5)
+    ARRIVE, STEP, WAKE, PUBLISH, REFRESH, RESTART = range(6)
 
     def __init__(self, policy: str, n_pods: int, trace: list[ScaleRequest], cost: StepCost,
-                 pcfg: PodConfig, index: Index, model: str, kv_pull: bool) -> None:
+                 pcfg: PodConfig, index: Index, model: str, kv_pull: bool,
+                 opts: SimOptions | None = None) -> None:
         self.policy = policy
+        self.opts = opts or SimOptions()
         self.trace = trace
         self.cost = cost
         self.pcfg = pcfg
@@ -209,11 +246,14 @@ class Sim:
         self.clock = SimClock()
         self.out = RunOut(policy, pods=self.pods)
         self.router: Router | None = None
+        self.publishers: WorkerPublishers | ThreadPublishers | None = None
+        self.claims = policy not in NO_CLAIMS  # its pods publish their KV events
         self.oracle = Oracle()
         self.hash_config = HashConfig(pcfg.hash_algo, pcfg.hash_seed)
         self.schema = IndexSchema(model, pcfg.block_size, pcfg.hash_algo, pcfg.hash_seed)
         self.pending = len(trace)
         self.recent_lookups: deque = deque(maxlen=REPLAY_LOOKUPS)  # Prepared requests
+        self._sent: dict[int, tuple[dict, dict]] = {}  # pod -> (load, costs) last published
 
     def push(self, t: float, kind: int, obj: object = None) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, obj))
@@ -224,30 +264,25 @@ class Sim:
             return
         self.index.flush()
         mem0 = self.index.used_memory()
-        for pod in self.pods:
-            pod.make_publisher(self.index.url, self.schema)
-        t0 = time.perf_counter()
-        for pod in self.pods:
-            if not pod.publisher.start(timeout=30):
-                raise RuntimeError(f"{pod.pod_id}: publisher's first sync failed")
-        self.out.index["publishers_start_s"] = time.perf_counter() - t0
+        if self.opts.publishers == "thread":
+            self.publishers = ThreadPublishers(self.index.url, self.schema, self.pods)
+        else:
+            workers = self.opts.workers or default_workers(len(self.pods))
+            self.publishers = WorkerPublishers(
+                self.index.url, self.schema, [PodSpec(p.pod_id, p.address) for p in self.pods],
+                workers)
+        self.out.index["publishers_start_s"] = self.publishers.start()
+        self.out.index["publishers_where"] = self.publishers.where
+        self.publishers.tick(self._updates())  # every pod's load, before the first renewal
         self.out.index["used_memory_empty"] = mem0
-        if self.policy == "prefix":  # what N idle publisher threads cost (lease renewals)
-            c0, w0 = time.process_time(), time.perf_counter()
+        if self.claims:  # what N idle publishers cost (lease renewals), wherever they run
+            c0, k0, w0 = time.process_time(), self.publishers.cpu_s(), time.perf_counter()
             await asyncio.sleep(2.0)
-            self.out.index["idle_publishers_cpu"] = (time.process_time() - c0) / (
-                time.perf_counter() - w0)
-        cfg = RouterConfig(redis_url=self.index.url, model=self.model,
-                           block_size=self.pcfg.block_size, hash_algo=self.pcfg.hash_algo,
-                           hash_seed=self.pcfg.hash_seed, policy=self.policy,
-                           kv_pull=self.kv_pull, random_seed=7,
-                           # One router: its own predictions are all there are, and they run
-                           # on simulated time; the index's TTLs would run on the wall clock.
-                           shared_bursts=False)
-        client = connect_async(cfg.redis_url, cfg.redis_timeout_s)
-        self.router = Router(cfg, client, ByteEncoder(), RouterMetrics())
-        self.router.burst = BurstTracker(cfg.burst_ttl_s, clock=self.clock.monotonic)
-        await self.router.index.register_scripts()
+            wall = time.perf_counter() - w0
+            self.out.index["idle_publishers_cpu"] = (time.process_time() - c0) / wall
+            self.out.index["idle_publishers_cpu_workers"] = (
+                self.publishers.cpu_s() - k0) / wall
+        self.router = await self._new_router()
         deadline = time.monotonic() + 30
         while len(self.router.registry.eligible()) < len(self.pods):
             await self.router.registry.refresh()
@@ -256,15 +291,36 @@ class Sim:
                                    f"{len(self.pods)} pods live in the index")
             await asyncio.sleep(0.05)
 
+    async def _new_router(self) -> Router:
+        """A router as its server builds one: config, Redis client, scripts, then (as the
+        registry's task does first, and before health says SERVING) one read of the pods."""
+        cfg = RouterConfig(redis_url=self.index.url, model=self.model,
+                           block_size=self.pcfg.block_size, hash_algo=self.pcfg.hash_algo,
+                           hash_seed=self.pcfg.hash_seed, policy=self.policy,
+                           kv_pull=self.kv_pull, random_seed=7,
+                           # One router by default: its own predictions are all there are,
+                           # and they run on simulated time; the index's TTLs (shared
+                           # predictions') run on the wall clock.
+                           shared_bursts=self.opts.shared_bursts)
+        client = connect_async(cfg.redis_url, cfg.redis_timeout_s)
+        router = Router(cfg, client, ByteEncoder(), RouterMetrics())
+        router.burst = BurstTracker(cfg.burst_ttl_s, clock=self.clock.monotonic)
+        await router.index.register_scripts()
+        await router.registry.refresh()
+        return router
+
+    async def _close_router(self, router: Router) -> None:
+        self.out.fallbacks += sum(s.value for m in router.metrics.fallbacks.collect()
+                                  for s in m.samples if s.name.endswith("_total"))
+        await router.close()
+        await router.registry.close()
+        await router.index.aclose()
+
     async def stop(self) -> None:
         if self.router is not None:
-            self.out.fallbacks = sum(s.value for m in self.router.metrics.fallbacks.collect()
-                                     for s in m.samples if s.name.endswith("_total"))
-            await self.router.registry.close()
-            await self.router.index.aclose()
-        for pod in self.pods:
-            if pod.publisher is not None:
-                pod.publisher.stop(clear=False, timeout=5)
+            await self._close_router(self.router)
+        if self.publishers is not None:
+            self.publishers.stop()
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> RunOut:
@@ -273,6 +329,8 @@ class Sim:
         if self.router is not None:
             self.push(PUBLISH_TICK_S, self.PUBLISH)
             self.push(self.router.config.refresh_interval_s, self.REFRESH)
+            if self.opts.restart_at is not None:
+                self.push(self.opts.restart_at, self.RESTART)
         t0 = time.perf_counter()
         while self.heap:
             t, _, kind, obj = heapq.heappop(self.heap)
@@ -284,6 +342,8 @@ class Sim:
             elif kind == self.WAKE:
                 if obj.stepping_until is None:
                     self._kick(t, obj)
+            elif kind == self.RESTART:
+                await self._restart(t)
             elif kind in (self.PUBLISH, self.REFRESH):
                 if self.pending or any(p.busy for p in self.pods):
                     if kind == self.PUBLISH:
@@ -296,11 +356,23 @@ class Sim:
             self._publish(self.clock.now)
         self.out.wall_s = time.perf_counter() - t0
         self.out.sim_end = self.clock.now
-        if self.policy == "prefix":
+        if self.claims and self.router is not None:
             self._index_figures()
             await self.router.registry.refresh()
             await self._replay_lookups()
         return self.out
+
+    async def _restart(self, t: float) -> None:
+        """The router goes away mid-run and a new one (nothing remembered: no burst
+        predictions, no recent or in-flight counts) starts into the live fleet. The calls
+        the old one sent keep running on their pods."""
+        assert self.router is not None
+        old, self.router = self.router, None
+        await self._close_router(old)
+        w0 = time.perf_counter()
+        self.router = await self._new_router()
+        self.out.restarts.append((t, time.perf_counter() - w0,
+                                  len(self.router.registry.eligible())))
 
     async def _replay_lookups(self) -> None:
         """The run's last requests' decisions again, back to back on the final index (the
@@ -363,11 +435,15 @@ class Sim:
             decision = await router.decide(prepared)
             w2 = time.perf_counter()
             c2 = time.thread_time()
+            if not decision.order:  # RouterService: maybe pods joined; look once
+                await router.registry.refresh()
+                decision = await router.decide(prepared)
+                self.out.empty_decisions += 1
             out = self.out
             out.prepare_cpu_s.append(c1 - c0)
             out.decide_cpu_s.append(c2 - c1)
             out.decide_wall_ms.append((w2 - w1) * 1e3)
-            if self.policy == "prefix" and prepared.lookup_blocks:
+            if self.claims and prepared.lookup_blocks:
                 out.lookup_ms.append(decision.lookup_ms)
                 self.recent_lookups.append(prepared)
             out.reasons[decision.reason] += 1
@@ -401,32 +477,50 @@ class Sim:
         if pod.busy:
             self._kick(t, pod)
 
-    def _publish(self, t: float) -> None:
-        """The 50 ms tick: each pod's events since the last one go to its publisher, which
-        writes them before the next pod's (flush waits until they are visible)."""
-        claims = self.policy == "prefix"
+    def _updates(self) -> dict[str, PodUpdate]:
+        """Each pod's KV events since the last tick (where its policy reads claims) and its
+        load and measured costs where they changed since the last one sent."""
+        updates: dict[str, PodUpdate] = {}
         for pod in self.pods:
-            if not pod.events:
-                continue
-            since = pod.events_since
-            events = pod.take_events()
-            if not claims:
-                continue
-            pub = pod.publisher
-            w0 = time.perf_counter()
-            pub.submit(events)
-            if not pub.flush(5.0):
-                logger.warning("%s: flush timed out", pod.pod_id)
-            lag = time.perf_counter() - w0
-            self.out.write_lag_s.append(lag)
-            self.out.visible_lag_s.append(t - since + lag)
+            load, costs = pod.load(), pod.tier_costs()
+            sent = self._sent.get(pod.index)
+            u = PodUpdate()
+            if sent is None or sent[0] != load:
+                u.load = load
+            if sent is None or sent[1] != costs:
+                u.costs = costs
+            if pod.events:
+                events = pod.take_events()
+                if self.claims:
+                    u.events = events
+            if u.events or u.load is not None or u.costs is not None:
+                updates[pod.pod_id] = u
+                self._sent[pod.index] = (load, costs)
+        return updates
+
+    def _publish(self, t: float) -> None:
+        """The 50 ms tick: each pod's events since the last one go to its publisher; the
+        tick returns once every batch is visible (simulated time waits for it)."""
+        since = {p.pod_id: p.events_since for p in self.pods if p.events}
+        updates = self._updates()
+        w0 = time.perf_counter()
+        lags, late = self.publishers.tick(updates)
+        tick = time.perf_counter() - w0
+        out = self.out
+        out.write_lag_s += lags
+        out.late_writes += len(late)
+        if lags:
+            out.tick_wall_s.append(tick)
+        for pod_id, u in updates.items():
+            if u.events:
+                out.visible_lag_s.append(t - since[pod_id] + tick)
 
     def _index_figures(self) -> None:
         states = [p.full_state() for p in self.pods]
         claims = sum(len(s) for s in states)
         distinct = len(set().union(*states))
         used = self.index.used_memory() - self.out.index["used_memory_empty"]
-        stats = [p.publisher.stats() for p in self.pods]
+        stats = self.publishers.stats()
         self.out.index.update({
             "claims": claims, "distinct_blocks": distinct, "used_memory_delta": used,
             "bytes_per_claim": used / claims if claims else float("nan"),
@@ -445,8 +539,9 @@ class Sim:
 
 
 async def simulate(policy: str, n_pods: int, trace: list[ScaleRequest], cost: StepCost,
-                   pcfg: PodConfig, index: Index, model: str, kv_pull: bool) -> RunOut:
-    sim = Sim(policy, n_pods, trace, cost, pcfg, index, model, kv_pull)
+                   pcfg: PodConfig, index: Index, model: str, kv_pull: bool,
+                   opts: SimOptions | None = None) -> RunOut:
+    sim = Sim(policy, n_pods, trace, cost, pcfg, index, model, kv_pull, opts)
     with router_on(sim.clock):  # the router is made, runs and stops on simulated time
         try:
             await sim.start()
@@ -500,7 +595,23 @@ def summarize(out: RunOut, warm_from: float, duration: float) -> dict:
         "wall_s": out.wall_s,
         "reasons": dict(out.reasons),
         "fallbacks": out.fallbacks,
+        "late_writes": out.late_writes,
+        "empty_decisions": out.empty_decisions,
     }
+    # Throughput over the window [warm_from, duration): prompt tokens (cached or not) of the
+    # requests whose first token came in it, requests that finished in it, and what arrived.
+    window = duration - warm_from
+    if window > 0:
+        s["input_tokens_per_s"] = sum(r.prompt for r in out.records
+                                      if warm_from <= r.arrival + r.ttft < duration) / window
+        s["requests_per_s"] = sum(1 for r in out.records
+                                  if warm_from <= r.arrival + r.done < duration) / window
+        s["offered_tokens_per_s"] = sum(r.prompt for r in recs if r.arrival < duration) / window
+    if out.restarts:
+        s["restarts"] = [list(r) for r in out.restarts]
+    if out.tick_wall_s:
+        s["tick_wall_p50_ms"] = 1e3 * pct(out.tick_wall_s, 0.5)
+        s["tick_wall_p99_ms"] = 1e3 * pct(out.tick_wall_s, 0.99)
     if out.lookup_ms:
         s["lookup_p50_ms"] = pct(out.lookup_ms, 0.5)
         s["lookup_p99_ms"] = pct(out.lookup_ms, 0.99)
@@ -531,7 +642,7 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
-def print_tables(results: dict, args: argparse.Namespace, cost: StepCost, pcfg: PodConfig,
+def print_header(args: argparse.Namespace, cost: StepCost, pcfg: PodConfig,
                  tcfg: TraceConfig) -> None:
     print(f"scale: simulated pods behind the real router and index ({args.redis} Redis), "
           f"cost model {cost.name}")
@@ -550,10 +661,23 @@ def print_tables(results: dict, args: argparse.Namespace, cost: StepCost, pcfg: 
           f"sessions of ~{tcfg.mean_turns:g} turns (max {tcfg.max_turns}), messages "
           f"{tcfg.message_tokens[0]}-{tcfg.message_tokens[1]}, answers "
           f"{tcfg.output_tokens[0]}-{tcfg.output_tokens[1]} tokens, think "
-          f"{tcfg.think_s[0]:g}-{tcfg.think_s[1]:g} s; Poisson sessions at load {args.load:g}; "
+          f"{tcfg.think_s[0]:g}-{tcfg.think_s[1]:g} s; "
+          + (f"a hot prefix: {tcfg.hot_share:.0%} of the sessions open with one "
+             f"{tcfg.hot_tokens}-token system prompt; " if tcfg.hot_share else "")
+          + f"Poisson sessions at load "
+          f"{', '.join(f'{x:g}' for x in args.loads) if args.sweep else f'{args.load:g}'}; "
           f"{args.duration:g} simulated s, figures over arrivals after "
           f"{args.warmup:.0%} of it")
+    where = ("in the router's process (a thread each)" if args.publishers == "thread" else
+             f"in {args.publisher_workers or 'per 128 pods one (1-4)'} worker processes")
+    print(f"pods' index publishers {where}; router policies: {', '.join(ROUTER_POLICIES)}"
+          f"{'; shared burst predictions (their TTL on the wall clock)' if args.shared_bursts else ''}")
     print()
+
+
+def print_tables(results: dict, args: argparse.Namespace, cost: StepCost, pcfg: PodConfig,
+                 tcfg: TraceConfig) -> None:
+    print_header(args, cost, pcfg, tcfg)
     for n, res in results.items():
         t = res["trace"]
         print(f"### {n} pods: {t['requests']} requests ({t['tenants']} tenants, "
@@ -609,8 +733,12 @@ def print_tables(results: dict, args: argparse.Namespace, cost: StepCost, pcfg: 
                   f"write p50 {p.get('write_lag_p50_ms', float('nan')):.2f} ms, p99 "
                   f"{p.get('write_lag_p99_ms', float('nan')):.2f} ms; submit-to-visible "
                   f"p99 {p.get('visible_lag_p99_ms', float('nan')):.1f} ms with the 50 ms "
-                  f"flush interval ({p.get('flushes', 0)} flushes); {n} idle publisher "
-                  f"threads {ix.get('idle_publishers_cpu', 0):.1%} of a core")
+                  f"flush interval, tick wall p50 {p.get('tick_wall_p50_ms', float('nan')):.1f}"
+                  f" / p99 {p.get('tick_wall_p99_ms', float('nan')):.1f} ms "
+                  f"({p.get('flushes', 0)} flushes, {p.get('late_writes', 0)} late); {n} "
+                  f"idle publishers {ix.get('publishers_where', '')}: "
+                  f"{ix.get('idle_publishers_cpu', 0):.1%} of a core in the router's process"
+                  f", {ix.get('idle_publishers_cpu_workers', 0):.1%} in the workers")
             print("at the last arrival: " + ", ".join(
                 f"{k} {res[k]['queued_per_pod_at_end']:.1f} queued per pod, done "
                 f"{res[k]['sim_s'] - args.duration:.0f} s later, late arrivals' TTFT p50 "
@@ -702,35 +830,102 @@ def plot(results: dict, path: Path) -> None:
 
 # -- main ------------------------------------------------------------------------------------
 
+def sim_options(args: argparse.Namespace, **kw: object) -> SimOptions:
+    return SimOptions(publishers=args.publishers, workers=args.publisher_workers,
+                      shared_bursts=args.shared_bursts, **kw)  # type: ignore[arg-type]
+
+
+def make_trace_for(args: argparse.Namespace, cost: StepCost, pcfg: PodConfig,
+                   tcfg: TraceConfig, n: int, load: float) -> tuple[list[ScaleRequest], dict]:
+    trace, rate = trace_for_load(tcfg, n, load, args.duration, cost.step_fixed_s,
+                                 cost.prefill_s_per_token, pcfg.pool_blocks * pcfg.block_size,
+                                 pcfg.max_num_seqs, args.seed)
+    warm_from = args.warmup * args.duration
+    info = {"requests": len(trace), "tenants": num_tenants(tcfg, n), "sessions_per_s": rate,
+            "requests_per_s": len(trace) / args.duration, "load": load,
+            "hot_share": tcfg.hot_share,
+            "hot_pods": hot_pods([r for r in trace if r.arrival >= warm_from], tcfg, n,
+                                 cost.step_fixed_s, cost.prefill_s_per_token,
+                                 pcfg.pool_blocks * pcfg.block_size, pcfg.max_num_seqs,
+                                 args.duration - warm_from)}
+    return trace, info
+
+
+async def run_policies(args: argparse.Namespace, cost: StepCost, pcfg: PodConfig,
+                       index: Index, n: int, trace: list[ScaleRequest], label: str,
+                       res: dict) -> None:
+    for policy in args.policies:
+        out = await simulate(policy, n, trace, cost, pcfg, index, cost.name, args.kv_pull,
+                             sim_options(args))
+        res[policy] = summarize(out, args.warmup * args.duration, args.duration)
+        logger.info("%s, %s: %s", label, policy, res[policy])
+        print(f"[{label}, {policy}: hit {res[policy]['hit_rate']:.1%}, TTFT p50 "
+              f"{res[policy]['ttft_p50_s']:.3f} s p90 {res[policy]['ttft_p90_s']:.3f} s, "
+              f"wall {out.wall_s:.0f} s]", flush=True)
+
+
 async def run_all(args: argparse.Namespace, cost: StepCost, pcfg: PodConfig,
                   tcfg: TraceConfig, index: Index) -> dict:
     results: dict = {}
     for n in args.pods:
-        trace, rate = trace_for_load(tcfg, n, args.load, args.duration, cost.step_fixed_s,
-                                     cost.prefill_s_per_token,
-                                     pcfg.pool_blocks * pcfg.block_size, pcfg.max_num_seqs,
-                                     args.seed)
-        res: dict = {"trace": {"requests": len(trace), "tenants": num_tenants(tcfg, n),
-                               "sessions_per_s": rate,
-                               "requests_per_s": len(trace) / args.duration}}
-        for policy in args.policies:
-            out = await simulate(policy, n, trace, cost, pcfg, index, cost.name, args.kv_pull)
-            res[policy] = summarize(out, args.warmup * args.duration, args.duration)
-            logger.info("%d pods, %s: %s", n, policy, res[policy])
-            print(f"[{n} pods, {policy}: hit {res[policy]['hit_rate']:.1%}, TTFT p50 "
-                  f"{res[policy]['ttft_p50_s']:.3f} s, wall {out.wall_s:.0f} s]", flush=True)
+        trace, info = make_trace_for(args, cost, pcfg, tcfg, n, args.load)
+        res: dict = {"trace": info}
+        await run_policies(args, cost, pcfg, index, n, trace, f"{n} pods", res)
         results[n] = res
+    return results
+
+
+async def run_sweep(args: argparse.Namespace, cost: StepCost, pcfg: PodConfig,
+                    tcfg: TraceConfig, index: Index) -> dict:
+    """--sweep: every policy on one hot-prefix trace per load, at the first pod count."""
+    n = args.pods[0]
+    results: dict = {}
+    for load in args.loads:
+        trace, info = make_trace_for(args, cost, pcfg, tcfg, n, load)
+        res: dict = {"trace": info}
+        await run_policies(args, cost, pcfg, index, n, trace, f"{n} pods, load {load:g}", res)
+        results[load] = res
+    return results
+
+
+async def run_warm(args: argparse.Namespace, cost: StepCost, pcfg: PodConfig,
+                   tcfg: TraceConfig, index: Index) -> dict:
+    """--warm-start: per router policy, the trace with one router (the control) and with
+    a fresh router from `restart_at`; the hit rate per second since the restart."""
+    n = args.pods[0]
+    trace, info = make_trace_for(args, cost, pcfg, tcfg, n, args.load)
+    warm_from = args.warmup * args.duration
+    results: dict = {"trace": info}
+    for policy in [p for p in args.policies if p != "oracle"]:
+        runs = {}
+        for restart in (None, args.restart_at):
+            out = await simulate(policy, n, trace, cost, pcfg, index, cost.name, args.kv_pull,
+                                 sim_options(args, restart_at=restart))
+            runs[restart] = out
+            what = f"restart at {restart:g} s" if restart else "control"
+            print(f"[{n} pods, {policy}, {what}: wall {out.wall_s:.0f} s]", flush=True)
+        restarted, control = runs[args.restart_at], runs[None]
+        fig = warm_figures(restarted.records, control.records, args.restart_at, warm_from,
+                           args.warm_seconds)
+        fig["restart"] = list(restarted.restarts[0]) if restarted.restarts else None
+        fig["summary"] = summarize(restarted, warm_from, args.duration)
+        fig["summary_control"] = summarize(control, warm_from, args.duration)
+        results[policy] = fig
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="8 and 16 pods, 60 simulated s (< 1 min)")
+                    help="8 and 16 pods, 60 simulated s (< 1 min); with --sweep 8 pods, "
+                         "loads 0.5,1.1, 40 s; with --warm-start 16 pods, 40 s")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--pods", type=lambda s: [int(x) for x in s.split(",")],
-                    help="pod counts (default 16,64,256; --quick 8,16)")
-    ap.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+                    help="pod counts (default 16,64,256; --quick 8,16; --sweep and "
+                         "--warm-start use the first: default 32 and 64)")
+    ap.add_argument("--policies", type=lambda s: s.split(","),
+                    help=f"of {', '.join(POLICIES)} (default {','.join(DEFAULT_POLICIES)}; "
+                         f"--sweep: all; --warm-start: prefix)")
     ap.add_argument("--redis", choices=("single", "cluster"), default="single")
     ap.add_argument("--cost", choices=sorted(PRESETS), default="smollm2-135m-instruct",
                     help="step-time model from docs/BENCHMARKS.md's figures of this model")
@@ -751,44 +946,102 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=str,
                     help="PNG of hit rate and lookup p99 against pod count (default "
                          "docs/scale.png; none with --quick unless given; '' for none)")
+    ap.add_argument("--publishers", choices=("process", "thread"), default="process",
+                    help="where the pods' index publishers run: worker processes (default) "
+                         "or threads in the router's process (bench.scale before issue #30)")
+    ap.add_argument("--publisher-workers", type=int, default=0,
+                    help="worker processes for the publishers (0: one per 128 pods, 1-4)")
+    ap.add_argument("--shared-bursts", action="store_true",
+                    help="the router's shared burst predictions in Redis (their TTL runs on "
+                         "the wall clock, not simulated time)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="a load sweep on a hot-prefix trace: TTFT, throughput and the knee "
+                         "per policy (bench/scale_sweep.py)")
+    ap.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")],
+                    help="--sweep's loads (default 0.5,0.7,0.9,1.1,1.3; --quick 0.5,1.1)")
+    ap.add_argument("--hot-share", type=float,
+                    help="share of the sessions opening with the one hot system prompt "
+                         "(default 0.3 with --sweep, else 0)")
+    ap.add_argument("--hot-tokens", type=int, default=TraceConfig().hot_tokens)
+    ap.add_argument("--warm-start", action="store_true",
+                    help="restart the router mid-run: the hit rate per second since "
+                         "(bench/scale_warm.py)")
+    ap.add_argument("--restart-at", type=float,
+                    help="--warm-start's restart, simulated s (default: half the duration)")
+    ap.add_argument("--warm-seconds", type=int, default=10,
+                    help="--warm-start: seconds after the restart reported one by one")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.sweep and args.warm_start:
+        ap.error("--sweep and --warm-start are separate runs")
+    if args.sweep:
+        args.pods = args.pods or ([8] if args.quick else [32])
+        args.loads = args.loads or ([0.5, 1.1] if args.quick else [0.5, 0.7, 0.9, 1.1, 1.3])
+        args.policies = args.policies or list(POLICIES)
+        args.duration = args.duration or (40.0 if args.quick else 90.0)
+    elif args.warm_start:
+        args.pods = args.pods or ([16] if args.quick else [64])
+        args.policies = args.policies or ["prefix"]
+        args.duration = args.duration or (40.0 if args.quick else 90.0)
+        args.restart_at = args.restart_at or args.duration / 2
     args.pods = args.pods or ([8, 16] if args.quick else [16, 64, 256])
+    args.policies = args.policies or list(DEFAULT_POLICIES)
     args.duration = args.duration or (60.0 if args.quick else 120.0)
-    if args.plot is None and not args.quick:
+    args.loads = args.loads or [args.load]
+    if args.hot_share is None:
+        args.hot_share = 0.3 if args.sweep else 0.0
+    if args.plot is None and not args.quick and not (args.sweep or args.warm_start):
         args.plot = "docs/scale.png"
     unknown = set(args.policies) - set(POLICIES)
     if unknown:
         ap.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
     cost = calibrate(args.calibrate) if args.calibrate else PRESETS[args.cost]
     pcfg = replace(PodConfig(), pool_blocks=args.pool_blocks, dram_blocks=args.dram_blocks)
-    tcfg = replace(TraceConfig(), tenants_per_pod=args.tenants_per_pod)
+    tcfg = replace(TraceConfig(), tenants_per_pod=args.tenants_per_pod,
+                   hot_share=args.hot_share, hot_tokens=args.hot_tokens)
     run_dir = Path(tempfile.mkdtemp(prefix="pagekv-bench-scale-"))
     t0 = time.perf_counter()
     load_start = os.getloadavg()[0]
     index = start_index(args.redis, run_dir)
+    runner = run_sweep if args.sweep else run_warm if args.warm_start else run_all
     try:
-        results = asyncio.run(run_all(args, cost, pcfg, tcfg, index))
+        results = asyncio.run(runner(args, cost, pcfg, tcfg, index))
     finally:
         index.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     args.loadavg = (load_start, os.getloadavg()[0])
     print()
-    print_tables(results, args, cost, pcfg, tcfg)
-    if args.plot and len(results) > 1 and "prefix" in args.policies:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot(results, Path(args.plot))
-        print(f"plot: {args.plot}")
-    print(f"(total {time.perf_counter() - t0:.0f} s)")
+    extra: dict = {}
+    if args.sweep:
+        print_header(args, cost, pcfg, tcfg)
+        extra["knees"] = print_sweep(results, args.policies, args.pods[0])
+    elif args.warm_start:
+        print_header(args, cost, pcfg, tcfg)
+        t = results["trace"]
+        print(f"{args.pods[0]} pods: {t['requests']} requests ({t['requests_per_s']:.1f}/s)")
+        print()
+        for policy, fig in results.items():
+            if policy != "trace":
+                print_warm(policy, args.pods[0], fig, fig.get("restart"))
+    else:
+        print_tables(results, args, cost, pcfg, tcfg)
+        if args.plot and len(results) > 1 and "prefix" in args.policies:
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+            plot(results, Path(args.plot))
+            print(f"plot: {args.plot}")
+    print(f"(total {time.perf_counter() - t0:.0f} s; load average {args.loadavg[0]:.2f} at "
+          f"the start, {args.loadavg[1]:.2f} at the end)")
     if args.json:
         args.json.write_text(json.dumps({
             "benchmark": "scale", "machine": machine_info(), "redis": args.redis,
+            "mode": "sweep" if args.sweep else "warm_start" if args.warm_start else "sizes",
             "cost": asdict(cost), "pod": asdict(pcfg), "trace": asdict(tcfg),
-            "load": args.load, "duration_s": args.duration, "warmup": args.warmup,
-            "loadavg": args.loadavg,
-            "kv_pull": args.kv_pull, "results": {str(k): v for k, v in results.items()}},
-            indent=2, default=str))
+            "load": args.load, "loads": args.loads, "duration_s": args.duration,
+            "warmup": args.warmup, "loadavg": args.loadavg, "publishers": args.publishers,
+            "publisher_workers": args.publisher_workers, "shared_bursts": args.shared_bursts,
+            "kv_pull": args.kv_pull, "results": {str(k): v for k, v in results.items()},
+            **extra}, indent=2, default=str))
     return 0
 
 

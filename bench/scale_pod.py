@@ -5,7 +5,7 @@ What is real (the pod's own code, unchanged): `KVCacheManager` (pool, prefix cac
 eviction), `TierEvictor` / `TierConnector` / `TierChain` / `DramTier` (demotion into DRAM,
 reload at admission, the per-tier hit accounting), the engine's `Scheduler` (continuous
 batching, chunked prefill, preemption), the KV events they emit and the `IndexPublisher`
-that writes them to Redis. What is modelled: the time of a step (`StepCost`), the DRAM
+that writes them to Redis (in a process of its own: bench/scale_publishers.py). What is modelled: the time of a step (`StepCost`), the DRAM
 copies (8-byte rows instead of the model's K/V: the tiers keep the same books), and a peer
 pull (`SimPod._pull`: what `kvnode.engine.peer_pull.PeerPuller` does, without gRPC).
 
@@ -33,12 +33,10 @@ from pagekv.kvnode.engine.outputs import RequestMetrics
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
 from pagekv.kvnode.engine.tier_connector import TierConnector, TierEvictor
-from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
 from pagekv.kvnode.memory.request import Request
 from pagekv.proto.hashing import HashConfig, RequestBlockHasher
-from pagekv.proto.index.schema import IndexSchema
 from pagekv.proto.medium import PEER_SHARE, Medium
 from pagekv.tiers.chain import TierChain
 from pagekv.tiers.dram import DramTier
@@ -263,18 +261,8 @@ class SimPod:
         self.events: list = []          # KV events not yet handed to the publisher
         self.events_since: float | None = None  # when the oldest of them was produced
         self.stats = PodStats()
-        self.publisher: IndexPublisher | None = None
 
-    # -- the index ----------------------------------------------------------------------
-    def make_publisher(self, redis_url: str, schema: IndexSchema) -> IndexPublisher:
-        # Its own timer only renews the lease (every second): the simulation hands it each
-        # 50 ms of simulated events and waits for them (flush), as the pod's 50 ms timer
-        # would have published them.
-        self.publisher = IndexPublisher(
-            redis_url, schema, self.pod_id, self.address, schema.hash_config(), self.load,
-            self.full_state, self.tier_costs, flush_interval_s=1.0)
-        return self.publisher
-
+    # -- the index (bench/scale_publishers.py publishes what these return) ---------------
     def load(self) -> dict[str, float]:  # PodServicer.load
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "free_blocks": self.manager.get_num_free_blocks(),

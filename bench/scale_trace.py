@@ -9,6 +9,10 @@
   exactly those tokens), so a later turn can hit the earlier answer's blocks.
 * Sessions start as a Poisson process; a session's next turn comes a think time after the
   previous one arrived. Only arrivals before the end of the trace are kept.
+* A hot prefix (`hot_share` > 0): that share of the sessions, whatever their tenant's draw,
+  open with one system prompt of `hot_tokens` tokens (tenant `num_tenants`, one more): a
+  prompt whose traffic outgrows one pod once the fleet is large or loaded enough
+  (`hot_pods` says how many pods' time it needs).
 
 Everything is a pure function of the configuration and the seed. Token ids are drawn from
 one shared list of int objects, and a prompt is assembled only when asked for
@@ -40,6 +44,8 @@ class TraceConfig:
     think_s: tuple[float, float] = (5.0, 20.0)  # next turn's arrival after the previous one's
     vocab: int = 32000
     block_size: int = 16
+    hot_share: float = 0.0       # sessions opening with the one hot system prompt
+    hot_tokens: int = 2048       # its length
 
 
 @dataclass(slots=True, eq=False)
@@ -106,6 +112,8 @@ def make_trace(cfg: TraceConfig, pods: int, session_rate: float, duration_s: flo
     for _ in range(n_tenants):
         k = rng.randint(*cfg.prompts_per_tenant)
         tenants.append([tokens(rng.randint(*cfg.system_tokens)) for _ in range(k)])
+    # Drawn only with a hot prefix: a trace without one is the same as before it existed.
+    hot = tokens(cfg.hot_tokens) if cfg.hot_share > 0 else None
     rank = list(range(n_tenants))
     rng.shuffle(rank)  # popularity is not tenant order (pod ids and hashes are not either)
     tenant_cdf = _zipf_cdf(n_tenants, cfg.tenant_zipf)
@@ -122,6 +130,8 @@ def make_trace(cfg: TraceConfig, pods: int, session_rate: float, duration_s: flo
         tenant = rank[_pick(rng, tenant_cdf)]
         prompts = tenants[tenant]
         system = prompts[_pick(rng, prompt_cdfs[len(prompts)])]
+        if hot is not None and rng.random() < cfg.hot_share:
+            tenant, system = n_tenants, hot
         session = Session(tenant, system)
         t, length = start, len(system)
         for turn in range(cfg.max_turns):
@@ -173,6 +183,16 @@ def pod_seconds(reqs: list[ScaleRequest], block_size: int, step_fixed_s: float,
         out = len(r.output)
         total += uncached * s_per_token + out * (step_fixed_s / batch + s_per_token)
     return total
+
+
+def hot_pods(reqs: list[ScaleRequest], cfg: TraceConfig, pods: int, step_fixed_s: float,
+             s_per_token: float, pool_tokens: int, max_seqs: int, window_s: float) -> float:
+    """How many pods' time the hot prompt's requests among `reqs` (those arriving in a
+    window of `window_s`) need (`pod_seconds`, at the bound's hit rate): above 1, no one
+    pod can serve it."""
+    hot = [r for r in reqs if r.tenant == num_tenants(cfg, pods)]
+    return pod_seconds(hot, cfg.block_size, step_fixed_s, s_per_token, pool_tokens,
+                       max_seqs) / window_s
 
 
 def trace_for_load(cfg: TraceConfig, pods: int, load: float, duration_s: float,
