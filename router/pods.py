@@ -354,7 +354,7 @@ class PodRegistry:
         # Every refresh builds a new pods dict; a lease that runs out removes an entry.
         if self._live is None or self._live_of is not self.pods or \
                 self._live_len != len(self.pods):
-            self._live = LivePods(self.live_epochs())
+            self._live = LivePods.of(p.info for p in self.pods.values() if p.eligible)
             self._live_of, self._live_len = self.pods, len(self.pods)
         return self._live
 

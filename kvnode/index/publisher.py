@@ -40,7 +40,7 @@ from pagekv.proto.index import writes
 from pagekv.proto.index.connect import REDIS_ERRORS, check_tls_url, connect, drop_connections
 from pagekv.proto.index.handshake import config_mismatch
 from pagekv.proto.index.mirror import PlacedClaims, PodClaims
-from pagekv.proto.index.schema import IndexSchema, claim_values, new_epoch
+from pagekv.proto.index.schema import IndexSchema, new_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class IndexPublisher:
         registration: Mapping[str, str] | None = None,
         placed: bool = False,
         renew_every_third: bool = False,
+        retire_after_s: float | None = None,
     ) -> None:
         if not pod_id or any(c in pod_id for c in " \t\r\n"):
             raise ValueError(f"pod_id must be non-empty without whitespace, got {pod_id!r}")
@@ -126,7 +127,13 @@ class IndexPublisher:
         # queued items to the claims are unchecked for it (the ignores below).
         self._claims: PodClaims | PlacedClaims = PlacedClaims() if placed else PodClaims()
         self._listed: set[int] = set()  # the pod's bucket list as written
-        self._values: list[str] = []
+        # This registration's claim id: every resync registers anew under a new one (what
+        # landed under the last is uncertain), and the last ones' claims are stripped
+        # `retire_after_s` later, once no router counts them any more (their registries
+        # refresh at least twice per lease).
+        self._claim_id = b""
+        self.retire_after_s = lease_ttl_s if retire_after_s is None else retire_after_s
+        self._strip_at = 0.0  # monotonic time the retired claim ids are due to go (0: none)
         self._applied_seq = 0
         self._needs_resync = True
         self._registered_once = False
@@ -183,7 +190,6 @@ class IndexPublisher:
         if self._thread is not None or self.epoch:
             raise RuntimeError("IndexPublisher already started")
         self.epoch = new_epoch()
-        self._values = claim_values(self.epoch)
         if thread:
             self._thread = threading.Thread(
                 target=self._run, name=f"index-publisher-{self.pod_id}", daemon=True)
@@ -319,6 +325,8 @@ class IndexPublisher:
                 self._next_renew = now + self.renew_interval_s
             if self._flush_asked or now >= self._last_write + self.flush_interval_s:
                 self._publish_pending()
+            if self._strip_at and now >= self._strip_at:
+                self._strip_retired()
         except _Superseded as exc:
             self._superseded = True
             self._drop_pending()  # and keep dropping: this instance is done
@@ -338,6 +346,8 @@ class IndexPublisher:
             return 0.0
         now = time.monotonic()
         until = self._next_renew
+        if self._strip_at:
+            until = min(until, self._strip_at)
         if self._woken:  # something queued: write it once the interval is up
             until = min(until, self._last_write + self.flush_interval_s)
         return max(0.0, until - now)
@@ -415,9 +425,9 @@ class IndexPublisher:
         owner = writes.registered_epoch(self._client, self.schema, self.pod_id)
         if self._registered_once and owner is not None and owner != self.epoch:
             raise _Superseded(f"pod id re-registered with epoch {owner}")
-        writes.register_pod(self._client, self.schema, self.pod_id, self.epoch, self.address,
-                            self.hash_config, {**self.registration, **self._pod_fields()},
-                            self._lease_ms)
+        self._claim_id = writes.register_pod(
+            self._client, self.schema, self.pod_id, self.epoch, self.address,
+            self.hash_config, {**self.registration, **self._pod_fields()}, self._lease_ms)
         self._registered_once = True
         self._next_renew = time.monotonic() + self.renew_interval_s
 
@@ -439,7 +449,8 @@ class IndexPublisher:
         claims.learn(self._events.queued_events())  # type: ignore[arg-type]
         wanted = claims.reset(state)
         self._listed = writes.write_all_claims(self._client, self.schema, self.pod_id, wanted,
-                                               self._values)
+                                               self._claim_id)
+        self._strip_at = time.monotonic() + self.retire_after_s
         self._applied_seq = snap_seq
         self._needs_resync = False
         self._counters.republishes += 1
@@ -491,11 +502,21 @@ class IndexPublisher:
         items = [ev for _, _, ev in batch]  # of this publisher's kind: see _claims
         changes = self._claims.apply(items)  # type: ignore[arg-type]
         writes.write_claim_changes(self._client, self.schema, self.pod_id, changes,
-                                   self._values, self._listed)
+                                   self._claim_id, self._listed)
         last_seq = batch[-1][0]
         self._applied_seq = last_seq
         self._counters.published(len(batch), time.monotonic() - batch[0][1])
         self._set_visible(last_seq)
+
+    def _strip_retired(self) -> None:
+        """Remove the claims of this pod id's earlier claim ids (a previous instance's, or
+        this one's before a resync), page by page."""
+        removed = writes.strip_retired(self._client, self.schema, self.pod_id, self._claim_id,
+                                       self._listed)
+        self._strip_at = 0.0
+        if removed:
+            logger.info("index publisher %s: removed %d claims of its earlier claim ids",
+                        self.pod_id, removed)
 
     def _set_visible(self, seq: int) -> None:
         with self._visible:
@@ -514,4 +535,5 @@ class IndexPublisher:
         writes.unregister_pod(self._client, s, pod)
         self._claims.clear()
         self._listed = set()
+        self._strip_at = 0.0
         logger.info("index publisher %s: cleared %d claims and the registration", pod, removed)

@@ -3,7 +3,7 @@
 Torch-free: the router is a light process. See docs/INDEX.md for the layout and the
 reasoning behind it. One module per concern:
 
-- `schema`: the namespace, every key name, buckets, claim values, pod epochs
+- `schema`: the namespace, every key name, buckets, claim fields and ids, pod epochs
 - `scripts`: the Lua scripts and the EVALSHA runner
 - `queries`: the reads (prefix lookup, live / dead pods, namespaces) and their replies
 - `pod_record`: a pod's registration (`PodInfo`), every field checked as it is read
@@ -40,7 +40,7 @@ from pagekv.proto.index.schema import (
     HASH_CONFIG_FIELDS,
     IndexSchema,
     bucket_of,
-    claim_value,
+    claim_field,
     new_epoch,
 )
 from pagekv.proto.index.scripts import register_scripts
@@ -56,7 +56,7 @@ __all__ = [
     "PodMatch",
     "bucket_of",
     "check_tls_url",
-    "claim_value",
+    "claim_field",
     "clear_pod_claims",
     "config_mismatch",
     "connect",

@@ -13,7 +13,7 @@ error (proto/index/bad_records.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
@@ -57,11 +57,10 @@ class IndexClient:
             async with self.slots.held():
                 await self.redis.script_load(script.source)
 
-    async def lookup_prefix(self, block_hashes: Sequence[bytes],
-                            live: Mapping[str, str] | LivePods,
+    async def lookup_prefix(self, block_hashes: Sequence[bytes], live: LivePods,
                             predictions: bool = False) -> dict[str, PodMatch]:
-        """The pods of `live` (pod id -> its live epoch, from the registry, best packed once:
-        `LivePods`) that hold a consecutive prefix of `block_hashes` (or, with
+        """The pods of `live` (pod id -> its registration's claim id, from the registry,
+        packed once: `LivePods.of`) that hold a consecutive prefix of `block_hashes` (or, with
         `predictions`, are predicted to by a router's recent dispatch), with that prefix;
         absent: none. One EVALSHA, one shard. A request cancelled while it waits for a
         connection (its deadline passed: gRPC cancels it) stops waiting there."""
@@ -122,24 +121,26 @@ class IndexClient:
         """Pod ids registered here without a lease -> their registered epoch ("" if none)."""
         return await self._run(queries.dead_pods(self.schema, self.bad_records))
 
-    async def reap_pod(self, pod_id: str, epoch: str, batch: int = 1000) -> int | None:
-        """Remove a dead pod's claims and registration: bucket by bucket, `batch` claims
-        per script call so Redis is never blocked for long. Returns the claims removed, or
-        None when the pod id came back (a lease, or another epoch) before it was gone."""
+    async def reap_pod(self, pod_id: str, epoch: str) -> int | None:
+        """Remove a dead pod's claims and registration: bucket by bucket, one HSCAN page of
+        the bucket's claims (queries.STRIP_PAGE fields) per script call so Redis is never
+        blocked for long; the work is the size of the buckets it used, never the keyspace.
+        Returns the claims removed, or None when the pod id came back (a lease, or another
+        epoch) before it was gone (its new claim id's claims are never touched)."""
         s = self.schema
-        buckets = await self._run(queries.reap_start(s, pod_id, epoch))
-        if buckets is None:
+        start = await self._run(queries.reap_start(s, pod_id, epoch))
+        if start is None:
             return None
+        buckets, claim_ids = start
         removed = 0
-        for bucket in buckets:
+        for bucket in buckets if claim_ids else ():
+            cursor = 0
             while True:
-                step = await self._run(queries.reap_bucket(s, pod_id, epoch, bucket, batch))
-                if step is None:
-                    return None
-                removed += step[0]
-                if step[1]:
+                cursor, n, _ = await self._run(queries.strip(s, bucket, cursor, claim_ids))
+                removed += n
+                if not cursor:
                     break
-        if not await self._run(queries.reap_finish(s, pod_id, epoch)):
+        if not await self._run(queries.reap_finish(s, pod_id, epoch, claim_ids)):
             return None
         return removed
 

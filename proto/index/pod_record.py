@@ -31,6 +31,7 @@ from pagekv.proto.index.schema import (
     POD_ROLES,
     ROLE_MIXED,
     text,
+    valid_claim_id,
 )
 from pagekv.proto.pull_cost import FIXED_PREFIX, PER_TOKEN_PREFIX, PullCost
 
@@ -64,6 +65,9 @@ class PodInfo:
     # holder pod id -> what a pull from it costs this pod, as measured (proto/pull_cost.py)
     pull_costs: dict[str, PullCost] = field(default_factory=dict)
     role: str = ROLE_MIXED  # its P/D phase (schema.POD_ROLES)
+    # Its registration's claim id: what its block claims carry (b"": none readable, so
+    # none of its claims count; it is still routed to by load).
+    claim_id: bytes = b""
 
     @property
     def waiting(self) -> int:
@@ -125,6 +129,15 @@ def _pull_costs(pod_id: str, costs: dict[str, str], bad: BadRecords) -> dict[str
         else:
             out[holder] = PullCost(intercept, slope)
     return out
+
+
+def _claim_id(value: str) -> bytes:
+    """A registration's claim id from its hex, b"" when it is not one (schema.new_claim_id)."""
+    try:
+        claim_id = bytes.fromhex(value)
+    except ValueError:
+        return b""
+    return claim_id if valid_claim_id(claim_id) else b""
 
 
 def _is_host_port(address: str) -> bool:
@@ -195,6 +208,10 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
                                    "stands in")
             else:
                 costs[name[5:]] = number
+    claim_id = _claim_id(fields.get("claim", ""))
+    if not claim_id:
+        bad.note(BAD_REGISTRATION, f"pod {pod_id}: claim id {fields.get('claim')!r}; its "
+                                   "claims cannot count")
     updated = _number(fields.get("updated", "0"))
     if updated is None or not math.isfinite(updated) or updated < 0:
         bad.note(BAD_REGISTRATION, f"pod {pod_id}: updated={fields.get('updated')!r}")
@@ -212,4 +229,5 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
         http_address=fields.get("http_address", ""),
         pull_costs=_pull_costs(pod_id, per_holder, bad),
         role=fields.get("role", ROLE_MIXED),
+        claim_id=claim_id,
     )

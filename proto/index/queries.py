@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -29,17 +29,24 @@ from pagekv.proto.index.bad_records import (
 from pagekv.proto.index.pod_record import PodInfo as PodInfo  # re-exported: its old home
 from pagekv.proto.index.pod_record import parse_pod_record
 from pagekv.proto.index.schema import (
+    BUCKETS,
+    CLAIM_ID_BYTES,
     IndexSchema,
     bucket_of,
+    claim_field,
     namespace_config_key,
     namespaces_key,
     text,
+    valid_claim_id,
 )
 from pagekv.proto.medium import MEDIUMS, Medium
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Claims HASH fields per STRIP call (one HSCAN page): a bucket is cleaned in steps this size.
+STRIP_PAGE = 1000
 
 _TIER_OF_CODE: dict[str, Medium] = {m.code: m for m in MEDIUMS}
 
@@ -77,28 +84,41 @@ class Call(Generic[T]):
         return self.parse(await self.script.run_async(client, self.keys, self.args))
 
 
-class LivePods(Mapping[str, str]):
-    """The pods a lookup counts claims of (pod id -> the epoch they must carry), packed once
-    into the script's one argument: the router's registry keeps one per refresh, so a lookup
-    neither rebuilds nor encodes a pair per pod. Pod ids holding the packing's separators
-    (NUL, \\x01: no command line can pass the first) are left out."""
+class LivePods(Mapping[str, bytes]):
+    """The pods a lookup counts claims of (pod id -> the claim id their claims carry: their
+    registration's), packed once into the script's one argument: the router's registry keeps
+    one per refresh, so a lookup neither rebuilds nor encodes a pair per pod. The packing is
+    "\\0<claim id>\\1pod" per pod, then "\\0": a claim id has no byte 0 or 1
+    (schema.new_claim_id) and a pod id neither, so a search finds only whole records. A pod
+    without a valid claim id (unknown: only predicted, or a garbled registration) is packed
+    with a placeholder no claim matches. Pod ids holding the separators (no command line can
+    pass the first) are left out."""
 
-    __slots__ = ("_epochs", "arg")
+    __slots__ = ("_ids", "arg")
 
-    def __init__(self, epochs: Mapping[str, str]) -> None:
-        self._epochs = {pod: epoch for pod, epoch in epochs.items()
-                        if epoch and "\0" not in pod and "\1" not in pod}
-        packed = "".join(f"\0{pod}\1{epoch}" for pod, epoch in self._epochs.items())
-        self.arg = (packed + "\0").encode()
+    def __init__(self, claim_ids: Mapping[str, bytes]) -> None:
+        self._ids = {pod: cid for pod, cid in claim_ids.items()
+                     if "\0" not in pod and "\1" not in pod}
+        self.arg = b"".join(
+            b"\0" + (cid if valid_claim_id(cid) else _NO_CLAIM_ID) + b"\1" + pod.encode()
+            for pod, cid in self._ids.items()) + b"\0"
 
-    def __getitem__(self, pod: str) -> str:
-        return self._epochs[pod]
+    @classmethod
+    def of(cls, infos: Iterable[PodInfo]) -> LivePods:
+        """From the registry's live pods (their registrations' claim ids)."""
+        return cls({info.pod_id: info.claim_id for info in infos})
+
+    def __getitem__(self, pod: str) -> bytes:
+        return self._ids[pod]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._epochs)
+        return iter(self._ids)
 
     def __len__(self) -> int:
-        return len(self._epochs)
+        return len(self._ids)
+
+
+_NO_CLAIM_ID = b"\0" * CLAIM_ID_BYTES  # matches no claim: a claim id holds no byte 0
 
 
 # -- replies ---------------------------------------------------------------------------------
@@ -123,7 +143,8 @@ def _parse_lookup(bad: BadRecords, reply: Sequence[Any]) -> dict[str, PodMatch]:
         return {}
     bad.note(WRONG_TYPE, "a claim or prediction key of another Redis type", int(reply[0]))
     bad.note(BAD_PREDICTION, "a prediction whose expiry is not a number", int(reply[1]))
-    bad.note(BAD_CLAIM, "a claim value without '<tiers>:<epoch>'", int(reply[2]))
+    bad.note(BAD_CLAIM, "a claims field that is not whole (claim id, tier mask) entries",
+             int(reply[2]))
     out: dict[str, PodMatch] = {}
     for i in range(3, len(reply), 3):
         try:
@@ -166,16 +187,40 @@ def _parse_pairs(bad: BadRecords, flat: Sequence[Any]) -> dict[str, str]:
     return out
 
 
-def _parse_reap_start(reply: Any) -> list[int] | None:
-    if reply == -1:
-        return None
-    return sorted(int(text(name), 16) for name in reply)
+def parse_buckets(members: Iterable[Any]) -> list[int]:
+    """A bucket list's members (integers); anything else (garbage) is left out."""
+    out: list[int] = []
+    for member in members:
+        try:
+            bucket = int(text(member))
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if 0 <= bucket < BUCKETS:
+            out.append(bucket)
+    return sorted(out)
 
 
-def _parse_reap_bucket(reply: Any) -> tuple[int, bool] | None:
+def parse_claim_ids(members: Iterable[Any]) -> list[str]:
+    """A claim id set's members (hex); anything else is left out."""
+    out: list[str] = []
+    for member in members:
+        try:
+            cid = text(member)
+            if valid_claim_id(bytes.fromhex(cid)):
+                out.append(cid)
+        except (ValueError, UnicodeDecodeError):
+            continue
+    return sorted(out)
+
+
+def _parse_reap_start(reply: Any) -> tuple[list[int], list[str]] | None:
     if reply == -1:
         return None
-    return int(reply[0]), bool(int(reply[1]))
+    return parse_buckets(reply[0]), parse_claim_ids(reply[1])
+
+
+def _parse_strip(reply: Any) -> tuple[int, int, int]:
+    return int(reply[0]), int(reply[1]), int(reply[2])
 
 
 def _parse_refused(reply: Any) -> bool:
@@ -184,21 +229,20 @@ def _parse_refused(reply: Any) -> bool:
 
 
 # -- the calls -------------------------------------------------------------------------------
-def lookup(schema: IndexSchema, block_hashes: Sequence[bytes],
-           live: Mapping[str, str] | LivePods,
+def lookup(schema: IndexSchema, block_hashes: Sequence[bytes], live: LivePods,
            predictions: bool = False, bad: BadRecords = UNCOUNTED
            ) -> Call[dict[str, PodMatch]]:
-    """For the pods of `live` (pod id -> the epoch its claims must carry) that hold a prefix
+    """For the pods of `live` (pod id -> the claim id its claims carry) that hold a prefix
     of `block_hashes`, how many leading blocks, and where; with `predictions`, also the
     routers' burst predictions (PodMatch.predicted), and the pods only predicted. Pods absent
     from the reply hold nothing. Every key is in block 0's bucket: one script, one slot.
-    Four arguments and one key however long the chain and however many pods are passed."""
-    if not isinstance(live, LivePods):
-        live = LivePods(live)
+    One key and at most five arguments however long the chain and however many pods."""
     bucket = bucket_of(block_hashes[0])
-    args = (schema.bucket_base(bucket), b"".join(block_hashes).hex(), live.arg,
-            "1" if predictions else "")
-    return Call(scripts.LOOKUP, (schema.block_key(block_hashes[0], bucket),), args,
+    fields = b"".join(claim_field(h) for h in block_hashes)
+    args = [schema.bucket_base(bucket), fields, live.arg, "1" if predictions else ""]
+    if predictions:
+        args.append(b"".join(block_hashes).hex())
+    return Call(scripts.LOOKUP, (schema.claims_key(bucket),), args,
                 functools.partial(_parse_lookup, bad))
 
 
@@ -225,24 +269,32 @@ def dead_pods(schema: IndexSchema, bad: BadRecords = UNCOUNTED) -> Call[dict[str
                 functools.partial(_parse_pairs, bad))
 
 
-def reap_start(schema: IndexSchema, pod_id: str, epoch: str) -> Call[list[int] | None]:
-    """The buckets a dead pod may have claims in, or None when the pod id came back."""
+def reap_start(schema: IndexSchema, pod_id: str, epoch: str
+               ) -> Call[tuple[list[int], list[str]] | None]:
+    """A dead pod's buckets and claim ids (hex), or None when the pod id came back."""
     return Call(scripts.REAP_START, (schema.pods_key,), (schema.base, pod_id, epoch),
                 _parse_reap_start)
 
 
-def reap_bucket(schema: IndexSchema, pod_id: str, epoch: str, bucket: int,
-                batch: int) -> Call[tuple[int, bool] | None]:
-    """Remove up to `batch` of a dead pod's claims in one bucket: (claims removed, none of
-    its claims left there), or None when a claim of another epoch shows the pod id back."""
-    return Call(scripts.REAP_BUCKET, (schema.pod_blocks_key(pod_id, bucket),),
-                (schema.bucket_base(bucket), pod_id, epoch, batch), _parse_reap_bucket)
+def strip(schema: IndexSchema, bucket: int, cursor: int, claim_ids: Sequence[str],
+          remove: bool = True, count: int = STRIP_PAGE, keep_id: str = ""
+          ) -> Call[tuple[int, int, int]]:
+    """One HSCAN page of a bucket's claims: the claims of `claim_ids` (hex) removed (or,
+    `remove` False, only counted). Reply: (next cursor, 0 when done; their claims seen; the
+    claims of `keep_id` seen, left alone)."""
+    packed = b"".join(bytes.fromhex(c) for c in claim_ids)
+    args: list[Any] = [cursor, count, packed, "1" if remove else ""]
+    if keep_id:
+        args.append(bytes.fromhex(keep_id))
+    return Call(scripts.STRIP, (schema.claims_key(bucket),), args, _parse_strip)
 
 
-def reap_finish(schema: IndexSchema, pod_id: str, epoch: str) -> Call[bool]:
-    """Remove a reaped pod's registration: False when the pod id came back meanwhile."""
-    return Call(scripts.REAP_FINISH, (schema.pods_key,), (schema.base, pod_id, epoch),
-                _parse_refused)
+def reap_finish(schema: IndexSchema, pod_id: str, epoch: str,
+                claim_ids: Sequence[str]) -> Call[bool]:
+    """Release the stripped claim ids and remove a reaped pod's registration: False when the
+    pod id came back meanwhile (its registration stays)."""
+    return Call(scripts.REAP_FINISH, (schema.pods_key,),
+                (schema.base, pod_id, epoch, *claim_ids), _parse_refused)
 
 
 def namespace_config_keys(prefix: str, ids: Sequence[str]) -> list[str]:
@@ -269,16 +321,30 @@ def parse_namespaces(ids: Sequence[str], configs: Sequence[Any],
 # -- on a synchronous client (pods, tests, tools) -------------------------------------------
 def lookup_prefix(
     redis_client: Any, schema: IndexSchema, block_hashes: Sequence[bytes],
-    live: Mapping[str, str] | None = None, predictions: bool = False,
+    live: LivePods | Mapping[str, str] | None = None, predictions: bool = False,
 ) -> dict[str, PodMatch]:
-    """`lookup` in one EVALSHA round trip, for the pods of `live`; without it, for the
-    pods live right now (read first: a second round trip, fine outside the request path).
-    Every pod asked about is in the result, depth 0 where it holds nothing."""
-    if live is None:
-        live = {p.pod_id: p.epoch for p in list_live_pods(redis_client, schema)}
+    """`lookup` in one EVALSHA round trip, for the pods of `live` (LivePods); without it,
+    or given pod id -> epoch, for the pods live right now (read first: a second round trip,
+    fine outside the request path). Every pod asked about is in the result, depth 0 where it
+    holds nothing."""
+    if not isinstance(live, LivePods):
+        live = live_claim_ids(redis_client, schema, live)
     found = lookup(schema, block_hashes, live, predictions).run(redis_client) \
         if block_hashes and live else {}
     return {pod: found.get(pod) or PodMatch(0, []) for pod in live}
+
+
+def live_claim_ids(redis_client: Any, schema: IndexSchema,
+                   epochs: Mapping[str, str] | None = None) -> LivePods:
+    """The live pods as a lookup takes them (one round trip): all of them, or those of
+    `epochs` (pod id -> epoch) that are live under that epoch; the others of `epochs` with no
+    claim id (a lookup finds only their predictions)."""
+    infos = {p.pod_id: p for p in list_live_pods(redis_client, schema)}
+    if epochs is None:
+        return LivePods.of(infos.values())
+    return LivePods({pod: (info.claim_id if (info := infos.get(pod)) is not None
+                           and info.epoch == epoch else b"")
+                     for pod, epoch in epochs.items()})
 
 
 def list_live_pods(redis_client: Any, schema: IndexSchema) -> list[PodInfo]:
@@ -286,12 +352,26 @@ def list_live_pods(redis_client: Any, schema: IndexSchema) -> list[PodInfo]:
 
 
 def count_pod_claims(redis_client: Any, schema: IndexSchema, pod_id: str) -> int:
-    """How many claims `pod_id` has (any epoch): the sizes of its per-bucket claim sets."""
-    buckets = [int(text(b), 16) for b in redis_client.smembers(schema.pod_buckets_key(pod_id))]
-    pipe = redis_client.pipeline(transaction=False)
-    for bucket in buckets:
-        pipe.scard(schema.pod_blocks_key(pod_id, bucket))
-    return sum(int(n) for n in pipe.execute()) if buckets else 0
+    """How many claims `pod_id` has (any of its claim ids): its listed buckets' claims HASHes
+    read page by page (work proportional to those buckets, never the keyspace)."""
+    buckets = parse_buckets(redis_client.smembers(schema.pod_buckets_key(pod_id)))
+    claim_ids = parse_claim_ids(redis_client.smembers(schema.pod_claim_ids_key(pod_id)))
+    return sum(strip_bucket(redis_client, schema, bucket, claim_ids, remove=False)[0]
+               for bucket in buckets) if claim_ids else 0
+
+
+def strip_bucket(redis_client: Any, schema: IndexSchema, bucket: int,
+                 claim_ids: Sequence[str], remove: bool = True, keep_id: str = ""
+                 ) -> tuple[int, int]:
+    """`strip` over a whole bucket, page by page: (claims of `claim_ids` removed or counted,
+    claims of `keep_id` left)."""
+    cursor, hits, kept = 0, 0, 0
+    while True:
+        cursor, n, k = strip(schema, bucket, cursor, claim_ids, remove,
+                             keep_id=keep_id).run(redis_client)
+        hits, kept = hits + n, kept + k
+        if not cursor:
+            return hits, kept
 
 
 def list_namespaces(redis_client: Any, prefix: str = "pagekv") -> dict[str, dict[str, str]]:

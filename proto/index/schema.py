@@ -6,11 +6,15 @@ so they cannot produce false hits. Two kinds of keys, two kinds of Redis Cluster
 
 - control keys (config, the pods SET, each pod's HASH, lease and bucket list) under `{ns}`:
   few, read by the router's registry refresh, never per request;
-- block claims, each pod's per-bucket claim sets and the routers' short-lived burst
-  predictions under `{ns.<bucket>}`, where the bucket is taken from the hash of the chain's
-  block 0. Every block of a chain descends from block 0, so all the keys one lookup reads
-  share one slot (one shard, one round trip), while different chains spread over BUCKETS
-  tags, hence over the cluster's shards.
+- block claims (one HASH per bucket: a block's field holds every holder's claim, packed)
+  and the routers' short-lived burst predictions under `{ns.<bucket>}`, where the bucket is
+  taken from the hash of the chain's block 0. Every block of a chain descends from block 0,
+  so all the keys one lookup reads share one slot (one shard, one round trip), while
+  different chains spread over BUCKETS tags, hence over the cluster's shards.
+
+A claim names its pod by a short claim id (CLAIM_ID_BYTES random bytes, unique among the
+namespace's registrations, new with each registration), not by its pod id and epoch: that is
+what makes a claim CLAIM_ENTRY_BYTES long (docs/INDEX.md, "Memory per claim").
 """
 
 from __future__ import annotations
@@ -22,10 +26,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagekv.proto.medium import ALL_BITS, mask_codes
-
 # The fields that change a block hash, in the order config_mismatch reports them.
 HASH_CONFIG_FIELDS: tuple[str, ...] = ("model", "block_size", "hash_algo", "hash_seed")
+# The key layout's version, also in every hash config and in the namespace id: processes of
+# two layouts never read each other's keys, and config_mismatch names the difference (it
+# compares the field where both sides have it, as any other extra field).
+LAYOUT_FIELD = "index_layout"
+# 1: a HASH per block (pod id -> "<tiers>:<epoch>") and per-pod hash sets; 2: one HASH per
+# bucket, block field -> packed (claim id, tier mask) entries. A config without the field
+# is layout 1's (it predates the field).
+INDEX_LAYOUT = "2"
+LEGACY_LAYOUT = "1"
+
+# A claim: the registration's claim id, then one byte, its tier mask. A block's field is the
+# last FIELD_BYTES of its hash (64 bits: a collision within one bucket of a million blocks is
+# a 1 in 30,000 chance, and costs a wrong hit the pod then recomputes).
+CLAIM_ID_BYTES = 4
+CLAIM_ENTRY_BYTES = CLAIM_ID_BYTES + 1
+FIELD_BYTES = 8
 
 NAMESPACES_SUFFIX = ":namespaces"  # `<prefix>:namespaces`, a SET of every namespace id
 
@@ -45,10 +63,6 @@ POD_ROLES: tuple[str, ...] = (ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE)
 # layout: every pod and router of one namespace must agree on it.
 BUCKET_BITS = 10
 BUCKETS = 1 << BUCKET_BITS
-
-# Claim value per tier bitmask (index 0 unused): codes of the tiers present, best first.
-MASK_CODES: tuple[str, ...] = tuple(mask_codes(m) for m in range(ALL_BITS + 1))
-
 
 def text(value: Any) -> str:
     """Redis replies are bytes or str depending on the client's decode_responses."""
@@ -94,6 +108,7 @@ class IndexSchema:
     hash_algo: str
     hash_seed: str
     prefix: str = "pagekv"
+    index_layout: str = INDEX_LAYOUT
     namespace: str = field(init=False)
     base: str = field(init=False)
 
@@ -104,6 +119,7 @@ class IndexSchema:
         hash_algo: str,
         hash_seed: str | int,
         prefix: str = "pagekv",
+        index_layout: str = INDEX_LAYOUT,
     ) -> None:
         if int(block_size) <= 0:
             raise ValueError(f"block_size must be positive, got {block_size!r}")
@@ -114,7 +130,10 @@ class IndexSchema:
         object.__setattr__(self, "hash_algo", str(hash_algo))
         object.__setattr__(self, "hash_seed", str(hash_seed))
         object.__setattr__(self, "prefix", prefix)
+        object.__setattr__(self, "index_layout", str(index_layout))
         parts = "\x1f".join((self.model, str(self.block_size), self.hash_algo, self.hash_seed))
+        if self.index_layout != LEGACY_LAYOUT:  # (layout 1's ids stay what they were)
+            parts += "\x1f" + self.index_layout
         ns = hashlib.sha256(parts.encode()).hexdigest()[:12]
         object.__setattr__(self, "namespace", ns)
         object.__setattr__(self, "base", namespace_base(prefix, ns))
@@ -131,6 +150,7 @@ class IndexSchema:
             text(config["hash_algo"]),
             text(config["hash_seed"]),
             prefix=prefix,
+            index_layout=text(config.get(LAYOUT_FIELD, LEGACY_LAYOUT)),
         )
 
     def hash_config(self) -> dict[str, str]:
@@ -140,6 +160,7 @@ class IndexSchema:
             "block_size": str(self.block_size),
             "hash_algo": self.hash_algo,
             "hash_seed": self.hash_seed,
+            LAYOUT_FIELD: self.index_layout,
         }
 
     def seed_fingerprint(self) -> str:
@@ -165,31 +186,33 @@ class IndexSchema:
         return self.base + "l:" + pod_id  # STRING: the live epoch, with a TTL
 
     def pod_buckets_key(self, pod_id: str) -> str:
-        """SET of the buckets (bucket_name) where this pod id may have claims: what its
-        clean-up and the reaper walk, so neither ever scans the keyspace."""
+        """SET of the buckets (as integers: an intset) where this pod id may have claims:
+        what its clean-up and the reaper walk, so neither ever scans the keyspace."""
         return self.base + "pbk:" + pod_id
 
-    # -- block keys: one hash tag per bucket ----------------------------------------------
+    def pod_claim_ids_key(self, pod_id: str) -> str:
+        """SET of the claim ids (hex) this pod id registered under whose claims may remain:
+        its current one and those retired (a restart, a republish) not yet stripped."""
+        return self.base + "pc:" + pod_id
+
+    @property
+    def claim_ids_key(self) -> str:
+        """HASH claim id (hex) -> pod id: every claim id in use in this namespace, so a new
+        registration never takes one whose claims may still be in the index."""
+        return self.base + "cids"
+
+    # -- claim keys: one hash tag per bucket --------------------------------------------
     def bucket_base(self, bucket: int) -> str:
         """The start of every key of one bucket: `pagekv:{ns.<bucket>}:`."""
         return f"{self.prefix}:{{{self.namespace}.{bucket_name(bucket)}}}:"
 
-    def block_key(self, block_hash: bytes, bucket: int) -> str:
-        return self.block_key_hex(block_hash.hex(), bucket)
+    def claims_key(self, bucket: int) -> str:
+        """The bucket's HASH: claim_field(block hash) -> packed claim entries."""
+        return self.bucket_base(bucket) + "c"
 
-    def block_key_hex(self, hex_hash: str, bucket: int) -> str:
-        """A block key from a per-pod set member (the sets hold hex hashes)."""
-        return self.bucket_base(bucket) + "b:" + hex_hash  # HASH pod_id -> "<tiers>:<epoch>"
-
-    def chain_block_keys(self, block_hashes: Sequence[bytes]) -> list[str]:
-        """The block keys of a chain from its block 0: all in block 0's bucket."""
-        if not block_hashes:
-            return []
-        base = self.bucket_base(bucket_of(block_hashes[0])) + "b:"
-        return [base + h.hex() for h in block_hashes]
-
-    def pod_blocks_key(self, pod_id: str, bucket: int) -> str:
-        return self.bucket_base(bucket) + "pb:" + pod_id  # SET of hex hashes it claims here
+    def chain_claims_key(self, block_hashes: Sequence[bytes]) -> str:
+        """The claims key of a chain (block 0's bucket's): every block of it is there."""
+        return self.claims_key(bucket_of(block_hashes[0]))
 
     def chain_prediction_keys(self, block_hashes: Sequence[bytes], start: int = 0) -> list[str]:
         """The burst-prediction keys of blocks `start`... of a chain, beside its claims (same
@@ -200,15 +223,25 @@ class IndexSchema:
         return [base + h.hex() for h in block_hashes[start:]]
 
 
-def claim_value(mask: int, epoch: str) -> str:
-    """The value a pod writes into a block's HASH: tier codes (best first), ':', epoch."""
-    return f"{MASK_CODES[mask]}:{epoch}"
+def claim_field(block_hash: bytes) -> bytes:
+    """A block's field in its bucket's claims HASH: the hash's last FIELD_BYTES (its first
+    bits are the bucket's, shared by the whole HASH)."""
+    return block_hash[-FIELD_BYTES:].rjust(FIELD_BYTES, b"\0")
 
 
-def claim_values(epoch: str) -> list[str]:
-    """claim_value of every tier bitmask for one epoch, by mask ("" for the empty mask):
-    made once per epoch so writing a claim is a list lookup."""
-    return [claim_value(m, epoch) if m else "" for m in range(ALL_BITS + 1)]
+def claim_field_hex(hex_hash: str) -> bytes:
+    """claim_field of a hash written in hex (a full state's keys)."""
+    return claim_field(bytes.fromhex(hex_hash[-2 * FIELD_BYTES:]))
+
+
+def new_claim_id() -> bytes:
+    """A random claim id. Its bytes are never 0 or 1, the separators of the lookup's packed
+    live pods (queries.LivePods), so a search there can only match a whole id."""
+    return bytes(2 + secrets.randbelow(254) for _ in range(CLAIM_ID_BYTES))
+
+
+def valid_claim_id(claim_id: bytes) -> bool:
+    return len(claim_id) == CLAIM_ID_BYTES and 0 not in claim_id and 1 not in claim_id
 
 
 def new_epoch() -> str:

@@ -15,71 +15,95 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-# KEYS[1]: block 0's claim key (it routes the call to the chain's shard). ARGV[1]: the
-# bucket's key base; ARGV[2]: the chain's hashes in hex, concatenated (every key this script
-# reads is ARGV[1] .. 'b:' or 'r:' .. one of them: the same slot); ARGV[3]: the pods the
-# caller believes live, packed as "\0pod\1epoch\0pod\1epoch\0" (the router's registry: the
-# leases live in the control slot, which this script cannot read on a cluster); ARGV[4]:
-# "1" to read the routers' burst predictions too.
+# KEYS[1]: the chain's bucket's claims HASH (it routes the call to the chain's shard).
+# ARGV[1]: the bucket's key base; ARGV[2]: the chain's claim fields (schema.claim_field,
+# FIELD_BYTES each), concatenated; ARGV[3]: the pods the caller believes live, packed as
+# "\0<claim id>\1pod\0<claim id>\1pod\0" (queries.LivePods: the router's registry; the
+# registrations live in the control slot, which this script cannot read on a cluster);
+# ARGV[4]: "1" to read the routers' burst predictions too, with ARGV[5] the chain's hashes in
+# hex, concatenated (each prediction key is ARGV[1] .. 'r:' .. one of them: the same slot).
+# A field's value is its holders' claims, CLAIM_ENTRY_BYTES each: a claim id, then a byte,
+# the tier mask; a claim counts only under the claim id passed for its pod (a claim id that
+# is not passed is a dead or restarted pod's: garbage until reaped).
 # Reply: flat [wrong-type keys, bad prediction entries, bad claim values, then pod, tier
 # codes, predicted depth, ...] for the live pods that hold or are predicted to hold a prefix
-# (absent: neither); the code string's length is the pod's depth. Garbage anyone may have
-# written (a key of another type, a non-numeric expiry, a claim without its ':') is skipped
-# and counted in the first three, never an error: one bad key must not fail the lookup.
-# Block 0 is read whole: its claimants are the only candidates, so the work grows with the
-# pods that hold the chain, not with the pods passed. A claim counts only under the epoch
-# passed for its pod. Only pods still matching are asked about the next block, and the walk
-# ends as soon as none is left.
+# (absent: neither); the code string's length is the pod's depth, '?' a mask no pod writes
+# (the parser ends the prefix there). Garbage anyone may have written (a key of another type,
+# a non-numeric expiry, a value that is not whole entries) is skipped and counted in the
+# first three, never an error: one bad key must not fail the lookup.
+# Block 0's holders are the only candidates, so the work grows with the pods that hold the
+# chain, not with the pods passed. The fields are read CHUNK at a time (one HMGET each) and
+# the walk ends as soon as no pod is left: blocks past the longest match are barely read.
 # Predictions extend a pod's claimed prefix: blocks 1..c held (c claims), then a run of
 # predictions from block c + 1 that have not expired (Redis's clock) gives depth c + run,
 # reported only where it adds to c. Each prediction key holds few pods (the writer caps it):
 # a block's are read whole, and only for blocks where some pod's claims end or its
 # predictions continue.
 LOOKUP_LUA = """
-local base, hexes, live, want = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local w = #KEYS[1] - #base - 2
-local n = #hexes / w
-local codes, suffix, holders = {}, {}, {}
+local base, fields, live, want, hexes = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local FW, EW, CHUNK = 8, 5, 32
+local n = #fields / FW
+local CODE = {'G', 'C', 'G', 'D', 'G', 'C', 'G'}
+local codes, cidof, holders = {}, {}, {}
 local bad_type, bad_pred, bad_claim = 0, 0, 0
-local flat = redis.pcall('HGETALL', KEYS[1])
-if flat.err then bad_type, flat = 1, {} end
-for j = 1, #flat, 2 do
-  local pod, v = flat[j], flat[j + 1]
-  local k = string.find(v, ':', 1, true)
-  if not k or k == 1 then
-    bad_claim = bad_claim + 1
-  else
-    local epoch = string.sub(v, k + 1)
-    if string.find(live, '\\0' .. pod .. '\\1' .. epoch .. '\\0', 1, true) then
-      codes[pod] = {string.sub(v, 1, 1)}
-      suffix[pod] = ':' .. epoch
-      holders[#holders + 1] = pod
+local vals, loaded = {}, 0
+local function value(i)
+  if i > loaded then
+    local names = {}
+    for k = loaded + 1, math.min(n, loaded + CHUNK) do
+      names[#names + 1] = string.sub(fields, (k - 1) * FW + 1, k * FW)
+    end
+    local got = redis.pcall('HMGET', KEYS[1], unpack(names))
+    if got.err then bad_type = 1; n = 0; return nil end
+    for k = 1, #names do vals[loaded + k] = got[k] end
+    loaded = loaded + #names
+  end
+  local v = vals[i]
+  if v and (#v == 0 or #v % EW ~= 0) then bad_claim = bad_claim + 1; return nil end
+  return v
+end
+local v = n > 0 and value(1)
+if v then
+  for e = 1, #v, EW do
+    local cid = string.sub(v, e, e + EW - 2)
+    local p = string.find(live, '\0' .. cid .. '\1', 1, true)
+    if p then
+      local q = string.find(live, '\0', p + EW + 1, true)
+      local pod = string.sub(live, p + EW + 1, q - 1)
+      if not codes[pod] then
+        codes[pod] = {CODE[string.byte(v, e + EW - 1)] or '?'}
+        cidof[pod] = cid
+        holders[#holders + 1] = pod
+      end
     end
   end
 end
-local active = holders
+local active = {}
+for _, pod in ipairs(holders) do
+  if codes[pod][1] ~= '?' then active[#active + 1] = pod end
+end
 for i = 2, n do
   if #active == 0 then break end
-  local key = base .. 'b:' .. string.sub(hexes, (i - 1) * w + 1, i * w)
-  local vals = redis.pcall('HMGET', key, unpack(active))
-  if vals.err then bad_type = bad_type + 1; break end
+  v = value(i)
+  if not v then break end
+  local mask = {}
+  for e = 1, #v, EW do mask[string.sub(v, e, e + EW - 2)] = string.byte(v, e + EW - 1) end
   local still = {}
-  for j = 1, #active do
-    local v = vals[j]
-    if v then
-      local pod = active[j]
-      local s = suffix[pod]
-      if #v > #s and string.sub(v, -#s) == s then
-        local c = codes[pod]
-        c[#c + 1] = string.sub(v, 1, 1)
-        still[#still + 1] = pod
-      end
+  for _, pod in ipairs(active) do
+    local m = mask[cidof[pod]]
+    if m then
+      local c = codes[pod]
+      local code = CODE[m] or '?'
+      c[#c + 1] = code
+      if code ~= '?' then still[#still + 1] = pod end
     end
   end
   active = still
 end
 local pred = {}
 if want == '1' then
+  local w = #hexes / (#fields / FW)
+  n = #fields / FW
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local ends, maxc = {}, 0
@@ -105,7 +129,7 @@ if want == '1' then
           local c = codes[pod]
           local d = c and #c or 0
           if cur[pod] or (d == i - 1 and
-              (c or string.find(live, '\\0' .. pod .. '\\1', 1, true))) then
+              (c or string.find(live, '\1' .. pod .. '\0', 1, true))) then
             nxt[pod] = true
             m = m + 1
             pred[pod] = i
@@ -171,33 +195,87 @@ return written
 """
 
 # A pod's claim writes in one bucket or several (several only on a single node: on a
-# cluster each call holds one bucket). KEYS: the pod's claim SET of each bucket, in order.
-# ARGV[1] pod, ARGV[2] hex hash width, ARGV[3] the number of tier masks, ARGV[4..] the claim
-# value of each mask from 1 (schema.claim_values), then per bucket its key base and its
-# records: one char, the new mask in base 36 ('0': no claim), and the hash in hex, each.
-# A claim is HSET into its block key and its hash added to the SET (SADD is idempotent: a
-# tier change re-adds it); '0' is HDEL and SREM. Reply: the number of records.
+# cluster each call holds one bucket). KEYS: each bucket's claims HASH, in order. ARGV[1]:
+# the pod's claim id, then per bucket its records: one byte, the new tier mask (0: no
+# claim), and the block's claim field (FIELD_BYTES), each. A record rewrites the claim id's
+# entry in the field's packed value (read, modify, write: atomic, the script runs alone):
+# the mask byte replaced, the entry appended, or removed (the field deleted with its last
+# entry). A value that is not whole entries (garbage) is overwritten; a claims key of another
+# type is left alone. Reply: the number of records.
 CLAIM_WRITES_LUA = """
-local pod, w, nv = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local vals = {}
-for m = 1, nv do vals[m] = ARGV[3 + m] end
+local cid = ARGV[1]
+local FW, EW = 8, 5
 local n = 0
 for g = 1, #KEYS do
-  local set, base, recs = KEYS[g], ARGV[2 + nv + 2 * g], ARGV[3 + nv + 2 * g]
-  for i = 1, #recs, w + 1 do
-    local m = tonumber(string.sub(recs, i, i), 36)
-    local hex = string.sub(recs, i + 1, i + w)
-    if m == 0 then
-      redis.call('HDEL', base .. 'b:' .. hex, pod)
-      redis.call('SREM', set, hex)
+  local key, recs = KEYS[g], ARGV[1 + g]
+  for i = 1, #recs, FW + 1 do
+    local m = string.byte(recs, i)
+    local f = string.sub(recs, i + 1, i + FW)
+    local v = redis.pcall('HGET', key, f)
+    if type(v) == 'table' and v.err then break end
+    if not v or #v % EW ~= 0 then v = '' end
+    local out = nil
+    for e = 1, #v, EW do
+      if string.sub(v, e, e + EW - 2) == cid then
+        if m == 0 then
+          out = string.sub(v, 1, e - 1) .. string.sub(v, e + EW)
+        else
+          out = string.sub(v, 1, e + EW - 2) .. string.char(m) .. string.sub(v, e + EW)
+        end
+        break
+      end
+    end
+    if not out then out = m == 0 and v or v .. cid .. string.char(m) end
+    if out == '' then
+      redis.call('HDEL', key, f)
     else
-      redis.call('HSET', base .. 'b:' .. hex, pod, vals[m])
-      redis.call('SADD', set, hex)
+      redis.call('HSET', key, f, out)
     end
     n = n + 1
   end
 end
 return n
+"""
+
+# KEYS[1]: one bucket's claims HASH. ARGV: the HSCAN cursor, the fields per call, the claim
+# ids to strip (packed, CLAIM_ID_BYTES each), "1" to remove their claims ("": count them),
+# and optionally a claim id whose remaining claims are counted too. Reply: {next cursor
+# ("0": done), claims of the stripped ids seen, claims of the counted id seen}. One call
+# reads one HSCAN page: a bucket is cleaned in bounded steps, never one long script. A key of
+# another type has nothing of ours; a value that is not whole entries is left alone.
+STRIP_LUA = """
+local r = redis.pcall('HSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+if r.err then return {'0', 0, 0} end
+local EW, gone, strip, keep_id = 5, {}, ARGV[3], ARGV[5] or ''
+for j = 1, #strip, EW - 1 do gone[string.sub(strip, j, j + EW - 2)] = true end
+local hits, kept = 0, 0
+local flat = r[2]
+for j = 1, #flat, 2 do
+  local f, v = flat[j], flat[j + 1]
+  if #v % EW == 0 then
+    local keep, k = {}, 0
+    for e = 1, #v, EW do
+      local cid = string.sub(v, e, e + EW - 2)
+      if gone[cid] then
+        k = k + 1
+      else
+        keep[#keep + 1] = string.sub(v, e, e + EW - 1)
+        if cid == keep_id then kept = kept + 1 end
+      end
+    end
+    if k > 0 then
+      hits = hits + k
+      if ARGV[4] == '1' then
+        if #keep == 0 then
+          redis.call('HDEL', KEYS[1], f)
+        else
+          redis.call('HSET', KEYS[1], f, table.concat(keep))
+        end
+      end
+    end
+  end
+end
+return {r[1], hits, kept}
 """
 
 # The control scripts below take the namespace's pods SET as KEYS[1] (so a cluster client
@@ -245,58 +323,75 @@ end
 return out
 """
 
-# Reaping a dead pod takes three scripts, because its claims sit in many slots: REAP_START
-# and REAP_FINISH in the control slot check that the pod id is still lease-less under the
-# epoch seen dead; REAP_BUCKET, in each bucket's slot, removes only that epoch's claims. A
-# pod id that restarts in between (new lease and epoch, written in one MULTI) has its new
-# claims left alone, and several routers reaping at once cannot conflict.
+# Registering a pod instance, in the control slot. KEYS[1]: pods SET. ARGV: base, pod,
+# epoch, claim id (hex), lease ms, then the pod HASH's other field/value pairs. A claim id
+# already in the namespace's claim ids (any pod's, this one's retired ones included: their
+# claims may remain) is refused (reply 0: pick another); else it is taken, added to the pod's
+# claim ids, and the pod HASH, lease and pods entry are written (reply 1), all at once: a
+# reader never sees a lease without its registration, nor a claim id that is not reserved.
+REGISTER_LUA = """
+local base, pod, epoch, cid, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if redis.call('HSETNX', base .. 'cids', cid, pod) == 0 then return 0 end
+redis.call('SADD', base .. 'pc:' .. pod, cid)
+local key = base .. 'p:' .. pod
+redis.call('DEL', key)
+redis.call('HSET', key, 'epoch', epoch, 'claim', cid, unpack(ARGV, 6))
+redis.call('SET', base .. 'l:' .. pod, epoch, 'PX', ttl)
+redis.call('SADD', KEYS[1], pod)
+return 1
+"""
+
+# Reaping a dead pod takes three kinds of call, because its claims sit in many slots:
+# REAP_START and REAP_FINISH in the control slot check that the pod id is still lease-less
+# under the epoch seen dead; STRIP, in each bucket's slot, removes the claims of the claim
+# ids REAP_START listed (all of the pod's: a dead instance writes nothing more). A pod id
+# that restarts in between registers a new claim id, which no strip touches, and several
+# routers reaping at once cannot conflict.
 
 # KEYS[1]: pods SET. ARGV: base, pod, the epoch seen dead ("" = no registration).
-# Reply: -1 refused (it came back), else the pod's bucket list (bucket names; none when
-# the list is a key of another type: REAP_FINISH deletes it).
+# Reply: -1 refused (it came back), else {the pod's bucket list, its claim ids (hex)}; a
+# bucket list or claim id set of another type reads as empty (REAP_FINISH deletes it).
 REAP_START_LUA = """
 local base, pod, epoch = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('EXISTS', base .. 'l:' .. pod) == 1 then return -1 end
 if (redis.call('HGET', base .. 'p:' .. pod, 'epoch') or '') ~= epoch then return -1 end
 local buckets = redis.pcall('SMEMBERS', base .. 'pbk:' .. pod)
-if buckets.err then return {} end
-return buckets
+if buckets.err then buckets = {} end
+local cids = redis.pcall('SMEMBERS', base .. 'pc:' .. pod)
+if cids.err then cids = {} end
+return {buckets, cids}
 """
 
-# KEYS[1]: the pod's claim set in one bucket. ARGV: the bucket base, pod, dead epoch ("":
-# any), batch size. Removes up to `batch` claims of the dead epoch. A claim of another epoch
-# means the pod id is back: its member is put back and the reap refused. A claim set or
-# block key of another type (garbage) is passed over.
-# Reply: -1 refused, else {claims removed, 1 when the set is empty}.
-REAP_BUCKET_LUA = """
-local base, pod, epoch, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local suffix = ':' .. epoch
-local members = redis.pcall('SPOP', KEYS[1], n)
-if members.err then return {0, 1} end
-local removed = 0
-for i, h in ipairs(members) do
-  local key = base .. 'b:' .. h
-  local v = redis.pcall('HGET', key, pod)
-  if type(v) == 'string' then
-    if epoch ~= '' and string.sub(v, -#suffix) ~= suffix then
-      redis.call('SADD', KEYS[1], unpack(members, i))
-      return -1
-    end
-    removed = removed + redis.call('HDEL', key, pod)
-  end
-end
-return {removed, #members < n and 1 or 0}
-"""
-
-# KEYS[1]: pods SET. ARGV: base, pod, dead epoch. Reply: -1 refused (it came back), else 1
-# (its HASH, bucket list and pods entry removed).
+# KEYS[1]: pods SET. ARGV: base, pod, dead epoch, then the claim ids (hex) stripped. Those
+# leave the namespace's claim ids and the pod's (their claims are gone). Reply: -1 when the
+# pod id came back meanwhile (its registration stays), else 1 (its HASH, bucket list, claim
+# ids and pods entry removed).
 REAP_FINISH_LUA = """
 local base, pod, epoch = ARGV[1], ARGV[2], ARGV[3]
+for i = 4, #ARGV do
+  if redis.call('HGET', base .. 'cids', ARGV[i]) == pod then
+    redis.call('HDEL', base .. 'cids', ARGV[i])
+  end
+  redis.pcall('SREM', base .. 'pc:' .. pod, ARGV[i])
+end
 if redis.call('EXISTS', base .. 'l:' .. pod) == 1 then return -1 end
 if (redis.call('HGET', base .. 'p:' .. pod, 'epoch') or '') ~= epoch then return -1 end
-redis.call('DEL', base .. 'p:' .. pod, base .. 'pbk:' .. pod)
+redis.call('DEL', base .. 'p:' .. pod, base .. 'pbk:' .. pod, base .. 'pc:' .. pod)
 redis.call('SREM', KEYS[1], pod)
 return 1
+"""
+
+# KEYS[1]: pods SET. ARGV: base, pod, then claim ids (hex) whose claims are stripped: they
+# leave the pod's claim ids and the namespace's (a retired id's, or a clean stop's).
+RELEASE_CLAIM_IDS_LUA = """
+local base, pod = ARGV[1], ARGV[2]
+for i = 3, #ARGV do
+  if redis.call('HGET', base .. 'cids', ARGV[i]) == pod then
+    redis.call('HDEL', base .. 'cids', ARGV[i])
+  end
+  redis.call('SREM', base .. 'pc:' .. pod, ARGV[i])
+end
+return #ARGV - 2
 """
 
 # KEYS[1] lease, KEYS[2] pod hash. ARGV[1] epoch, ARGV[2] ttl ms, ARGV[3..] field/value pairs.
@@ -344,9 +439,11 @@ LOOKUP = Script(LOOKUP_LUA)
 PREDICT = Script(PREDICT_LUA)
 LIVE_PODS = Script(LIVE_PODS_LUA)
 DEAD_PODS = Script(DEAD_PODS_LUA)
+REGISTER = Script(REGISTER_LUA)
 REAP_START = Script(REAP_START_LUA)
-REAP_BUCKET = Script(REAP_BUCKET_LUA)
+STRIP = Script(STRIP_LUA)
 REAP_FINISH = Script(REAP_FINISH_LUA)
+RELEASE_CLAIM_IDS = Script(RELEASE_CLAIM_IDS_LUA)
 RENEW_LEASE = Script(RENEW_LEASE_LUA)
 CLAIM_WRITES = Script(CLAIM_WRITES_LUA)
 

@@ -15,7 +15,9 @@ import redis
 from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.proto.index import IndexSchema
 from pagekv.proto.index.connect import is_cluster
+from pagekv.proto.index.schema import CLAIM_ENTRY_BYTES, CLAIM_ID_BYTES, claim_field
 from pagekv.proto.kv_events import BlockRemoved, BlockStored, KVEvent
+from pagekv.proto.medium import MEDIUMS, Medium
 
 SCHEMA = IndexSchema("tiny-llama", 16, "sha256", "seed-1")
 
@@ -42,6 +44,43 @@ def primaries(client: Any) -> Iterator[redis.Redis]:
 def all_keys(client: Any) -> list[bytes]:
     """Every key, on every primary."""
     return [k for node in primaries(client) for k in node.keys("*")]
+
+
+def claims_by_id(client: Any, schema: IndexSchema = SCHEMA) -> dict[bytes, dict[bytes, int]]:
+    """Every claim of the namespace, by claim id: claim field -> tier mask (every bucket's
+    claims HASH, on every primary; a value that is not whole entries is left out)."""
+    out: dict[bytes, dict[bytes, int]] = {}
+    pattern = f"{schema.prefix}:{{{schema.namespace}.*}}:c"
+    for node in primaries(client):
+        for key in node.scan_iter(match=pattern, count=1000):
+            for field, value in node.hgetall(key).items():
+                if len(value) % CLAIM_ENTRY_BYTES:
+                    continue
+                for i in range(0, len(value), CLAIM_ENTRY_BYTES):
+                    entry = value[i:i + CLAIM_ENTRY_BYTES]
+                    out.setdefault(entry[:CLAIM_ID_BYTES], {})[field] = entry[CLAIM_ID_BYTES]
+    return out
+
+
+def claim_id_of(client: Any, pod: str, schema: IndexSchema = SCHEMA) -> bytes:
+    """The claim id `pod`'s registration names (b"": not registered)."""
+    value = client.hget(schema.pod_key(pod), "claim")
+    return bytes.fromhex(value.decode()) if value else b""
+
+
+def best(mask: int) -> Medium:
+    return next(m for m in MEDIUMS if mask & m.bit)
+
+
+def held(client: Any, pod: str, schema: IndexSchema = SCHEMA) -> dict[bytes, Medium]:
+    """What the index says `pod`'s registration holds: claim field -> best tier."""
+    mine = claims_by_id(client, schema).get(claim_id_of(client, pod, schema), {})
+    return {field: best(mask) for field, mask in mine.items()}
+
+
+def by_field(blocks: dict[bytes, Any]) -> dict[bytes, Any]:
+    """hash -> x as the index keys it: claim field -> x."""
+    return {claim_field(h): x for h, x in blocks.items()}
 
 
 class PodState:

@@ -20,6 +20,7 @@ from pagekv.deploy.local_cluster import LocalCluster
 from pagekv.deploy.redis_cluster import LocalRedisCluster
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import connect, count_pod_claims, list_live_pods, lookup_prefix
+from pagekv.proto.index.queries import LivePods
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from tests.integration.index_fixtures import SCHEMA, chain, primaries
@@ -49,19 +50,21 @@ def test_claims_spread_over_the_shards_and_each_chain_stays_on_one(make_pod, cli
     assert pod.pub.flush(10)
     nodes = list(primaries(client))
     assert len(nodes) == 3
-    held = [{k.decode() for k in node.keys(f"{SCHEMA.prefix}:*:b:*")} for node in nodes]
-    per_shard = [len(keys) for keys in held]
+    held = [{k.decode(): node.hlen(k) for k in node.keys(f"{SCHEMA.prefix}:*:c")}
+            for node in nodes]
+    per_shard = [sum(keys.values()) for keys in held]
     assert sum(per_shard) == 900
     assert min(per_shard) > 0.2 * 900, per_shard  # about a third each (1024 buckets)
     assert count_pod_claims(client, SCHEMA, "pod-a") == 900
-    for c in chains:  # all of a chain on one shard: what makes a lookup one call
-        keys = set(SCHEMA.chain_block_keys(c))
-        assert sum(keys <= shard for shard in held) == 1
+    for c in chains:  # all of a chain in one key, on one shard: a lookup is one call
+        key = SCHEMA.chain_claims_key(c)
+        assert sum(key in shard for shard in held) == 1
     slot = index_redis.cluster.key_slot  # the control keys: one slot, the namespace's
     control = [SCHEMA.pods_key, SCHEMA.config_key, SCHEMA.pod_key("pod-a"),
-               SCHEMA.lease_key("pod-a"), SCHEMA.pod_buckets_key("pod-a")]
+               SCHEMA.lease_key("pod-a"), SCHEMA.pod_buckets_key("pod-a"),
+               SCHEMA.pod_claim_ids_key("pod-a"), SCHEMA.claim_ids_key]
     assert len({slot(k) for k in control}) == 1
-    live = {p.pod_id: p.epoch for p in list_live_pods(client, SCHEMA)}
+    live = LivePods.of(list_live_pods(client, SCHEMA))
     assert all(lookup_prefix(client, SCHEMA, c, live)["pod-a"].depth == 3 for c in chains)
 
 
@@ -81,8 +84,8 @@ def test_primary_killed_replica_takes_over_and_routing_recovers(redis_binary, tm
         again = router.stub.Generate(tokens_req(system + [2]))
         assert again.served_by == home and again.routing.reason == "prefix_hit"
         # Kill the primary of the chain's bucket: the shard every lookup of it goes to.
-        root_key = ROUTER_SCHEMA.chain_block_keys(
-            hash_prompt(HashConfig("sha256", SEED), BS, system)[:1])[0]
+        root_key = ROUTER_SCHEMA.chain_claims_key(
+            hash_prompt(HashConfig("sha256", SEED), BS, system)[:1])
         slot = cluster.key_slot(root_key)
         victim = cluster.primary_of(slot)
         killed_at = time.monotonic()

@@ -24,11 +24,19 @@ from pagekv.proto.index import (
     list_live_pods,
     lookup_prefix,
 )
-from pagekv.proto.index.schema import text
-from pagekv.proto.index.writes import listed_buckets
 from pagekv.proto.kv_events import BlockRemoved, BlockStored
 from pagekv.proto.medium import Medium
-from tests.integration.index_fixtures import SCHEMA, PodState, all_keys, chain, primaries
+from tests.integration.index_fixtures import (
+    SCHEMA,
+    PodState,
+    all_keys,
+    by_field,
+    chain,
+    claim_id_of,
+    claims_by_id,
+    held,
+    primaries,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -41,16 +49,6 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "") 
             pytest.fail(f"timed out waiting for {what or cond}")
         time.sleep(0.02)
 
-
-def index_claims(r: Any, schema: IndexSchema, pod: str, epoch: str) -> dict[bytes, str]:
-    """What Redis says this pod holds: hash -> best tier, only claims of this epoch."""
-    out: dict[bytes, str] = {}
-    for bucket in listed_buckets(r, schema, pod):
-        for member in r.smembers(schema.pod_blocks_key(pod, bucket)):
-            value = r.hget(schema.block_key_hex(text(member), bucket), pod)
-            if value is not None and value.decode().endswith(":" + epoch):
-                out[bytes.fromhex(text(member))] = Medium.from_code(value.decode()[0])
-    return out
 
 def test_live_pods_expose_address_load_config_and_costs(make_pod, client):
     make_pod("pod-a")
@@ -71,8 +69,7 @@ def test_expired_lease_no_longer_counts(make_pod, client):
     assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 2
     pod.pub.stop(clear=False)  # a crash: nothing removed, the lease is just not renewed
     wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
-    root = bucket_of(blocks[0])
-    assert client.hget(SCHEMA.block_key(blocks[0], root), "pod-a") is not None  # claims remain
+    assert held(client, "pod-a") == by_field(dict.fromkeys(blocks, Medium.GPU))  # claims remain
     assert lookup_prefix(client, SCHEMA, blocks) == {}
     assert list_live_pods(client, SCHEMA) == []
 
@@ -82,19 +79,23 @@ def test_restarted_pod_does_not_inherit_old_claims(make_pod, client):
     blocks = chain(4)
     old.store(blocks)
     assert old.pub.flush()
-    old_epoch = old.pub.epoch
+    old_epoch, old_id = old.pub.epoch, claim_id_of(client, "pod-a")
     old.pub.stop(clear=False)  # crashed; its lease is still alive for a while
-    new = make_pod("pod-a")
-    assert new.pub.epoch != old_epoch
-    # The restarted pod holds nothing: the previous epoch's claims were dropped at start.
+    new = make_pod("pod-a", retire_after_s=0.3)
+    new_id = claim_id_of(client, "pod-a")
+    assert new.pub.epoch != old_epoch and new_id != old_id and new_id
+    # The restarted pod holds nothing: the previous instance's claims carry its claim id,
+    # which the registration no longer names.
+    assert len(claims_by_id(client)[old_id]) == 4
     assert lookup_prefix(client, SCHEMA, blocks) == {"pod-a": PodMatch(0, [])}
-    assert index_claims(client, SCHEMA, "pod-a", old_epoch) == {}
-    # And a claim that still carries the old epoch is not trusted either.
-    client.hset(SCHEMA.block_key(blocks[0], bucket_of(blocks[0])), "pod-a", f"G:{old_epoch}")
-    assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 0
     new.store(blocks[:3])
     assert new.pub.flush()
     assert lookup_prefix(client, SCHEMA, blocks)["pod-a"].depth == 3
+    # And once no router can still count them, they are stripped and the id released.
+    wait_until(lambda: old_id not in claims_by_id(client), what="the old claims' strip")
+    assert client.smembers(SCHEMA.pod_claim_ids_key("pod-a")) == {new_id.hex().encode()}
+    assert client.hkeys(SCHEMA.claim_ids_key) == [new_id.hex().encode()]
+    assert held(client, "pod-a") == by_field(dict.fromkeys(blocks[:3], Medium.GPU))
 
 
 def test_second_instance_supersedes_the_first(make_pod, client):
@@ -172,7 +173,7 @@ def test_dead_pod_is_reaped_in_batches_leaving_others_exactly(make_pod, client, 
     wait_until(lambda: not client.exists(SCHEMA.lease_key("pod-a")), what="lease expiry")
     url = index_redis.url
     assert _run("dead_pods", url, SCHEMA) == {"pod-a": epoch}
-    removed = _run("reap_pod", url, SCHEMA, "pod-a", epoch, 7)
+    removed = _run("reap_pod", url, SCHEMA, "pod-a", epoch)
     assert removed == 34
     assert dump(client) == before  # every key of pod-a gone, pod-b's untouched
     assert _run("dead_pods", url, SCHEMA) == {}
@@ -211,7 +212,7 @@ def test_publisher_survives_redis_restart_and_republishes(make_pod, redis_server
     wait_until(lambda: pub.stats()["connected"] and pub.stats()["reconnects"] >= 1,
                what="reconnect")
     assert pub.flush()
-    assert index_claims(client, SCHEMA, "pod-a", pub.epoch) == pod.full_state()
+    assert held(client, "pod-a") == by_field(pod.full_state())
     stats = pub.stats()
     assert stats["republishes"] >= 2 and stats["events_dropped"] >= 1
     got = lookup_prefix(client, SCHEMA, blocks)["pod-a"]
@@ -232,9 +233,8 @@ def test_claim_writes_survive_a_flushed_script_cache(make_pod, client):
     pod.store(second, medium="CPU")
     pod.emit([BlockRemoved(first[2:], Medium.GPU)])
     assert pod.pub.flush()
-    epoch = pod.pub.epoch
-    assert index_claims(client, SCHEMA, "pod-a", epoch) == {
-        **dict.fromkeys(first[:2], Medium.GPU), **dict.fromkeys(second, Medium.CPU)}
+    assert held(client, "pod-a") == by_field({
+        **dict.fromkeys(first[:2], Medium.GPU), **dict.fromkeys(second, Medium.CPU)})
 
 
 def test_a_driven_publisher_does_its_work_only_in_step(index_redis, client):
@@ -251,20 +251,18 @@ def test_a_driven_publisher_does_its_work_only_in_step(index_redis, client):
         blocks = chain(2, "d")
         state.store(blocks)
         time.sleep(0.1)
-        assert index_claims(client, SCHEMA, "pod-d", pub.epoch) == {}  # no thread wrote
+        assert held(client, "pod-d") == {}  # no thread wrote
         assert not woken  # a submit needs no wake: the owner steps after it
         wait = pub.step(write=True)
         assert 0 < wait <= pub.renew_interval_s
-        assert index_claims(client, SCHEMA, "pod-d", pub.epoch) == dict.fromkeys(
-            blocks, Medium.GPU)
+        assert held(client, "pod-d") == by_field(dict.fromkeys(blocks, Medium.GPU))
         pub.pause()
         assert woken  # another thread's request wakes the owner's loop
         pub.step()
         assert not client.exists(SCHEMA.lease_key("pod-d"))
         pub.resume()
         pub.step()
-        assert index_claims(client, SCHEMA, "pod-d", pub.epoch) == dict.fromkeys(
-            blocks, Medium.GPU)
+        assert held(client, "pod-d") == by_field(dict.fromkeys(blocks, Medium.GPU))
     finally:
         pub.stop(clear=True)
     assert not client.exists(SCHEMA.pod_key("pod-d"))
@@ -284,11 +282,11 @@ def test_a_republish_larger_than_one_round_trip_is_written_whole(make_pod, clien
         pod.store(blocks)
     assert pod.pub.flush()
     expected = {h: Medium.GPU for blocks in chains for h in blocks}
-    assert index_claims(client, SCHEMA, "pod-a", pod.pub.epoch) == expected
+    assert held(client, "pod-a") == by_field(expected)
     pod.emit([BlockRemoved(chains[0], Medium.GPU)])
     assert pod.pub.flush()
     pod.pub._drop_pending()  # as after a lost connection: the full state again, in full
     wait_until(lambda: pod.pub.stats()["republishes"] >= 2, what="a republish")
     assert pod.pub.flush()
     expected = {h: Medium.GPU for blocks in chains[1:] for h in blocks}
-    assert index_claims(client, SCHEMA, "pod-a", pod.pub.epoch) == expected
+    assert held(client, "pod-a") == by_field(expected)

@@ -26,6 +26,8 @@ from pagekv.proto.index import (
     register_scripts,
 )
 from pagekv.proto.index.connect import connection_options, is_cluster
+from pagekv.proto.index.queries import LivePods
+from pagekv.proto.index.schema import new_claim_id
 from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.integration.index_fixtures import SCHEMA, chain, primaries
 
@@ -193,7 +195,7 @@ def test_lookup_is_one_round_trip_to_one_node(make_pod, client):
     pod.store(blocks[:50])
     other.store(blocks[:3])
     assert pod.pub.flush() and other.pub.flush()
-    live = {p.pod_id: p.epoch for p in list_live_pods(client, SCHEMA)}  # the router's cache
+    live = LivePods.of(list_live_pods(client, SCHEMA))  # the router's cache
     counting, nodes = counting_from_now(client)
     got = lookup_prefix(counting, SCHEMA, blocks, live)
     assert got["pod-a"].depth == 50 and got["pod-b"].depth == 3
@@ -211,9 +213,9 @@ def test_the_reply_names_only_the_holders_however_many_pods_are_passed(make_pod,
     a.store(blocks[:5])
     b.store(blocks[:9])
     assert a.pub.flush() and b.pub.flush()
-    live = {f"pod-{i:03d}": f"e{i}" for i in range(256)}
-    live["pod-a"] = next(p.epoch for p in list_live_pods(client, SCHEMA) if p.pod_id == "pod-a")
-    live["pod-b"] = "an-old-epoch"  # its claims carry another: they do not count
-    call = queries.lookup(SCHEMA, blocks, live)
+    ids = {f"pod-{i:03d}": new_claim_id() for i in range(256)}
+    ids["pod-a"] = next(p.claim_id for p in list_live_pods(client, SCHEMA) if p.pod_id == "pod-a")
+    ids["pod-b"] = new_claim_id()  # not its registration's: its claims do not count
+    call = queries.lookup(SCHEMA, blocks, LivePods(ids))
     assert len(call.keys) == 1 and len(call.args) == 4  # however long, however many pods
     assert call.run(client) == {"pod-a": PodMatch(5, ["GPU"] * 5)}

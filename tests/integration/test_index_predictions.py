@@ -12,12 +12,14 @@ import time
 import pytest
 
 from pagekv.proto.index import PodMatch, list_live_pods, lookup_prefix, queries
+from pagekv.proto.index.queries import LivePods
 from tests.integration.index_fixtures import SCHEMA, chain
 from tests.integration.test_index_lookup import counting_from_now, evalsha_calls
 
 pytestmark = pytest.mark.integration
 
-FAR = {"pod-a": "e1", "pod-b": "e2"}  # live pods as a router passes them (no claims needed)
+# Live pods as a router passes them (no claim ids: no claims needed).
+FAR = LivePods({"pod-a": b"", "pod-b": b""})
 
 
 def predict(client, pod: str, blocks: list[bytes], start: int = 0, ttl_ms: int = 30_000,
@@ -42,7 +44,7 @@ def test_predictions_extend_the_claimed_prefix(make_pod, client):
     blocks = chain(8, "p2")
     pod.store(blocks[:3], medium="CPU")
     assert pod.pub.flush()
-    live = {p.pod_id: p.epoch for p in list_live_pods(client, SCHEMA)}
+    live = LivePods.of(list_live_pods(client, SCHEMA))
     # What a router writes: the blocks past what the index confirms there.
     assert predict(client, "pod-a", blocks[:6], start=3) == 3
     got = lookup_prefix(client, SCHEMA, blocks, live, predictions=True)["pod-a"]
@@ -72,7 +74,7 @@ def test_a_prediction_expires_after_its_ttl(client):
 
 def test_a_key_keeps_at_most_the_cap_latest_pods(client):
     blocks = chain(2, "p5")
-    live = {f"pod-{i}": f"e{i}" for i in range(12)}
+    live = LivePods({f"pod-{i}": b"" for i in range(12)})
     for pod in live:
         predict(client, pod, blocks, cap=4)
     got = lookup_prefix(client, SCHEMA, blocks, live, predictions=True)

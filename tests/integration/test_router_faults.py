@@ -18,6 +18,7 @@ import redis
 from pagekv.proto.index import count_pod_claims
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.router.server import STOP_STEP_TIMEOUT_S
+from tests.integration.index_fixtures import claim_id_of, claims_by_id
 from tests.integration.router_fixtures import SCHEMA, tokens_req
 
 pytestmark = pytest.mark.integration
@@ -168,6 +169,7 @@ def test_dead_pod_is_reaped_from_the_index(redis_server, fake_pods, make_router,
     for pod in fake_pods:
         assert pod.publisher.flush(5)
     crashed = fake_pods[0]
+    claim_id = claim_id_of(client, crashed.pod_id, SCHEMA)
     claims = count_pod_claims(client, SCHEMA, crashed.pod_id)
     assert claims > 0
     with caplog.at_level(logging.WARNING, logger="pagekv.router.pods"):
@@ -177,9 +179,10 @@ def test_dead_pod_is_reaped_from_the_index(redis_server, fake_pods, make_router,
                                                                crashed.pod_id):
             time.sleep(0.1)
     assert not client.exists(SCHEMA.pod_key(crashed.pod_id),
-                             SCHEMA.pod_buckets_key(crashed.pod_id))
-    assert not client.keys(f"*:pb:{crashed.pod_id}")
-    assert not any(client.hexists(k, crashed.pod_id) for k in client.scan_iter("*:b:*"))
+                             SCHEMA.pod_buckets_key(crashed.pod_id),
+                             SCHEMA.pod_claim_ids_key(crashed.pod_id))
+    assert claim_id and claim_id not in claims_by_id(client, SCHEMA)  # every claim of it stripped
+    assert not client.hexists(SCHEMA.claim_ids_key, claim_id.hex())  # its id released
     assert count_pod_claims(client, SCHEMA, fake_pods[1].pod_id) > 0  # the others stay
     assert router.metric("pagekv_router_reaped_pods_total") == 1
     assert router.metric("pagekv_router_reaped_claims_total") == claims

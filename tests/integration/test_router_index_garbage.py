@@ -15,9 +15,15 @@ import grpc
 import pytest
 import redis
 
-from pagekv.proto.index import connect
-from pagekv.proto.index.schema import namespace_config_key
+from pagekv.proto.index import bucket_of, claim_field, connect
+from pagekv.proto.index.schema import (
+    CLAIM_ENTRY_BYTES,
+    CLAIM_ID_BYTES,
+    namespace_config_key,
+    new_claim_id,
+)
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from tests.integration.index_fixtures import claim_id_of
 from tests.integration.router_fixtures import SCHEMA, FakePod, RouterHandle, tokens_req
 
 pytestmark = pytest.mark.integration
@@ -34,7 +40,7 @@ def _forge_pod(r: Any, pod_id: str, fields: dict[str, Any], lease: bool = True
     """A registration written by hand (as anyone who reaches Redis could): `fields` over
     a complete one, with a lease a minute long. Returns its epoch."""
     epoch = "forged0001"
-    record = {"epoch": epoch, "updated": str(time.time()),
+    record = {"epoch": epoch, "updated": str(time.time()), "claim": new_claim_id().hex(),
               **{f"cfg.{k}": v for k, v in SCHEMA.hash_config().items()},
               "load.waiting": "0", "load.running": "0", "load.free_blocks": "100"}
     record.update(fields)
@@ -132,31 +138,43 @@ def _home_and_hashes(router: RouterHandle, prompt: list[int]) -> tuple[str, list
     return home, hashes
 
 
-def _claim_key(hashes: list[bytes], i: int) -> str:
-    return SCHEMA.chain_block_keys(hashes)[i]
+def _set_claims(r: redis.Redis, hashes: list[bytes], i: int, value: bytes) -> None:
+    """Block i's claims (its field in the chain's bucket's claims HASH) set to `value`."""
+    r.hset(SCHEMA.chain_claims_key(hashes), claim_field(hashes[i]), value)
+
+
+def _with_mask(r: redis.Redis, pod: str, hashes: list[bytes], i: int, mask: int) -> bytes:
+    """Block i's claims with `pod`'s tier mask byte replaced."""
+    value = r.hget(SCHEMA.chain_claims_key(hashes), claim_field(hashes[i]))
+    cid = claim_id_of(r, pod, SCHEMA)
+    at = next(j for j in range(0, len(value), CLAIM_ENTRY_BYTES)
+              if value[j:j + CLAIM_ID_BYTES] == cid)
+    return value[:at + CLAIM_ID_BYTES] + bytes((mask,)) + value[at + CLAIM_ENTRY_BYTES:]
 
 
 def _prediction_key(hashes: list[bytes], i: int) -> str:
     return SCHEMA.chain_prediction_keys(hashes)[i]
 
 
-def _epoch(r: redis.Redis, pod_id: str) -> str:
-    return r.hget(SCHEMA.pod_key(pod_id), "epoch").decode()
-
-
 GarbageWriter = Callable[[redis.Redis, str, list[bytes]], None]
 
 
 def _unknown_tier_at_block_0(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
-    r.hset(_claim_key(hashes, 0), pod, f"Z:{_epoch(r, pod)}")
+    _set_claims(r, hashes, 0, _with_mask(r, pod, hashes, 0, 0x40))
 
 
 def _unknown_tier_at_block_2(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
-    r.hset(_claim_key(hashes, 2), pod, f"Q:{_epoch(r, pod)}")
+    _set_claims(r, hashes, 2, _with_mask(r, pod, hashes, 2, 0))
 
 
-def _claim_without_epoch(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
-    r.hset(_claim_key(hashes, 0), "fake-x", "garbage")
+def _claims_not_whole_entries(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
+    _set_claims(r, hashes, 3, b"garbage")
+
+
+def _an_unknown_claim_id_at_block_0(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
+    """A claim of no live registration (a dead pod's not reaped yet, or a forged one)."""
+    key, field = SCHEMA.chain_claims_key(hashes), claim_field(hashes[0])
+    r.hset(key, field, new_claim_id() + b"\x01" + r.hget(key, field))
 
 
 def _non_numeric_prediction(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
@@ -164,14 +182,9 @@ def _non_numeric_prediction(r: redis.Redis, pod: str, hashes: list[bytes]) -> No
     r.pexpire(_prediction_key(hashes, 0), 60_000)
 
 
-def _claim_key_a_string(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
-    r.delete(_claim_key(hashes, 3))
-    r.set(_claim_key(hashes, 3), "not a hash")
-
-
-def _block_0_key_a_list(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
-    r.delete(_claim_key(hashes, 0))
-    r.rpush(_claim_key(hashes, 0), "x")
+def _claims_key_a_list(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
+    r.delete(SCHEMA.chain_claims_key(hashes))
+    r.rpush(SCHEMA.chain_claims_key(hashes), "x")
 
 
 def _prediction_key_a_set(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
@@ -182,10 +195,10 @@ def _prediction_key_a_set(r: redis.Redis, pod: str, hashes: list[bytes]) -> None
 @pytest.mark.parametrize("write, reason, still_hits", [
     (_unknown_tier_at_block_0, "bad_claim", False),
     (_unknown_tier_at_block_2, "bad_claim", True),   # blocks 0-1 still count
-    (_claim_without_epoch, "bad_claim", True),
+    (_claims_not_whole_entries, "bad_claim", True),  # blocks 0-2 still count
+    (_an_unknown_claim_id_at_block_0, "", True),     # ignored, and no bad record
     (_non_numeric_prediction, "bad_prediction", True),
-    (_claim_key_a_string, "wrong_type", True),        # blocks 0-2 still count
-    (_block_0_key_a_list, "wrong_type", False),
+    (_claims_key_a_list, "wrong_type", False),       # the bucket's claims: all of them
     (_prediction_key_a_set, "wrong_type", True),
 ])
 def test_a_bad_claim_or_prediction_is_ignored(redis_server, fake_pods, make_router,
@@ -202,7 +215,10 @@ def test_a_bad_claim_or_prediction_is_ignored(redis_server, fake_pods, make_rout
         assert list(router.stub.GenerateStream(req, timeout=10))[-1].served_by
         if still_hits:
             assert resp.routing.predicted_cached_tokens > 0
-    assert _bad(router, reason) >= 1
+    if reason:
+        assert _bad(router, reason) >= 1
+    else:
+        assert not any(_bad(router, why) for why in ("bad_claim", "wrong_type", "bad_reply"))
     _index_stayed_up(router)
 
 
@@ -295,7 +311,7 @@ def test_a_burst_larger_than_a_cluster_nodes_pool_queues_for_it(redis_cluster, m
         router.wait_pods(6)
         prepared = router.server.router.prepare(tokens_req(PROMPT + [0]))
         shard = redis_cluster.primary_of(redis_cluster.key_slot(
-            SCHEMA.chain_block_keys(prepared.block_hashes)[0]))
+            SCHEMA.chain_claims_key(prepared.block_hashes)))
         channel = grpc.insecure_channel(router.address)
         generate = pb_grpc.GenerationStub(channel).Generate
         try:
@@ -315,25 +331,30 @@ def test_a_burst_larger_than_a_cluster_nodes_pool_queues_for_it(redis_cluster, m
             pod.close()
 
 
-@pytest.mark.parametrize("garbage", ["bucket_list", "claim_set", "claim"])
+@pytest.mark.parametrize("garbage", ["bucket_list", "claim_ids", "claims", "members"])
 def test_a_dead_pods_garbage_keys_are_reaped_with_it(redis_server, fake_pods, make_router,
                                                      caplog, garbage: str) -> None:
-    """A dead pod (registration, no lease) whose bucket list, claim set or claim is a key
-    of another type: reaped all the same, at the first try (it failed, warned and retried
-    for good, or until a script half-run had popped the bad member)."""
+    """A dead pod (registration, no lease) whose bucket list, claim id set or a bucket's
+    claims HASH is a key of another type, or whose lists hold members that are not buckets
+    or claim ids: reaped all the same, at the first try (a failure would warn and retry)."""
     r = _raw(redis_server.url)
     _forge_pod(r, "dead", {"address": "127.0.0.1:1"}, lease=False)
-    h = "ab" * 32
-    bucket = int(h[:3], 16) >> 2
+    h = bytes.fromhex("ab" * 32)
+    bucket = bucket_of(h)
+    cid = new_claim_id()
     if garbage == "bucket_list":
         r.set(SCHEMA.pod_buckets_key("dead"), "x")
     else:
-        r.sadd(SCHEMA.pod_buckets_key("dead"), f"{bucket:03x}")
-        if garbage == "claim_set":
-            r.set(SCHEMA.pod_blocks_key("dead", bucket), "x")
+        r.sadd(SCHEMA.pod_buckets_key("dead"), bucket)
+        if garbage == "claim_ids":
+            r.set(SCHEMA.pod_claim_ids_key("dead"), "x")
+        elif garbage == "claims":
+            r.sadd(SCHEMA.pod_claim_ids_key("dead"), cid.hex())
+            r.set(SCHEMA.claims_key(bucket), "x")
         else:
-            r.sadd(SCHEMA.pod_blocks_key("dead", bucket), h)
-            r.set(SCHEMA.block_key_hex(h, bucket), "x")
+            r.sadd(SCHEMA.pod_buckets_key("dead"), "zz", 5000)
+            r.sadd(SCHEMA.pod_claim_ids_key("dead"), cid.hex(), "nothex", "0001")
+            r.hset(SCHEMA.claims_key(bucket), claim_field(h), cid + b"\x01")
     with caplog.at_level("WARNING", logger="pagekv.router.pods"):
         router = make_router(redis_server.url, reap_dead_after_s=0.2)
         router.wait_pods(3)
@@ -341,7 +362,10 @@ def test_a_dead_pods_garbage_keys_are_reaped_with_it(redis_server, fake_pods, ma
         while r.exists(SCHEMA.pod_key("dead")) and time.monotonic() < deadline:
             time.sleep(0.1)
     assert not [rec for rec in caplog.records if "reaping pod dead failed" in rec.getMessage()]
-    assert not r.exists(SCHEMA.pod_key("dead"), SCHEMA.pod_buckets_key("dead"))
+    assert not r.exists(SCHEMA.pod_key("dead"), SCHEMA.pod_buckets_key("dead"),
+                        SCHEMA.pod_claim_ids_key("dead"))
+    if garbage == "members":  # its one claim stripped (its field with it)
+        assert not r.exists(SCHEMA.claims_key(bucket))
     assert not r.sismember(SCHEMA.pods_key, "dead")
     assert router.metric("pagekv_router_reaped_pods_total") == 1
     assert _calls_succeed(router, PROMPT, n=1)

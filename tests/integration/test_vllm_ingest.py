@@ -31,6 +31,7 @@ from pagekv.proto.vllm_events import (
     seq_to_bytes,
     short_hash,
 )
+from tests.integration.index_fixtures import by_field
 from tests.integration.vllm_fixtures import (
     SCHEMA,
     TOPIC,
@@ -121,17 +122,17 @@ def test_stored_removed_cleared_land_in_the_index(make_ingester, rclient, hash_f
         match = lookup_prefix(rclient, SCHEMA, A)["vllm-a"]
         assert match.depth == 4 and match.tiers == ["GPU", "GPU", "GPU", "CPU"]
         assert lookup_prefix(rclient, SCHEMA, B)["vllm-a"].depth == 2
-        assert pod_claims(rclient, SCHEMA, "vllm-a") == {**dict.fromkeys(A[:3], "G"),
-                                                          A[3]: "C", **dict.fromkeys(B, "G")}
+        assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field(
+            {**dict.fromkeys(A[:3], "G"), A[3]: "C", **dict.fromkeys(B, "G")})
         (info,) = list_live_pods(rclient, SCHEMA)
         assert (info.pod_id, info.kind, info.http_address) == ("vllm-a", "vllm",
                                                                "127.0.0.1:8000")
         pub.submit([AllBlocksCleared(Medium.GPU)])
         sync(pub, ing)
-        assert pod_claims(rclient, SCHEMA, "vllm-a") == {A[3]: "C"}
+        assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field({A[3]: "C"})
         pub.submit([AllBlocksCleared()])
         sync(pub, ing)
-        assert pod_claims(rclient, SCHEMA, "vllm-a") == {}
+        assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field({})
         assert not ing.book.refused and ing.counters.garbage == 0
     finally:
         pub.stop()
@@ -148,7 +149,7 @@ def test_a_dropped_batch_is_replayed(make_ingester, rclient, replay_with_topic) 
         s.send(2, [wire_stored(A, TOKENS_A, 3, 4)], live=False)  # lost on the way
         s.send(3, [WireBlockRemoved([short_hash(A[0])], "GPU")], form="array")
         assert ing.wait_applied(3)
-        assert pod_claims(rclient, SCHEMA, "vllm-a") == dict.fromkeys(A[1:], "G")
+        assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field(dict.fromkeys(A[1:], "G"))
         assert 2 in s.replay_requests
         c = ing.counters
         assert (c.gaps, c.replays["ok"], c.clears, c.resets) == (1, 1, 0, 0)
@@ -166,7 +167,7 @@ def test_a_batch_the_replay_no_longer_has_clears_and_waits_for_fresh_state(
         scripted.send(1, [wire_stored(A, TOKENS_A, 2, 3)], live=False, keep=False)
         scripted.send(2, [wire_stored(B, TOKENS_B, 0, 2)])
         assert ing.wait_applied(2)
-    assert pod_claims(rclient, SCHEMA, "vllm-a") == dict.fromkeys(B, "G")
+    assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field(dict.fromkeys(B, "G"))
     (line,) = [r.getMessage() for r in caplog.records if "gone" in r.getMessage()]
     assert "batches 1..1 are gone" in line and "cleared its 2 indexed blocks" in line
     assert ing.counters.replays["failed"] == 1 and ing.counters.clears == 1
@@ -189,11 +190,11 @@ def test_a_restarted_publisher_starts_a_new_stream(make_ingester, rclient, scrip
         scripted.send(0, [wire_stored(B, TOKENS_B, 0, 2)])
         wait_for(lambda: ing.counters.resets == 1, what="the reset")
         assert ing.wait_applied(0)
-    assert pod_claims(rclient, SCHEMA, "vllm-a") == dict.fromkeys(B, "G")
+    assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field(dict.fromkeys(B, "G"))
     assert any("restarted" in r.getMessage() for r in caplog.records)
     scripted.send(1, [wire_stored(B, TOKENS_B, 0, 1, medium="CPU")])
     assert ing.wait_applied(1) and ing.counters.resets == 1
-    assert pod_claims(rclient, SCHEMA, "vllm-a") == {B[0]: "GC", B[1]: "G"}
+    assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field({B[0]: "GC", B[1]: "G"})
 
 
 def test_garbage_is_counted_logged_once_and_skipped(make_ingester, rclient, scripted,
@@ -213,7 +214,7 @@ def test_garbage_is_counted_logged_once_and_skipped(make_ingester, rclient, scri
         scripted.send_frames([topic, seq_to_bytes(2), mixed])
         assert ing.wait_applied(2)
     assert ing.counters.garbage == 3 and ing.book.refused == {"unknown_event": 1}
-    assert pod_claims(rclient, SCHEMA, "vllm-a") == dict.fromkeys(A[:3], "G")
+    assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field(dict.fromkeys(A[:3], "G"))
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(skipped) == 1  # throttled: the others are held back, and counted
     assert ing._thread is not None and ing._thread.is_alive()
@@ -228,7 +229,7 @@ def test_events_hashed_with_another_seed_are_refused(make_ingester, rclient, scr
         scripted.send(0, [wire_stored(other, TOKENS_A, 0, 2)])
         scripted.send(1, [wire_stored(other, TOKENS_A, 2, 4)])
         assert ing.wait_applied(1)
-    assert pod_claims(rclient, SCHEMA, "vllm-a") == {}
+    assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field({})
     assert ing.book.refused == {"hash_mismatch": 1, "unknown_parent": 1}
     (line,) = [r.getMessage() for r in caplog.records if "hash_mismatch" in r.getMessage()]
     assert "--hash-seed" in line
@@ -314,11 +315,11 @@ def test_a_pod_that_stops_serving_leaves_the_index_and_comes_back(make_ingester,
         scripted.wait_subscriber()
         scripted.send(0, [wire_stored(A, TOKENS_A, 0, 2)])
         assert ing.wait_applied(0)
-        assert pod_claims(rclient, SCHEMA, "vllm-a") == dict.fromkeys(A[:2], "G")
+        assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field(dict.fromkeys(A[:2], "G"))
         with caplog.at_level(logging.WARNING, logger="pagekv.kvnode.index.vllm_ingest"):
             _Health.status = 503
             wait_for(lambda: not rclient.exists(SCHEMA.lease_key("vllm-a")), what="it left")
-        assert pod_claims(rclient, SCHEMA, "vllm-a") == {}
+        assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field({})
         assert not rclient.sismember(SCHEMA.pods_key, "vllm-a")
         (line,) = [r.getMessage() for r in caplog.records if "not serving" in r.getMessage()]
         assert "HTTP 503, 2 times in a row" in line
@@ -326,7 +327,7 @@ def test_a_pod_that_stops_serving_leaves_the_index_and_comes_back(make_ingester,
         scripted.send(1, [wire_stored(A, TOKENS_A, 2, 4)])
         assert ing.wait_applied(1)
         _Health.status = 200
-        wait_for(lambda: pod_claims(rclient, SCHEMA, "vllm-a") == dict.fromkeys(A, "G"),
+        wait_for(lambda: pod_claims(rclient, SCHEMA, "vllm-a") == by_field(dict.fromkeys(A, "G")),
                  what="it came back")
         (info,) = list_live_pods(rclient, SCHEMA)
         assert info.kind == "vllm"
@@ -359,13 +360,14 @@ def test_redis_going_away_loses_nothing_and_never_stalls_the_stop(scripted, tmp_
         scripted.wait_subscriber()
         scripted.send(0, [wire_stored(A, TOKENS_A, 0, 2)])
         assert ing.wait_applied(0)
-        assert pod_claims(client, SCHEMA, "vllm-a") == dict.fromkeys(A[:2], "G")
+        assert pod_claims(client, SCHEMA, "vllm-a") == by_field(dict.fromkeys(A[:2], "G"))
         server.stop()
         scripted.send(1, [wire_stored(A, TOKENS_A, 2, 4), wire_stored(B, TOKENS_B, 0, 2)])
         wait_for(lambda: ing.counters.last_seq == 1, what="batch 1 applied while Redis is down")
         assert len(ing.book) == 6
         server.start()  # the same port
-        wait_for(lambda: pod_claims(client, SCHEMA, "vllm-a") == dict.fromkeys(A + B, "G"),
+        wait_for(lambda: pod_claims(client, SCHEMA, "vllm-a")
+                 == by_field(dict.fromkeys(A + B, "G")),
                  timeout=15, what="the book republished")
         assert ing.publisher.stats()["republishes"] >= 2
         server.stop()  # and once more, to stop while it is away
@@ -420,7 +422,8 @@ def test_an_ingester_started_before_redis_catches_up_once_it_is_there(scripted,
         wait_for(lambda: ing.counters.last_seq == 0, what="batch 0 applied without Redis")
         server.start()
         client = redis.Redis.from_url(server.url)
-        wait_for(lambda: pod_claims(client, SCHEMA, "vllm-a") == dict.fromkeys(A[:3], "G"),
+        wait_for(lambda: pod_claims(client, SCHEMA, "vllm-a")
+                 == by_field(dict.fromkeys(A[:3], "G")),
                  timeout=15, what="the book published once Redis is there")
     finally:
         ing.stop()

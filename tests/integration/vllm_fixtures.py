@@ -21,6 +21,7 @@ from pagekv.proto.vllm_events import (
     seq_from_bytes,
     seq_to_bytes,
 )
+from tests.integration.index_fixtures import claim_id_of, claims_by_id
 
 # The router's defaults, and a real pagekv-tiny pod's: the tests route over what they ingest.
 SCHEMA = IndexSchema("pagekv-tiny", 16, "sha256", DEFAULT_HASH_SEED)
@@ -126,21 +127,10 @@ class ScriptedPublisher:
 
 
 def pod_claims(client: Any, schema: IndexSchema, pod_id: str) -> dict[bytes, str]:
-    """Every block the pod claims under its live epoch: hash -> tier codes ("G", "GC"...)."""
-    epoch = client.get(schema.lease_key(pod_id))
-    if epoch is None:
-        return {}
-    epoch = epoch.decode()
-    out: dict[bytes, str] = {}
-    for key in client.scan_iter(match=f"{schema.prefix}:{{{schema.namespace}.*}}:b:*",
-                                count=1000):
-        value = client.hget(key, pod_id)
-        if value is None:
-            continue
-        codes, _, claim_epoch = value.decode().partition(":")
-        if claim_epoch == epoch:
-            out[bytes.fromhex(key.decode().rsplit(":", 1)[1])] = codes
-    return out
+    """Every block the pod's registration claims: claim field -> tier codes ("G", "GC"...)
+    (tests.integration.index_fixtures.by_field keys an expectation alike)."""
+    mine = claims_by_id(client, schema).get(claim_id_of(client, pod_id, schema), {})
+    return {field: mask_codes(mask) for field, mask in mine.items()}
 
 
 def codes(mask: int) -> str:

@@ -1,7 +1,7 @@
 """What a pod hands the index writer, before any Redis: the ingester's placed claims
 (proto.index.mirror.PlacedClaims) netted per hash, and the CLAIM_WRITES calls
 (proto.index.writes.ClaimRecords): one record per claim, buckets grouped, calls bounded, one
-bucket per call on a cluster."""
+bucket per call on a cluster; claim fields and claim ids."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import pytest
 
 from pagekv.proto.index import writes
 from pagekv.proto.index.mirror import PlacedClaims
-from pagekv.proto.index.schema import IndexSchema, claim_values
+from pagekv.proto.index.schema import (
+    FIELD_BYTES,
+    IndexSchema,
+    claim_field,
+    claim_field_hex,
+    new_claim_id,
+    valid_claim_id,
+)
 
 SCHEMA = IndexSchema("m", 16, "sha256", "seed")
 H = [bytes([i]) * 32 for i in range(6)]
@@ -27,39 +34,54 @@ def test_placed_claims_net_each_hash_to_its_last_change() -> None:
     assert len(claims) == 0
 
 
-def test_records_are_one_char_of_mask_and_the_hex_hash() -> None:
-    recs = writes.ClaimRecords(len(claim_values("e")))
-    recs.add(7, 3, H[0].hex())
-    recs.add(7, 0, H[1].hex())
-    recs.add(2, 1, H[2].hex())
-    assert recs.by_bucket == {7: ["3" + H[0].hex(), "0" + H[1].hex()], 2: ["1" + H[2].hex()]}
+def test_records_are_one_byte_of_mask_and_the_claim_field() -> None:
+    recs = writes.ClaimRecords()
+    recs.add(7, 3, claim_field(H[0]))
+    recs.add(7, 0, claim_field(H[1]))
+    recs.add(2, 1, claim_field(H[2]))
+    assert recs.by_bucket == {7: [b"\x03" + H[0][-8:], b"\x00" + H[1][-8:]],
+                              2: [b"\x01" + H[2][-8:]]}
     assert recs.claimed == {7, 2} and len(recs) == 3
-    removals_only = writes.ClaimRecords(8)
-    removals_only.add(4, 0, H[3].hex())
+    removals_only = writes.ClaimRecords()
+    removals_only.add(4, 0, claim_field(H[3]))
     assert removals_only.claimed == set()  # nothing to list for a removal
+
+
+def test_claim_fields_are_a_hash_tail_of_fixed_width() -> None:
+    assert claim_field(H[1]) == H[1][-FIELD_BYTES:]
+    assert claim_field_hex(H[1].hex()) == claim_field(H[1])
+    assert claim_field(b"\x05\x06") == b"\0" * 6 + b"\x05\x06"  # a short hash, padded
+    assert claim_field_hex("0506") == claim_field(b"\x05\x06")
+
+
+def test_claim_ids_never_hold_the_lookups_separators() -> None:
+    ids = {new_claim_id() for _ in range(2000)}
+    assert len(ids) == 2000 and all(valid_claim_id(c) for c in ids)
+    assert not valid_claim_id(b"\x00abc") and not valid_claim_id(b"ab\x01c")
+    assert not valid_claim_id(b"abc")
 
 
 @pytest.mark.parametrize("one_bucket_each", [False, True])
 def test_calls_stay_within_the_record_bound(one_bucket_each: bool, monkeypatch) -> None:
     monkeypatch.setattr(writes, "CLAIM_RECORDS", 3)
-    recs = writes.ClaimRecords(8)
+    recs = writes.ClaimRecords()
     for i in range(5):
-        recs.add(1, 1, H[i].hex())
-    recs.add(2, 2, H[5].hex())
-    calls = list(recs.calls(SCHEMA, "pod", one_bucket_each))
+        recs.add(1, 1, claim_field(H[i]))
+    recs.add(2, 2, claim_field(H[5]))
+    calls = list(recs.calls(SCHEMA, one_bucket_each))
     for keys, args in calls:
-        assert len(args) == 2 * len(keys)
-        assert sum(len(a) // 65 for a in args[1::2]) <= 3
-        for key, base in zip(keys, args[0::2], strict=True):
-            assert key.startswith(base)  # the bucket's SET is under the bucket's tag
+        assert len(args) == len(keys)
+        assert sum(len(a) // (1 + FIELD_BYTES) for a in args) <= 3
+        for key in keys:
+            assert key in (SCHEMA.claims_key(1), SCHEMA.claims_key(2))
     if one_bucket_each:  # a cluster: never two buckets (two hash tags) in one call
         assert all(len(set(keys)) == 1 for keys, _ in calls)
     else:
         assert len(calls) == 2  # 5 + 1 records, at most 3 a call: bucket 1's tail shares
-    sent = "".join(a for _, args in calls for a in args[1::2])
-    assert sent == "".join(recs.by_bucket[1] + recs.by_bucket[2])
+    sent = b"".join(a for _, args in calls for a in args)
+    assert sent == b"".join(recs.by_bucket[1] + recs.by_bucket[2])
 
 
-def test_too_many_masks_for_one_char_are_refused() -> None:
+def test_a_mask_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError):
-        writes.ClaimRecords(37)
+        writes.ClaimRecords().add(1, 8, claim_field(H[0]))

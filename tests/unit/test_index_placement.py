@@ -80,7 +80,7 @@ def test_buckets_spread_and_every_key_of_a_chain_shares_its_tag():
         counts[bucket_of(r)] += 1
     assert min(counts) > 0 and max(counts) < 3 * len(roots) / BUCKETS
     schema = IndexSchema("m", 16, "sha256", "s")
-    keys = schema.chain_block_keys(chain(5, "a"))
+    keys = [schema.chain_claims_key(chain(5, "a")), *schema.chain_prediction_keys(chain(5, "a"))]
     tags = {k[k.index("{"):k.index("}") + 1] for k in keys}
     assert tags == {f"{{{schema.namespace}.{bucket_of(chain(1, 'a')[0]):03x}}}"}
     assert schema.pods_key.startswith(f"pagekv:{{{schema.namespace}}}:")
