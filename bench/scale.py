@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -253,7 +254,8 @@ class Sim:
         self.schema = IndexSchema(model, pcfg.block_size, pcfg.hash_algo, pcfg.hash_seed)
         self.pending = len(trace)
         self.recent_lookups: deque = deque(maxlen=REPLAY_LOOKUPS)  # Prepared requests
-        self._sent: dict[int, tuple[dict, dict]] = {}  # pod -> (load, costs) last published
+        # pod -> ((requests, steps), load, costs) when its load and costs were last read
+        self._sent: dict[int, tuple[tuple[int, int], dict, dict]] = {}
 
     def push(self, t: float, kind: int, obj: object = None) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, obj))
@@ -482,20 +484,23 @@ class Sim:
         load and measured costs where they changed since the last one sent."""
         updates: dict[str, PodUpdate] = {}
         for pod in self.pods:
-            load, costs = pod.load(), pod.tier_costs()
-            sent = self._sent.get(pod.index)
             u = PodUpdate()
-            if sent is None or sent[0] != load:
-                u.load = load
-            if sent is None or sent[1] != costs:
-                u.costs = costs
             if pod.events:
                 events = pod.take_events()
                 if self.claims:
                     u.events = events
+            # Load and costs change only with a request added or a step: read them then.
+            mark = (pod.stats.requests, pod.stats.steps)
+            sent = self._sent.get(pod.index)
+            if sent is None or sent[0] != mark:
+                load, costs = pod.load(), pod.tier_costs()
+                if sent is None or sent[1] != load:
+                    u.load = load
+                if sent is None or sent[2] != costs:
+                    u.costs = costs
+                self._sent[pod.index] = (mark, load, costs)
             if u.events or u.load is not None or u.costs is not None:
                 updates[pod.pod_id] = u
-                self._sent[pod.index] = (load, costs)
         return updates
 
     def _publish(self, t: float) -> None:
@@ -668,8 +673,10 @@ def print_header(args: argparse.Namespace, cost: StepCost, pcfg: PodConfig,
           f"{', '.join(f'{x:g}' for x in args.loads) if args.sweep else f'{args.load:g}'}; "
           f"{args.duration:g} simulated s, figures over arrivals after "
           f"{args.warmup:.0%} of it")
+    workers = ", ".join(f"{args.publisher_workers or default_workers(n)} at {n} pods"
+                        for n in args.pods)
     where = ("in the router's process (a thread each)" if args.publishers == "thread" else
-             f"in {args.publisher_workers or 'per 128 pods one (1-4)'} worker processes")
+             f"in worker processes ({workers})")
     print(f"pods' index publishers {where}; router policies: {', '.join(ROUTER_POLICIES)}"
           f"{'; shared burst predictions (their TTL on the wall clock)' if args.shared_bursts else ''}")
     print()
@@ -1000,6 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
     pcfg = replace(PodConfig(), pool_blocks=args.pool_blocks, dram_blocks=args.dram_blocks)
     tcfg = replace(TraceConfig(), tenants_per_pod=args.tenants_per_pod,
                    hot_share=args.hot_share, hot_tokens=args.hot_tokens)
+    # A SIGTERM unwinds like an error: the Redis server and the publisher workers stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run_dir = Path(tempfile.mkdtemp(prefix="pagekv-bench-scale-"))
     t0 = time.perf_counter()
     load_start = os.getloadavg()[0]

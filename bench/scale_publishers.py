@@ -169,7 +169,10 @@ def worker_main(fd_in: int, fd_out: int) -> None:
                 _, i = heapq.heappop(due)
                 heapq.heappush(due, (time.monotonic() + pubs[i].step(), i))
             continue
-        msg = recv(fd_in)
+        try:
+            msg = recv(fd_in)
+        except EOFError:  # the simulation went away without a stop: leave to the leases
+            return
         kind = msg[0]
         if kind == "tick":
             updates: Mapping[str, PodUpdate] = msg[1]
