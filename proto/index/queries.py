@@ -277,13 +277,13 @@ def reap_start(schema: IndexSchema, pod_id: str, epoch: str
 
 
 def strip(schema: IndexSchema, bucket: int, cursor: int, claim_ids: Sequence[str],
-          remove: bool = True, count: int = STRIP_PAGE, keep_id: str = ""
+          remove: bool = True, count: int | None = None, keep_id: str = ""
           ) -> Call[tuple[int, int, int]]:
     """One HSCAN page of a bucket's claims: the claims of `claim_ids` (hex) removed (or,
     `remove` False, only counted). Reply: (next cursor, 0 when done; their claims seen; the
     claims of `keep_id` seen, left alone)."""
     packed = b"".join(bytes.fromhex(c) for c in claim_ids)
-    args: list[Any] = [cursor, count, packed, "1" if remove else ""]
+    args: list[Any] = [cursor, count or STRIP_PAGE, packed, "1" if remove else ""]
     if keep_id:
         args.append(bytes.fromhex(keep_id))
     return Call(scripts.STRIP, (schema.claims_key(bucket),), args, _parse_strip)
