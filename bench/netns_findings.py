@@ -56,21 +56,21 @@ def index_garbage(bed: NetnsBed, warm_s: float = 2.0, garbage_s: float = 5.0,
     load = parts.start_load(bed, concurrency, deadline_s, seed=4)
     time.sleep(warm_s)
     pod_keys = [k for k in r.scan_iter(match="*:p:*", count=1000) if r.type(k) == "hash"]
-    claims = [k for k in r.scan_iter(match="*:b:*", count=1000) if r.type(k) == "hash"]
-    # A claim of an unknown tier under the pod's live epoch (a stale epoch is ignored anyway).
-    epochs = {k.rsplit(":p:", 1)[1]: str(r.hget(k, "epoch") or "") for k in pod_keys}
+    raw = redis.Redis.from_url(bed.redis_url(), socket_timeout=5)  # claims are binary
+    claims = [k for k in raw.scan_iter(match="*:c", count=1000) if raw.type(k) == b"hash"]
     end = time.monotonic() + garbage_s
     while time.monotonic() < end:
         for k in pod_keys:
             r.hset(k, mapping={"load.waiting": "nan", "load.free_blocks": "1e308"})
-        for k in claims[:50]:
-            for pod_id in r.hkeys(k)[:1]:
-                r.hset(k, pod_id, "Z:" + epochs.get(pod_id, ""))
+        for k in claims[:50]:  # a block's claims that are not whole (claim id, mask) entries
+            for field in raw.hkeys(k)[:1]:
+                raw.hset(k, field, b"Z" * 7)
         time.sleep(0.05)
     cleaned = time.monotonic()
     time.sleep(after_s)
     calls, stuck = load.stop()
     r.close()
+    raw.close()
     during = [c for c in calls if c.started < cleaned]
     return {**parts.summary(calls, deadline_s, stuck), "garbage_s": garbage_s,
             "pod_records": len(pod_keys), "claims_spoiled": min(len(claims), 50),

@@ -54,7 +54,7 @@ from pagekv.deploy.local_cluster import pagekv_cmd, spawn, stop_child  # noqa: E
 from pagekv.deploy.redis_server import RedisProcess, free_port  # noqa: E402
 from pagekv.proto.hashing import DEFAULT_HASH_SEED, HashConfig, RequestBlockHasher  # noqa: E402
 from pagekv.proto.index import IndexSchema  # noqa: E402
-from pagekv.proto.index.schema import bucket_of  # noqa: E402
+from pagekv.proto.index.schema import claim_field  # noqa: E402
 from pagekv.proto.vllm_events import (  # noqa: E402
     WireBlockRemoved,
     WireBlockStored,
@@ -84,7 +84,7 @@ class Workload:
         self.held: deque[bytes] = deque()
         self.events = self.blocks = 0
 
-    def batch(self) -> tuple[list, str]:
+    def batch(self) -> tuple[list, tuple[str, bytes]]:
         k, rng = self.k, self.rng
         if not self.chains or rng.random() < 0.5 or len(self.chains[-1][1]) >= 64:
             self.chains.append(([], []))
@@ -106,7 +106,7 @@ class Workload:
             events.append(WireBlockRemoved([short_hash(h) for h in gone], "GPU"))
         self.events += len(events)
         self.blocks += sum(len(e.block_hashes) for e in events)
-        return events, SCHEMA.block_key(new[0], bucket_of(hashes[0]))
+        return events, (SCHEMA.chain_claims_key(hashes), claim_field(new[0]))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             pub.send_multipart((TOPIC, seq_to_bytes(seq), payload), copy=False)
         last_key = batches[-1][1]
         client = redis.Redis.from_url(rds.url)
-        while last_seq(mport) < args.batches - 1 or not client.hexists(last_key, POD):
+        while last_seq(mport) < args.batches - 1 or not client.hexists(*last_key):
             if child.proc.poll() is not None:
                 raise RuntimeError(child.log_tail())
             time.sleep(0.01)

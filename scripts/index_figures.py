@@ -31,7 +31,8 @@ from pagekv.proto.index import (  # noqa: E402
     queries,
     writes,
 )
-from pagekv.proto.index.schema import claim_values, new_epoch  # noqa: E402
+from pagekv.proto.index.queries import LivePods  # noqa: E402
+from pagekv.proto.index.schema import claim_field, new_epoch  # noqa: E402
 
 SCHEMA = IndexSchema("meta-llama/Llama-3.1-8B-Instruct", 16, "sha256", "vllm-none-hash")
 
@@ -41,15 +42,17 @@ def chains(n_chains: int, length: int, tag: str = "c") -> list[list[bytes]]:
             for c in range(n_chains)]
 
 
-def publish(client: Any, pod: str, blocks: list[list[bytes]], epoch: str) -> None:
-    """What a pod's full republish writes: its registration, then its claims (GPU)."""
-    writes.register_pod(client, SCHEMA, pod, epoch, "127.0.0.1:1", SCHEMA.hash_config(),
-                        {}, 600_000)
+def publish(client: Any, pod: str, blocks: list[list[bytes]], epoch: str) -> bytes:
+    """What a pod's full republish writes: its registration, then its claims (GPU).
+    Returns its claim id."""
+    claim_id = writes.register_pod(client, SCHEMA, pod, epoch, "127.0.0.1:1",
+                                   SCHEMA.hash_config(), {}, 600_000)
     wanted: dict[int, dict[str, int]] = {}
     for chain in blocks:
         bucket = bucket_of(chain[0])
         wanted.setdefault(bucket, {}).update((h.hex(), 1) for h in chain)
-    writes.write_all_claims(client, SCHEMA, pod, wanted, claim_values(epoch))
+    writes.write_all_claims(client, SCHEMA, pod, wanted, claim_id)
+    return claim_id
 
 
 def memory(r: Any) -> None:
@@ -61,15 +64,13 @@ def memory(r: Any) -> None:
     publish(r, "pod-b", blocks, new_epoch())
     two = r.info("memory")["used_memory"]
     n = n_chains * length
-    key = SCHEMA.block_key(blocks[0][0], bucket_of(blocks[0][0]))
-    set_key = SCHEMA.pod_blocks_key("pod-a", bucket_of(blocks[0][0]))
-    members = r.scard(set_key)
-    print(f"memory, {n} blocks in {n_chains} chains (key {len(key)} B):")
-    print(f"  block key, 2 claims (MEMORY USAGE): {r.memory_usage(key)} B")
-    r.hdel(key, "pod-b")
-    print(f"  block key, 1 claim (MEMORY USAGE): {r.memory_usage(key)} B")
-    print(f"  per-bucket set per member: {r.memory_usage(set_key, samples=0) / members:.0f} B "
-          f"({members} members)")
+    key = SCHEMA.chain_claims_key(blocks[0])
+    fields = r.hlen(key)
+    print(f"memory, {n} blocks in {n_chains} chains (a bucket's claims HASH: {fields} fields, "
+          f"{r.object('encoding', key)}):")
+    print(f"  claims HASH per field, 2 claims (MEMORY USAGE): "
+          f"{r.memory_usage(key, samples=0) / fields:.0f} B")
+    print(f"  a field's value: {len(r.hget(key, claim_field(blocks[0][0])))} B")
     print(f"  used_memory per block: 1 pod {(one - base) / n:.0f} B, 2 pods {(two - base) / n:.0f} B")
     for pod in ("pod-a", "pod-b"):
         writes.clear_pod_claims(r, SCHEMA, pod)
@@ -92,10 +93,12 @@ def lookups(client: Any, nodes: list[Any], label: str) -> None:
     chain = chains(1, 32, "lookup")[0]
     print(f"lookup, 32 blocks, {label} (round trip p50/p99, server time per call):")
     for n_pods in (16, 64, 256):
-        live = {f"pod-{i:03d}": new_epoch() for i in range(n_pods)}
+        pods = [f"pod-{i:03d}" for i in range(n_pods)]
+        ids: dict[str, bytes] = dict.fromkeys(pods, b"")
         for holders in (1, n_pods):
-            for pod, epoch in list(live.items())[:holders]:
-                publish(client, pod, [chain], epoch)
+            for pod in pods[:holders]:
+                ids[pod] = ids[pod] or publish(client, pod, [chain], new_epoch())
+            live = LivePods(ids)
             call = queries.lookup(SCHEMA, chain, live)
             for node in nodes:
                 node.config_resetstat()
@@ -106,11 +109,11 @@ def lookups(client: Any, nodes: list[Any], label: str) -> None:
                 times.append((time.perf_counter() - t0) * 1e6)
             assert sum(m.depth == 32 for m in got.values()) == holders
             times.sort()
-            args = sum(len(p) + len(e) for p, e in live.items())
+            args = len(live.arg)
             print(f"  {n_pods:3d} pods, {holders:3d} holding: {times[500]:6.0f} / "
                   f"{times[990]:6.0f} us, server {usec_per_call(nodes, 'evalsha'):6.0f} us "
                   f"(ARGV {args} B)")
-        for pod in live:
+        for pod in pods:
             writes.clear_pod_claims(client, SCHEMA, pod)
             writes.unregister_pod(client, SCHEMA, pod)
 
