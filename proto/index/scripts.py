@@ -86,12 +86,13 @@ for i = 2, n do
   if #active == 0 then break end
   v = value(i)
   if not v then break end
-  local mask = {}
-  for e = 1, #v, EW do mask[string.sub(v, e, e + EW - 2)] = string.byte(v, e + EW - 1) end
   local still = {}
   for _, pod in ipairs(active) do
-    local m = mask[cidof[pod]]
-    if m then
+    local cid = cidof[pod]
+    local p = string.find(v, cid, 1, true)
+    while p and (p - 1) % EW ~= 0 do p = string.find(v, cid, p + 1, true) end
+    if p then
+      local m = string.byte(v, p + EW - 1)
       local c = codes[pod]
       local code = CODE[m] or '?'
       c[#c + 1] = code
