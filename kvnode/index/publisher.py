@@ -427,7 +427,8 @@ class IndexPublisher:
             raise _Superseded(f"pod id re-registered with epoch {owner}")
         self._claim_id = writes.register_pod(
             self._client, self.schema, self.pod_id, self.epoch, self.address,
-            self.hash_config, {**self.registration, **self._pod_fields()}, self._lease_ms)
+            self.hash_config, {**self.registration, **self._pod_fields()}, self._lease_ms,
+            previous=self._claim_id)
         self._registered_once = True
         self._next_renew = time.monotonic() + self.renew_interval_s
 

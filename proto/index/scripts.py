@@ -325,18 +325,27 @@ return out
 """
 
 # Registering a pod instance, in the control slot. KEYS[1]: pods SET. ARGV: base, pod,
-# epoch, claim id (hex), lease ms, then the pod HASH's other field/value pairs. A claim id
-# already in the namespace's claim ids (any pod's, this one's retired ones included: their
-# claims may remain) is refused (reply 0: pick another); else it is taken, added to the pod's
-# claim ids, and the pod HASH, lease and pods entry are written (reply 1), all at once: a
-# reader never sees a lease without its registration, nor a claim id that is not reserved.
+# epoch, claim id (hex), lease ms, the instance's previous claim id ("": none), then the pod
+# HASH's other field/value pairs. A claim id already in the namespace's claim ids (any
+# pod's, this one's retired ones included: their claims may remain) is refused (reply 0:
+# pick another); else it is taken, added to the pod's claim ids, and the pod HASH, lease and
+# pods entry are written (reply 1), all at once: a reader never sees a lease without its
+# registration, nor a claim id that is not reserved. The previous claim id is listed again
+# (a wipe or a failover of the control keys may have lost it while its claims, on other
+# shards, remain) unless another pod holds it, so that it is stripped like any retired one.
 REGISTER_LUA = """
-local base, pod, epoch, cid, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local base, pod, epoch, cid, ttl, prev = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 if redis.call('HSETNX', base .. 'cids', cid, pod) == 0 then return 0 end
 redis.call('SADD', base .. 'pc:' .. pod, cid)
+if prev ~= '' then
+  redis.call('HSETNX', base .. 'cids', prev, pod)
+  if redis.call('HGET', base .. 'cids', prev) == pod then
+    redis.call('SADD', base .. 'pc:' .. pod, prev)
+  end
+end
 local key = base .. 'p:' .. pod
 redis.call('DEL', key)
-redis.call('HSET', key, 'epoch', epoch, 'claim', cid, unpack(ARGV, 6))
+redis.call('HSET', key, 'epoch', epoch, 'claim', cid, unpack(ARGV, 7))
 redis.call('SET', base .. 'l:' .. pod, epoch, 'PX', ttl)
 redis.call('SADD', KEYS[1], pod)
 return 1

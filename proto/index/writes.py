@@ -88,10 +88,12 @@ def registered_epoch(client: Any, schema: IndexSchema, pod_id: str) -> str | Non
 
 def register_pod(client: Any, schema: IndexSchema, pod_id: str, epoch: str, address: str,
                  hash_config: Mapping[str, str], fields: Mapping[str, str],
-                 lease_ms: int) -> bytes:
+                 lease_ms: int, previous: bytes = b"") -> bytes:
     """In one script: take a new claim id (one no registration of the namespace holds),
     rewrite the pod HASH with it, set the lease, join the namespace. A reader never sees a
-    lease without its registration (or with another epoch's). Returns the claim id."""
+    lease without its registration (or with another epoch's). `previous`: the claim id this
+    instance registered under last, listed again among the pod's claim ids so that its
+    claims are stripped even where the control keys lost it. Returns the claim id."""
     args: list[str] = [address]
     for name, value in {**{f"cfg.{k}": v for k, v in hash_config.items()}, **fields}.items():
         args += (name, value)
@@ -99,7 +101,7 @@ def register_pod(client: Any, schema: IndexSchema, pod_id: str, epoch: str, addr
         claim_id = new_claim_id()
         if scripts.REGISTER.run(client, (schema.pods_key,),
                                 (schema.base, pod_id, epoch, claim_id.hex(), lease_ms,
-                                 "address", *args)):
+                                 previous.hex(), "address", *args)):
             break
     client.hset(schema.config_key, mapping=schema.hash_config())
     # Outside every namespace's tag, so not in the script (a cluster refuses cross-slot).

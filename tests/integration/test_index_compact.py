@@ -277,3 +277,22 @@ def test_live_pods_pack_only_whole_records():
     assert live.arg.count(a) == 1 and b not in live.arg  # no claim id: a placeholder
     assert live.arg == (b"\0" + a + b"\1pod-a" + b"\0" + b"\0" * 4 + b"\1pod-b"
                         + b"\0" + b"\0" * 4 + b"\1pod-c" + b"\0")
+
+
+def test_claims_of_a_registration_the_control_keys_lost_are_still_stripped(make_pod, client):
+    """A failover of the control shard (or its wipe) may lose a registration, its claim id
+    included, while the claims, on other shards, remain: the instance lists its previous id
+    again as it re-registers, so those claims are stripped like any retired id's."""
+    pod = make_pod("pod-a", lease_ttl_s=0.6, retire_after_s=0.2)
+    blocks = chain(5, "lost")
+    pod.store(blocks)
+    assert pod.pub.flush()
+    lost = claim_id_of(client, "pod-a")
+    client.delete(SCHEMA.pod_key("pod-a"), SCHEMA.lease_key("pod-a"), SCHEMA.claim_ids_key,
+                  SCHEMA.pod_claim_ids_key("pod-a"))  # the control keys only (one slot)
+    assert len(claims_by_id(client)[lost]) == 5
+    wait_until(lambda: claim_id_of(client, "pod-a") not in (b"", lost),
+               what="the pod to register again")
+    wait_until(lambda: lost not in claims_by_id(client), what="the lost id's claims stripped")
+    assert held(client, "pod-a") == by_field(dict.fromkeys(blocks, Medium.GPU))
+    assert client.hkeys(SCHEMA.claim_ids_key) == [claim_id_of(client, "pod-a").hex().encode()]

@@ -16,8 +16,13 @@ SCHEMA = IndexSchema("m", 16, "sha256", "s")
 
 
 def info(pod: str, lease_ms: int, epoch: str = "e1") -> PodInfo:
+    """A registration; its claim id follows from pod id and epoch (a new one per epoch)."""
     return PodInfo(pod, "127.0.0.1:1", epoch, SCHEMA.hash_config(), {}, {}, time.time(),
-                   lease_ms)
+                   lease_ms, claim_id=claim_id(pod, epoch))
+
+
+def claim_id(pod: str, epoch: str) -> bytes:
+    return bytes(2 + b % 254 for b in f"{pod}/{epoch}".encode().ljust(4, b"-")[:4])
 
 
 class ScriptedIndex:
@@ -92,12 +97,13 @@ def test_the_lookups_packed_pods_are_built_once_until_the_pods_change():
         assert await reg.refresh()
         live = reg.live_pods()
         assert reg.live_pods() is live  # per request: the same object, nothing rebuilt
-        assert dict(live) == {"a": "e1", "b": "e7"}  # a separator in an id: left out
-        assert live.arg == b"\0a\1e1\0b\1e7\0"
+        a1, b7, a2 = claim_id("a", "e1"), claim_id("b", "e7"), claim_id("a", "e2")
+        assert dict(live) == {"a": a1, "b": b7}  # a separator in an id: left out
+        assert live.arg == b"\0" + a1 + b"\1a\0" + b7 + b"\1b\0"
         reg.drop_expired(time.monotonic() + 0.2)  # b's lease ran out
-        assert dict(reg.live_pods()) == {"a": "e1"}
-        assert await reg.refresh()  # a restarted: a new epoch
-        assert reg.live_pods().arg == b"\0a\1e2\0"
+        assert dict(reg.live_pods()) == {"a": a1}
+        assert await reg.refresh()  # a restarted: a new epoch, a new claim id
+        assert a2 != a1 and reg.live_pods().arg == b"\0" + a2 + b"\1a\0"
         await reg.close()
 
     asyncio.run(go())
