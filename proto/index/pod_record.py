@@ -208,9 +208,11 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
                                    "stands in")
             else:
                 costs[name[5:]] = number
+    # A record without the field (a tool's or a test's hand-written registration) has no
+    # claim id to count: nothing to note; one that is not a claim id is garbage.
     claim_id = _claim_id(fields.get("claim", ""))
-    if not claim_id:
-        bad.note(BAD_REGISTRATION, f"pod {pod_id}: claim id {fields.get('claim')!r}; its "
+    if not claim_id and "claim" in fields:
+        bad.note(BAD_REGISTRATION, f"pod {pod_id}: claim id {fields['claim']!r}; its "
                                    "claims cannot count")
     updated = _number(fields.get("updated", "0"))
     if updated is None or not math.isfinite(updated) or updated < 0:

@@ -14,10 +14,10 @@ def test_the_workload_is_accepted_and_bounded() -> None:
     book = VllmBlockBook(HashConfig(SCHEMA.hash_algo, SCHEMA.hash_seed), BS)
     removals = 0
     for _ in range(300):
-        events, key = work.batch()
+        events, (key, field) = work.batch()
         removals += any(isinstance(e, WireBlockRemoved) for e in events)
         book.apply(decode_batch(encode_batch(0.0, events)).events)
-        assert key.startswith(SCHEMA.prefix)
+        assert key.startswith(SCHEMA.prefix) and len(field) == 8  # a claims HASH's field
     assert not book.refused and book.ignored_removals == 0
     assert removals > 0 and len(book) <= 200 + 4
     assert work.blocks == book.blocks_stored + book.blocks_removed
