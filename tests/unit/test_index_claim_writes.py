@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pagekv.proto.index import writes
+from pagekv.proto.index.bad_records import BAD_REGISTRATION, BadRecords
 from pagekv.proto.index.mirror import PlacedClaims
+from pagekv.proto.index.pod_record import parse_pod_record
 from pagekv.proto.index.schema import (
     FIELD_BYTES,
     IndexSchema,
@@ -86,3 +88,15 @@ def test_calls_stay_within_the_record_bound(one_bucket_each: bool, monkeypatch) 
 def test_a_mask_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError):
         writes.ClaimRecords().add(1, 8, claim_field(H[0]))
+
+
+def test_a_registration_whose_claim_is_not_a_claim_id_counts_none() -> None:
+    flat = ["address", "127.0.0.1:1", "epoch", "e", "claim", "00000000"]  # bytes 0: no id
+    bad = BadRecords()
+    info = parse_pod_record(["p", "e", 1000, flat], bad)
+    assert info is not None and info.claim_id == b""  # routed by load, no claim counts
+    assert bad.counts[BAD_REGISTRATION] == 1
+    good = new_claim_id()
+    bad = BadRecords()
+    info = parse_pod_record(["p", "e", 1000, [*flat[:-1], good.hex()]], bad)
+    assert info is not None and info.claim_id == good and not any(bad.counts.values())
