@@ -12,6 +12,7 @@ index_fixtures.py.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -263,6 +264,9 @@ def test_the_layout_is_part_of_the_namespace_and_named_in_a_mismatch():
     old = IndexSchema(SCHEMA.model, SCHEMA.block_size, SCHEMA.hash_algo, SCHEMA.hash_seed,
                       index_layout="1")
     assert old.namespace != SCHEMA.namespace
+    layout_1_id = hashlib.sha256("\x1f".join(
+        (SCHEMA.model, str(SCHEMA.block_size), SCHEMA.hash_algo, SCHEMA.hash_seed)).encode())
+    assert old.namespace == layout_1_id.hexdigest()[:12]  # what layout 1's processes use
     legacy = {k: v for k, v in SCHEMA.hash_config().items() if k != LAYOUT_FIELD}
     assert IndexSchema.from_config(legacy).namespace == old.namespace  # a layout-1 config
     assert config_mismatch(SCHEMA, IndexSchema.from_config(legacy)) == \
@@ -296,3 +300,33 @@ def test_claims_of_a_registration_the_control_keys_lost_are_still_stripped(make_
     wait_until(lambda: lost not in claims_by_id(client), what="the lost id's claims stripped")
     assert held(client, "pod-a") == by_field(dict.fromkeys(blocks, Medium.GPU))
     assert client.hkeys(SCHEMA.claim_ids_key) == [claim_id_of(client, "pod-a").hex().encode()]
+
+
+def test_a_router_says_an_old_layout_pod_is_in_another_namespace_and_why(
+        redis_server, fake_pods, make_router, caplog):
+    """A pod of layout 1 (a process not upgraded) registers under its own namespace id,
+    without the layout field: the router never reads its keys and says why, once."""
+    import logging
+
+    import redis
+
+    from tests.integration.router_fixtures import SCHEMA as ROUTER
+
+    old = IndexSchema(ROUTER.model, ROUTER.block_size, ROUTER.hash_algo, ROUTER.hash_seed,
+                      index_layout="1")
+    legacy = {k: v for k, v in old.hash_config().items() if k != LAYOUT_FIELD}
+    r = redis.Redis.from_url(redis_server.url)
+    r.hset(old.config_key, mapping=legacy)  # as layout 1 wrote them
+    r.sadd(old.namespaces_key, old.namespace)
+    r.sadd(old.pods_key, "old-pod")
+    r.hset(old.pod_key("old-pod"), mapping={
+        "address": "127.0.0.1:1", "epoch": "e1", **{f"cfg.{k}": v for k, v in legacy.items()}})
+    r.set(old.lease_key("old-pod"), "e1", px=60_000)
+    with caplog.at_level(logging.WARNING, logger="pagekv.router.pods"):
+        router = make_router(redis_server.url)
+        router.wait_pods(3)
+        time.sleep(1.0)  # several namespace checks
+    lines = [m.getMessage() for m in caplog.records if "old-pod" in m.getMessage()]
+    assert len(lines) == 1, lines
+    assert old.namespace in lines[0] and "index_layout differs: '2' vs '1'" in lines[0]
+    assert "old-pod" not in router.server.router.registry.pods
