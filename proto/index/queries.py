@@ -1,4 +1,5 @@
-"""The index's reads: what each script call sends, and what its reply means.
+"""The index's reads, and the claims' strip (clean-up and reaping): what each script call
+sends, and what its reply means.
 
 A `Call` pairs one script's keys and arguments with the parser of its reply, so the same
 query runs on a pod's or a test's synchronous client (`run`) and on the router's asyncio

@@ -58,8 +58,8 @@ ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = "prefill", "decode", "mixed"
 POD_ROLES: tuple[str, ...] = (ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE)
 
 # Block claims are spread over this many hash tags, by the first bits of the chain's root
-# hash. Enough to spread over any realistic shard count; few enough that a pod's per-bucket
-# claim sets (at most BUCKETS of them) stay cheap to list, clear and reap. Part of the key
+# hash. Enough to spread over any realistic shard count; few enough that the claims keys a
+# pod lists (at most BUCKETS of them) stay cheap to list, clear and reap. Part of the key
 # layout: every pod and router of one namespace must agree on it.
 BUCKET_BITS = 10
 BUCKETS = 1 << BUCKET_BITS
