@@ -42,7 +42,10 @@ from pagekv.router.placement import COLD_PLACEMENTS
 from pagekv.router.scoring import CostModel
 from pagekv.router.stall import StallBound
 
-POLICIES = ("prefix", "round_robin", "random")
+# prefix: the cost model (a queue priced per request); sticky: the same with the queue
+# priced as its prompt tokens at the pod's measured rate (sticky until saturated).
+PREFIX_POLICIES = ("prefix", "sticky")
+POLICIES = (*PREFIX_POLICIES, "round_robin", "random")
 POD_KEEPALIVE_MIN_S = 2.0  # pods permit a ping a second (kvnode/pod/server.py): a margin
 
 # A call queued behind a full Redis pool waits for this many commands' timeouts at most.

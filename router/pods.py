@@ -29,6 +29,7 @@ import asyncio
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,8 +114,31 @@ class PodEntry:
     step_s: float = 0.0  # seconds per generation step as measured here (0: not yet)
     finished: list[float] = field(default_factory=list)  # unix times our calls ended
     lease_until: float = 0.0  # monotonic time its lease, as last read, runs out
+    # Told when this pod's queue drops (a call of ours ended): router/fleet_view.py.
+    on_load: Callable[[PodEntry], None] | None = field(default=None, repr=False)
     _recent: float = 0.0  # requests routed here, decayed with _RECENT_HALF_LIFE_S
     _recent_at: float = 0.0
+    _backlog: float = 0.0  # prompt tokens we sent here to compute, as of _backlog_at
+    _backlog_at: float = 0.0
+
+    def backlog(self, per_token_s: float, now: float | None = None) -> float:
+        """Prompt tokens waiting to be computed here: what we sent (each request's
+        uncached part), drained at the pod's measured prefill rate since, or what the pod
+        published (`load.prefill_backlog`, everyone's, up to a lease renewal old) where
+        more. Needs no end-of-call signal: a prefill's tokens are gone once the pod has had
+        the time to compute them."""
+        now = time.monotonic() if now is None else now
+        return max(self._ours(per_token_s, now), self.info.load.get("prefill_backlog", 0.0))
+
+    def add_backlog(self, tokens: int, per_token_s: float) -> None:
+        now = time.monotonic()
+        self._backlog = self._ours(per_token_s, now) + max(tokens, 0)
+        self._backlog_at = now
+
+    def _ours(self, per_token_s: float, now: float) -> float:
+        if self._backlog <= 0 or per_token_s <= 0:
+            return self._backlog
+        return max(0.0, self._backlog - (now - self._backlog_at) / per_token_s)
 
     def recent(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
@@ -132,10 +156,18 @@ class PodEntry:
         if len(self.finished) > _FINISHED_KEEP:  # keep a few lease renewals' worth
             cut = bisect.bisect_right(self.finished, now - 5.0)
             del self.finished[:max(cut, len(self.finished) - _FINISHED_KEEP)]
+        if self.on_load is not None:
+            self.on_load(self)
 
     def finished_since_load(self) -> int:
         """Our calls that ended after the pod last published its load."""
         return len(self.finished) - bisect.bisect_right(self.finished, self.info.updated_at)
+
+    def queue(self) -> int:
+        """Requests ahead of a new one here: the published load less ours that finished
+        since it was published, or our own calls in flight where more (scoring.Candidate's)."""
+        published = self.info.waiting + self.info.running - self.finished_since_load()
+        return max(published, self.inflight, 0)
 
     def note_steps(self, seconds: float, steps: int) -> None:
         """A call here took `seconds` for `steps` generated tokens (per completion): the
@@ -194,6 +226,8 @@ class PodRegistry:
         self._live: LivePods | None = None  # live_pods(), for this `pods` dict and size
         self._live_of: dict[str, PodEntry] | None = None
         self._live_len = 0
+        self._next_expiry = 0.0  # monotonic: no lease, as last read, runs out before this
+        self._expiry_of: dict[str, PodEntry] | None = None  # the pods it was computed for
         self.index_up = False
         self.ready = asyncio.Event()  # set after the first successful read of the index
         self._channels: dict[str, _Channel] = {}
@@ -336,13 +370,24 @@ class PodRegistry:
         if not self.index_up:
             return
         now = time.monotonic() if now is None else now
+        if now < self._next_expiry and self._expiry_of is self.pods:
+            return  # the per-request case: O(1)
         gone = [p for p in self.pods.values() if p.lease_until <= now]
         for entry in gone:
             del self.pods[entry.pod_id]
             logger.info("pod %s at %s: lease ran out; no longer routed to", entry.pod_id,
                         entry.info.address)
+        self._next_expiry = min((p.lease_until for p in self.pods.values()),
+                                default=float("inf"))
+        self._expiry_of = self.pods
         if gone:
             self._update_gauges()
+
+    def _changed(self) -> None:
+        self._next_expiry = min((p.lease_until for p in self.pods.values()),
+                                default=float("inf"))
+        self._expiry_of = self.pods
+        self._update_gauges()
 
     def live_epochs(self) -> dict[str, str]:
         """Pod id -> live epoch of every eligible pod: what a lookup matches claims with."""
@@ -383,7 +428,7 @@ class PodRegistry:
                             entry.info.address)
         self.pods = fresh
         self._close_idle_channels(now)
-        self._update_gauges()
+        self._changed()
 
     def _update_gauges(self) -> None:
         eligible = sum(1 for p in self.pods.values() if p.eligible)

@@ -1,11 +1,13 @@
-"""The pull crossover of every pod pair, as a metric and a debug line.
+"""The pull crossovers the router applies, as a metric and a debug line.
 
 For a pod C and a peer H, the crossover is the token delta above which C pulling from H
 beats recomputing (router/scoring.py `pull_crossover`, from what C measured pulling from H).
-It is what the scorer applies to every request, so it is exported as it moves rather than
-per request: at most once per `interval_s` (the pods' figures change with their lease
-renewals, no faster), over the candidates of the request that comes then. A pair whose pod
-is gone leaves the metric; a crossover that moved by more than `LOG_CHANGE` is logged.
+It is exported as it moves rather than per request: at most once per `interval_s` (the
+pods' figures change with their lease renewals, no faster), when the router's fleet view is
+rebuilt. Exported are the pairs C measured (peer = H) and, per pod, the crossover of any
+peer it has not measured (peer = `ANY_PEER`: its single peer figure or the configured one):
+every pair of a 1,024-pod fleet would be a million series. A pair whose pod is gone leaves
+the metric; a crossover that moved by more than `LOG_CHANGE` is logged.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pagekv.router.scoring import Candidate, CostModel, pull_cost, pull_crossove
 logger = logging.getLogger(__name__)
 
 LOG_CHANGE = 0.1  # a relative move of the crossover worth a debug line
+ANY_PEER = "*"    # the `peer` label of a pod's crossover from any peer it has not measured
 
 
 class PullCrossovers:
@@ -36,8 +39,11 @@ class PullCrossovers:
             return
         self._next_at = now + self.interval_s
         pullers = [c for c in cands if c.eligible and c.can_pull]
-        pairs = {(c.pod_id, h.pod_id): pull_crossover(c, h.pod_id, costs)
-                 for c in pullers for h in pullers if h.pod_id != c.pod_id}
+        present = {c.pod_id for c in pullers}
+        pairs = {(c.pod_id, h): pull_crossover(c, h, costs)
+                 for c in pullers for h in c.pull_costs if h in present and h != c.pod_id}
+        pairs.update({(c.pod_id, ANY_PEER): pull_crossover(c, ANY_PEER, costs)
+                      for c in pullers})
         for gone in self.values.keys() - pairs.keys():
             self.gauge.remove(*gone)
             del self.values[gone]

@@ -21,13 +21,15 @@ from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2
 from pagekv.proto.requests import parse_prompt
 from pagekv.router.burst import BurstTracker
-from pagekv.router.config import RouterConfig
+from pagekv.router.config import PREFIX_POLICIES, RouterConfig
 from pagekv.router.disaggregation import SplitPlan, plan_split, serving_pods
+from pagekv.router.fleet_view import FleetView
 from pagekv.router.metrics import RouterMetrics
-from pagekv.router.placement import place_cold
+from pagekv.router.placement import BAND_QUEUE_REL, BAND_QUEUE_SLACK, is_cold, place_cold
 from pagekv.router.pods import PodEntry, PodRegistry
 from pagekv.router.pull_crossovers import PullCrossovers
 from pagekv.router.scoring import (
+    REASON_COLD_SPREAD,
     REASON_COOLDOWN,
     REASON_FALLBACK,
     REASON_RANDOM,
@@ -40,7 +42,6 @@ from pagekv.router.scoring import (
     order_round_robin,
     rank,
     score_all,
-    settle_prefill_costs,
 )
 from pagekv.router.shared_bursts import SharedBursts
 from pagekv.router.tokenize import PromptTokenizer
@@ -58,6 +59,8 @@ class Prepared:
     token_ids: Sequence[int]   # forward's own ids: no second copy held for the whole call
     block_hashes: list[bytes]  # every full block of the prompt (what the pod will cache)
     lookup_blocks: int         # the blocks that can hit: (len - 1) // block_size
+    # pod -> the prompt tokens it would compute (neither cached nor pulled), by decide
+    uncached: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -118,6 +121,10 @@ class Router:
         self.crossovers = PullCrossovers(metrics.pull_crossover, config.refresh_interval_s)
         self.shared = SharedBursts(self.index, config.burst_ttl_s, metrics) \
             if config.shared_bursts and config.burst_ttl_s > 0 else None
+        self.view = FleetView(config.costs)
+        self._view_of: dict[str, PodEntry] | None = None  # the registry pods it was made of
+        self._view_len = 0
+        self._view_foreign: object = None
         self._sharded = is_cluster(redis_client)
         self._bucket_down_until: dict[int, float] = {}  # bucket -> monotonic time
         self._counter = 0
@@ -146,33 +153,33 @@ class Router:
         self._counter += 1
         return self._counter
 
-    @staticmethod
-    def _candidate(p: PodEntry) -> Candidate:
-        return Candidate(p.pod_id, p.info.address, waiting=p.info.waiting,
+    def _candidate(self, p: PodEntry, view: FleetView, match: PodMatch | None,
+                   burst_depth: int, limit: int, now: float) -> Candidate:
+        """One pod as the scorer sees it for this request: its load, its settled costs,
+        what the index confirms there and what the predictions add."""
+        held = match.tiers if match else ()
+        # Local and shared predictions alike: the longer one (both count as pool hits).
+        predicted = max(burst_depth, match.predicted if match else 0)
+        tiers, from_burst = merge_prediction(held, predicted, limit)
+        published = view.published.get(p.pod_id, p.info.tier_costs)
+        cand = Candidate(p.pod_id, p.info.address, tiers, waiting=p.info.waiting,
                          running=p.info.running, inflight=p.inflight,
-                         finished_since_load=p.finished_since_load(), recent=p.recent(),
-                         free_blocks=p.info.free_blocks)
+                         finished_since_load=p.finished_since_load(), recent=p.recent(now),
+                         free_blocks=p.info.free_blocks, published_costs=published,
+                         pull_costs=p.info.pull_costs, burst_blocks=from_burst,
+                         held_blocks=min(len(held), limit),
+                         lendable=p.unavailable_until <= now)  # just UNAVAILABLE: it fails
+        if self.config.policy == "sticky":
+            cand.backlog_tokens = p.backlog(view.speed(p.pod_id), now)
+        if p.info.kind == POD_KIND_VLLM:  # no KVNode.PullBlocks either way
+            cand.lendable = cand.can_pull = False
+        return cand
 
     def _base_scores(self, pods: list[PodEntry]) -> list[Score]:
         """Load only: no lookup, no costs (baseline policies and the index-down fallback)."""
-        out = []
-        for p in pods:
-            c = self._candidate(p)
-            out.append(Score(c.pod_id, c.address, waiting=c.waiting, running=c.running,
-                             queue=c.queue, recent=c.recent, free_blocks=c.free_blocks,
-                             cost_s=0.0))
-        return out
-
-    def _excluded_scores(self) -> list[Score]:
-        reg = self.registry
-        out = [Score(p.pod_id, p.info.address, waiting=p.info.waiting, running=p.info.running,
-                     eligible=False, excluded_reason=p.excluded_reason)
-               for p in reg.pods.values() if not p.eligible]
-        out += [Score(f.pod_id, f.address, eligible=False,
-                      excluded_reason=f"registered under index namespace {f.namespace}: "
-                                      f"{f.reason} (router vs pod)")
-                for f in reg.foreign]
-        return out
+        return [Score(p.pod_id, p.info.address, waiting=p.info.waiting, running=p.info.running,
+                      queue=p.queue(), recent=p.recent(), free_blocks=p.info.free_blocks,
+                      cost_s=0.0) for p in pods]
 
     async def _lookup(self, prepared: Prepared) -> tuple[dict[str, PodMatch] | None, float]:
         if prepared.lookup_blocks == 0:
@@ -211,7 +218,7 @@ class Router:
         policy = self.config.policy
         counter = self._next_counter()
         prompt_len = len(prepared.token_ids)
-        if policy != "prefix":
+        if policy not in PREFIX_POLICIES:
             base = self._base_scores(serving_pods(reg.eligible()))
             if policy == "round_robin":
                 order, reason = order_round_robin(base, counter), REASON_ROUND_ROBIN
@@ -233,46 +240,27 @@ class Router:
         assert matches is not None
         limit = prepared.lookup_blocks
         bursts = self.burst.depths(prepared.block_hashes[:limit]) if limit else {}
-        pods = reg.eligible()
-        # A vLLM pod never publishes costs: the configured ones are its, not the peers'
-        # median, which only stands in for a PageKV pod that has not measured yet.
-        speeds = settle_prefill_costs(
-            {p.pod_id: p.info.tier_costs["prefill"] for p in pods
-             if "prefill" in p.info.tier_costs}, self.config.costs.speed_band,
-            [p.pod_id for p in pods
-             if "prefill" not in p.info.tier_costs and p.info.kind != POD_KIND_VLLM])
+        view = self._fleet()
         now = time.monotonic()
-        cands: list[Candidate] = []
-        for p in pods:
-            match = matches.get(p.pod_id)
-            held = match.tiers if match else ()
-            # Local and shared predictions alike: the longer one (both count as pool hits).
-            predicted = max(bursts.get(p.pod_id, 0), match.predicted if match else 0)
-            tiers, from_burst = merge_prediction(held, predicted, limit)
-            cand = self._candidate(p)
-            cand.tiers, cand.burst_blocks = tiers, from_burst
-            cand.held_blocks = min(len(held), limit)
-            cand.lendable = p.unavailable_until <= now  # just UNAVAILABLE: a pull would fail
-            if p.info.kind == POD_KIND_VLLM:  # no KVNode.PullBlocks either way
-                cand.lendable = cand.can_pull = False
-            cand.published_costs = p.info.tier_costs
-            cand.pull_costs = p.info.pull_costs
-            if p.pod_id in speeds:
-                cand.published_costs = {**p.info.tier_costs, "prefill": speeds[p.pod_id]}
-            cands.append(cand)
-        if self.config.kv_pull:
-            self.crossovers.update(cands, self.config.costs, now)
+        # The pods that hold (or are predicted to hold) some of the prefix, then a few of
+        # the least-loaded others: every pod that could win, not every pod (fleet_view.py).
+        known = {**bursts, **matches}
+        named = [pid for pid in known if pid in view.serving or pid in view.prefill]
+        entries = view.holders(named, matches, bursts)
+        entries += view.others(named, self.config.pd_split)
+        cands = [self._candidate(p, view, matches.get(p.pod_id), bursts.get(p.pod_id, 0),
+                                 limit, now) for p in entries]
         # Every pod is a pull source; only the serving ones (decode, mixed) take requests.
         scores = score_all(cands, prompt_len, self.config.block_size, self.config.costs,
-                           self.config.kv_pull)
-        serving = {p.pod_id for p in serving_pods(pods)}
-        order, reason = rank([s for s in scores if s.pod_id in serving], self.config.costs,
-                             counter)
+                           self.config.kv_pull, by_tokens=policy == "sticky")
+        order, reason = rank([s for s in scores if s.pod_id in view.serving],
+                             self.config.costs, counter)
         if self.config.cold_placement == "hash" and prepared.block_hashes:
-            order, reason = place_cold(order, reason, self.config.costs,
-                                       prepared.block_hashes[0])
-        prefill_order, _ = rank([s for s in scores if s.pod_id not in serving],
+            order, reason = self._place_cold(order, reason, prepared, view, now)
+        prefill_order, _ = rank([s for s in scores if s.pod_id in view.prefill],
                                 self.config.costs, counter)
+        prepared.uncached = {s.pod_id: prompt_len - s.cached_tokens - s.pull_tokens
+                             for s in order}
         decision = self._finish(order, reason, scores, prepared, lookup_ms,
                                 {c.pod_id: c.held_blocks for c in cands if c.held_blocks})
         split, threshold, outcome = plan_split(decision.order, prefill_order, reg.pods,
@@ -282,6 +270,47 @@ class Router:
             self.metrics.pd_requests.labels(decision=outcome).inc()
         decision.split, decision.pd_threshold = split, threshold
         return decision
+
+    def _fleet(self) -> FleetView:
+        """The fleet view, rebuilt when the registry's pods changed (a refresh makes a new
+        dict; a lease that ran out shrinks it): O(pods) a refresh, not a request."""
+        reg = self.registry
+        if self._view_of is not reg.pods or self._view_len != len(reg.pods) or \
+                self._view_foreign is not reg.foreign:
+            self.view.rebuild(reg.pods, reg.foreign)
+            self._view_of, self._view_len, self._view_foreign = \
+                reg.pods, len(reg.pods), reg.foreign
+            if self.config.kv_pull:
+                self.crossovers.update(
+                    [self._candidate(p, self.view, None, 0, 0, time.monotonic())
+                     for p in self.view.serving.values()] +
+                    [self._candidate(p, self.view, None, 0, 0, time.monotonic())
+                     for p in self.view.prefill.values()], self.config.costs,
+                    time.monotonic())
+        return self.view
+
+    def _place_cold(self, order: list[Score], reason: str, prepared: Prepared,
+                    view: FleetView, now: float) -> tuple[list[Score], str]:
+        """A cold prompt (no pod holds any of it) goes to the first pod of the load band on
+        the ring from its first block's hash (router/cold_ring.py); when the walk finds
+        none, among the pods scored (router/placement.py)."""
+        if len(order) < 2 or not is_cold(order):
+            return order, reason
+        key = prepared.block_hashes[0]
+        prompt_len = len(prepared.token_ids)
+        work = order[0].cost_s - order[0].queue_s
+        limit = work + max(self.config.costs.tie_abs_s, self.config.costs.tie_rel * work)
+        shortest = view.min_queue()
+        room = shortest + max(BAND_QUEUE_SLACK, BAND_QUEUE_REL * shortest)
+        pick = view.cold_pick(key, int(room), limit, prompt_len)
+        if pick is None:
+            return place_cold(order, reason, self.config.costs, key)
+        chosen = next((s for s in order if s.pod_id == pick.pod_id), None)
+        if chosen is None:  # on the ring, not among the few scored: score it as they were
+            cand = self._candidate(pick, view, None, 0, 0, now)
+            chosen = score_all([cand], prompt_len, self.config.block_size, self.config.costs,
+                               False, by_tokens=self.config.policy == "sticky")[0]
+        return [chosen, *(s for s in order if s is not chosen)], REASON_COLD_SPREAD
 
     def _finish(self, order: list[Score], reason: str, scores: list[Score], prepared: Prepared,
                 lookup_ms: float, held: dict[str, int] | None = None) -> Decision:
@@ -298,7 +327,7 @@ class Router:
             order = [s for s in order if not cooling(s)] + [s for s in order if cooling(s)]
             if order[0] is not first:
                 reason = REASON_COOLDOWN
-        return Decision(order, reason, [*scores, *self._excluded_scores()],
+        return Decision(order, reason, [*scores, *self._fleet().excluded],
                         prepared.lookup_blocks, lookup_ms,
                         {s.pod_id: s.cached_tokens for s in scores}, held or {})
 
@@ -314,7 +343,9 @@ class Router:
         entry = self.registry.pods.get(pod_id)
         if entry is not None:
             entry.note_dispatch()
-        if self.config.policy != "prefix":
+            uncached = prepared.uncached.get(pod_id, len(prepared.token_ids))
+            entry.add_backlog(uncached, self.view.speed(pod_id))
+        if self.config.policy not in PREFIX_POLICIES:
             return
         self.burst.record(pod_id, prepared.block_hashes)
         hashes = prepared.block_hashes[:prepared.lookup_blocks]

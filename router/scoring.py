@@ -128,6 +128,7 @@ class Candidate:
     pull_costs: Mapping[str, PullCost] = field(default_factory=dict)  # holder -> measured
     burst_blocks: int = 0       # how many of `tiers` come only from the burst prediction
     held_blocks: int = 0        # the prefix the index confirms (what a peer could pull)
+    backlog_tokens: float = 0.0  # prompt tokens ahead of it (`--policy sticky`'s queue)
     lendable: bool = True       # may be a pull source (not while cooling down, not vLLM)
     can_pull: bool = True       # may take the pull option (a vLLM pod cannot pull)
     eligible: bool = True
@@ -253,14 +254,16 @@ def pull_crossover(c: Candidate, holder: str, costs: CostModel) -> float:
 
 
 def score_all(cands: Sequence[Candidate], prompt_len: int, block_size: int, costs: CostModel,
-              pull: bool = True) -> list[Score]:
-    """Every candidate's score; with `pull`, each may take the pull option from a source."""
+              pull: bool = True, by_tokens: bool = False) -> list[Score]:
+    """Every candidate's score; with `pull`, each may take the pull option from a source;
+    `by_tokens`: the queue is priced as its prompt tokens (`--policy sticky`)."""
     sources = pull_sources(cands, max_hit_blocks(prompt_len, block_size)) if pull else []
-    return [score_candidate(c, prompt_len, block_size, costs, sources) for c in cands]
+    return [score_candidate(c, prompt_len, block_size, costs, sources, by_tokens)
+            for c in cands]
 
 
 def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostModel,
-                    sources: Sequence[PullSource] = ()) -> Score:
+                    sources: Sequence[PullSource] = (), by_tokens: bool = False) -> Score:
     s = Score(c.pod_id, c.address, waiting=c.waiting, running=c.running, queue=c.queue,
               recent=c.recent, free_blocks=c.free_blocks, eligible=c.eligible,
               excluded_reason=c.excluded_reason)
@@ -277,7 +280,10 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
     pub = c.published_costs
     prefill = _pod_cost(pub, "prefill", costs.prefill_per_token)
     uncached = prompt_len - s.cached_tokens
-    s.queue_s = c.queue * queue_cost(costs, prefill)
+    # Sticky until saturated: the work ahead is the prompt tokens queued there at the
+    # pod's own measured rate, so a warm pod keeps its prefix until its backlog costs more
+    # than its cache saves (the saturation gap, in the pod's measured throughput).
+    s.queue_s = c.backlog_tokens * prefill if by_tokens else c.queue * queue_cost(costs, prefill)
     s.cost_s = (uncached * prefill
                 + s.cached_cpu * _pod_cost(pub, Medium.CPU, costs.cpu_per_token)
                 + s.cached_disk * _pod_cost(pub, Medium.DISK, costs.disk_per_token)

@@ -210,8 +210,10 @@ def test_the_crossover_of_each_pair_is_exported(caplog) -> None:
         export.update(cands, COSTS, now=10.0)
     assert crossover(metrics, "c", "h") == pytest.approx(0.1 / (PREFILL - PEER))
     assert crossover(metrics, "c", "slow") == math.inf
-    assert crossover(metrics, "h", "c") == 0.0  # h measured nothing: the configured figure
-    assert crossover(metrics, "c", "v") is None and crossover(metrics, "v", "c") is None
+    # h measured nothing: any peer at the configured figure, one series, not one per peer.
+    assert crossover(metrics, "h", "*") == 0.0 and crossover(metrics, "h", "c") is None
+    assert crossover(metrics, "c", "*") == 0.0  # c's unmeasured peers
+    assert crossover(metrics, "c", "v") is None and crossover(metrics, "v", "*") is None
     assert any("pull crossover c <- h: 111 tokens (measured" in r.getMessage()
                for r in caplog.records)
     assert any("pull crossover c <- slow: never" in r.getMessage() for r in caplog.records)
