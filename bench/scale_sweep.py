@@ -12,7 +12,8 @@ highest load up to which its TTFT p90 stays within the bound at every load swept
 throughput at the knee is its input tokens/s served there. A policy over the bound already
 at the lowest load has no knee; its throughput at that load bounds its knee's from above
 (served tokens only grow with the offered load), so a ratio against it is a lower bound
-("≥").
+("≥"). A policy within the bound at the highest load swept has its knee there or beyond
+("≥ load"): its throughput there is a lower bound on its knee's.
 """
 
 from __future__ import annotations
@@ -105,11 +106,13 @@ def print_sweep(results: dict[float, dict], policies: list[str], pods: int) -> d
                 ratio = r["ttft_p90_s"] / o["ttft_p90_s"]
                 if math.isnan(worst) or ratio > worst:
                     worst, worst_at = ratio, ld
-        print(f"| {policy} | {'none' if load is None else f'{load:g}'} | "
+        top = load is not None and load == max(results)  # never over: the knee lies beyond
+        shown = "none" if load is None else f"≥ {load:g}" if top else f"{load:g}"
+        print(f"| {policy} | {shown} | "
               f"{'-' if load is None else f'{p90:.3f}'} | "
               f"{'-' if load is None else f'{tput:.0f}'} | {vs} | "
               f"{'-' if worst_at is None else f'{worst:.2f}x ({worst_at:g})'} |")
-        knees[policy] = {"knee_load": load, "input_tokens_per_s": tput,
+        knees[policy] = {"knee_load": load, "beyond_sweep": top, "input_tokens_per_s": tput,
                          "worst_p90_vs_oracle": worst, "worst_at": worst_at}
     print("(goals: TTFT p90 <= 1.1x the oracle's at every load; throughput at the knee >= "
           "2.5x round-robin's)")
