@@ -558,6 +558,13 @@ class Engine:
             return None
         return statistics.median(self._prefill_samples)
 
+    @property
+    def decode_step_s(self) -> float | None:
+        """The median seconds of recent decode-only steps (None before the first)."""
+        if not self._decode_samples:
+            return None
+        return statistics.median(self._decode_samples)
+
     def _measure_prefill_budget(self) -> int:
         """Prompt tokens one step can compute in about a decode step's time (measured: the
         median decode-only step over the median prefill cost a token), at least a block and
@@ -623,6 +630,8 @@ class Engine:
             peer_pull=peer,
             handover=self.holds.stats(),
             role=self.args.role,
+            costs=self.tier_costs(),
+            decode_step_s=self.decode_step_s,
         )
 
     def tier_costs(self) -> dict[str, float]:

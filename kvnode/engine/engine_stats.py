@@ -10,7 +10,7 @@ per-tier records are the chain's own (proto/tier_stats.py), passed on unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagekv.kvnode.engine.handover_holds import HoldStats
 from pagekv.kvnode.memory.metrics import Histogram
@@ -76,6 +76,11 @@ class EngineStats:
     peer_pull: PeerPullStats | None
     handover: HoldStats  # P/D: prompt blocks held for decode pods' pulls
     role: str = "mixed"
+    # The fitted costs as published to the router (Engine.tier_costs: "prefill", "CPU",
+    # "DISK", "peer", "peer.<holder>", "peer_fixed.<holder>"), and the median decode-only
+    # step (None until timed): what the pod's /metrics exports as its fitted costs.
+    costs: dict[str, float] = field(default_factory=dict)
+    decode_step_s: float | None = None
 
     @property
     def tiers(self) -> dict[Medium, TierStats]:

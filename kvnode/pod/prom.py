@@ -18,6 +18,8 @@ from prometheus_client.registry import Collector
 
 from pagekv.kvnode.index.publish_stats import INDEX_COUNTERS, histogram_family
 from pagekv.kvnode.memory.metrics import Histogram as PlainHistogram
+from pagekv.proto.medium import Medium
+from pagekv.proto.pull_cost import FIXED_PREFIX, PER_TOKEN_PREFIX
 from pagekv.proto.tier_stats import ChainStats
 
 if TYPE_CHECKING:
@@ -26,6 +28,10 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# The cost map's pod-wide keys (Engine.tier_costs) -> the `kind` label of their gauge; each is
+# fitted from served work (recent prefill-heavy steps, the tiers' reload copies, complete pulls).
+FITTED_COST_KINDS = {"prefill": "prefill_per_token", Medium.CPU: "dram_per_token",
+                     Medium.DISK: "ssd_per_token", "peer": "peer_per_token"}
 
 
 class EngineCollector(Collector):
@@ -77,6 +83,31 @@ class EngineCollector(Collector):
             ended.add_metric([*self.label_values, outcome], n)
         yield ended
 
+    def _cost_metrics(self, st: EngineStats) -> Iterable:
+        """The costs this pod publishes to the router, as it fitted them; a figure not
+        measured yet has no series."""
+        fitted = GaugeMetricFamily(
+            "pagekv_pod_fitted_cost_seconds", "Costs fitted from served work, as published to "
+            "the router: seconds per token (prefill, reload from DRAM or SSD, a pull) or per "
+            "step (decode_step: the median decode-only step)", labels=[*self.label_names, "kind"])
+        for key, kind in FITTED_COST_KINDS.items():
+            if key in st.costs:
+                fitted.add_metric([*self.label_values, kind], st.costs[key])
+        if st.decode_step_s is not None:
+            fitted.add_metric([*self.label_values, "decode_step"], st.decode_step_s)
+        yield fitted
+        pull = GaugeMetricFamily(
+            "pagekv_pod_fitted_pull_cost_seconds", "A pull from one holder as this pod fitted "
+            "it (fixed + tokens x per_token): seconds per pull (fixed) or per token",
+            labels=[*self.label_names, "holder", "part"])
+        for key, value in st.costs.items():
+            if key.startswith(FIXED_PREFIX):
+                pull.add_metric([*self.label_values, key[len(FIXED_PREFIX):], "fixed"], value)
+            elif key.startswith(PER_TOKEN_PREFIX):
+                pull.add_metric([*self.label_values, key[len(PER_TOKEN_PREFIX):], "per_token"],
+                                value)
+        yield pull
+
     def collect(self) -> Iterable:
         st = self.engine.stats()
         m = st.prefix_cache
@@ -119,6 +150,7 @@ class EngineCollector(Collector):
         if st.peer_pull is not None:
             yield from self._pull_metrics(st.peer_pull)
         yield from self._role_metrics(st)
+        yield from self._cost_metrics(st)
         if self.publish_lag is not None:
             yield histogram_family("pagekv_index_publish_lag_seconds",
                                    "Index publisher: submit to visible in Redis, per batch",
