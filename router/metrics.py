@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -15,6 +16,12 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075,
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # Signed: predicted minus actual cached tokens (positive = the router was too optimistic).
 _ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
+# Predicted over measured TTFT (1 = exact; 1.25 = 25% too pessimistic).
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.87, 0.95, 1.05, 1.15, 1.25, 1.5, 2.0, 4.0)
+# The TTFT predictors compared (router/ttft_tracker.py): the model, and the scorer's cost_s
+# (the naive baseline).
+TTFT_PREDICTORS = ("model", "cost_s")
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class RouterMetrics:
@@ -144,6 +151,32 @@ class RouterMetrics:
             "pagekv_router_http_requests",
             "OpenAI API (HTTP) responses by route and status", ["route", "status"],
             registry=r)
+
+        # The TTFT predictors against the first tokens measured here (router/ttft_tracker.py).
+        self.ttft_seconds = Histogram(
+            "pagekv_router_ttft_seconds",
+            "Time to first token as the router measured it, from sending the call to the "
+            "pod's first chunk (unary: its response less its decode steps), by pod",
+            ["pod"], buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft_mape = Gauge(
+            "pagekv_router_ttft_prediction_mape",
+            "Mean absolute percentage error of the predicted TTFT over the pod's last 100 "
+            "measured calls, a fraction (0.15 = 15%), by predictor (model: the TTFT model; "
+            "cost_s: the routing cost, the naive baseline)",
+            ["pod", "predictor"], registry=r)
+        self.ttft_ratio = Histogram(
+            "pagekv_router_ttft_predicted_over_measured",
+            "Predicted over measured TTFT per call (1 = exact), by pod and predictor",
+            ["pod", "predictor"], buckets=_RATIO_BUCKETS, registry=r)
+
+    def forget_ttft_pod(self, pod: str) -> None:
+        """A pod's TTFT series go (the tracker forgot it to bound its memory)."""
+        with contextlib.suppress(KeyError):
+            self.ttft_seconds.remove(pod)
+        for family in (self.ttft_mape, self.ttft_ratio):
+            for predictor in TTFT_PREDICTORS:
+                with contextlib.suppress(KeyError):
+                    family.remove(pod, predictor)
 
     def count_bad_record(self, reason: str, n: int) -> None:
         self.index_bad_records.labels(reason=reason).inc(n)

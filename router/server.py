@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -62,10 +62,13 @@ from pagekv.router.pods import PodEntry
 from pagekv.router.routing import Decision, Prepared, Router
 from pagekv.router.scoring import REASON_PD_PREFILL, REASON_RETRY, Score
 from pagekv.router.tokenize import load_tokenizer
+from pagekv.router.ttft_tracker import TtftTicket, TtftTracker
 
 logger = logging.getLogger(__name__)
 
 OVERHEAD_METADATA_KEY = "pagekv-router-overhead-us"
+# The chosen pod's predicted TTFT for the call (router/ttft_tracker.py), in the trailer too.
+PREDICTED_TTFT_METADATA_KEY = "pagekv-predicted-ttft-us"
 STOP_STEP_TIMEOUT_S = 5.0  # each clean-up step of stop(): the process exits regardless
 _STOP_STEP_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *REDIS_ERRORS)
 SERVICE_NAME = "pagekv.v1.Generation"
@@ -114,6 +117,16 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         self.inflight_ids: set[str] = set()
         # No fleet token: a router's callers are clients, each of its tenant.
         self.salting = TenantSalting(router.config.tenants)
+        # Each call's predicted TTFT against the one measured (the MAPE gauge per pod).
+        self.ttft = TtftTracker(metrics, router.config.costs)
+
+    def _predict(self, entry: PodEntry, score: Score, prepared: Prepared,
+                 handover: _Handover | None) -> TtftTicket | None:
+        """The call's TTFT prediction; None for a split request (its first token waits for
+        the prefill pod and the handover, which the prediction does not cover)."""
+        if handover is not None:
+            return None
+        return self.ttft.start(score, entry.info, len(prepared.token_ids), entry.inflight)
 
     async def _claim_id(self, request: pagekv_pb2.GenerateRequest,
                         context: HandlerContext) -> str:
@@ -339,12 +352,16 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
 
     def _finish(self, context: HandlerContext, prepared: Prepared,
                 decision: Decision, score: Score, usage: pagekv_pb2.Usage,
-                overhead_s: float, hinted_tokens: int) -> None:
+                overhead_s: float, hinted_tokens: int, ticket: TtftTicket | None = None
+                ) -> None:
         # The pod's usage counts pulled tokens as cached: so does the prediction here.
         predicted = decision.predicted.get(score.pod_id, 0) + hinted_tokens
         self.metrics.observe_cached(predicted, usage.cached_tokens, len(prepared.token_ids))
         self.metrics.overhead_seconds.observe(overhead_s)
-        context.set_trailing_metadata(((OVERHEAD_METADATA_KEY, str(int(overhead_s * 1e6))),))
+        trailer = [(OVERHEAD_METADATA_KEY, str(int(overhead_s * 1e6)))]
+        if ticket is not None:
+            trailer.append((PREDICTED_TTFT_METADATA_KEY, str(int(ticket.predicted_s * 1e6))))
+        context.set_trailing_metadata(tuple(trailer))
 
     # -- unary -----------------------------------------------------------------------------
     async def Generate(self, request: pagekv_pb2.GenerateRequest,
@@ -369,15 +386,18 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             if entry is None:
                 continue  # dropped from the registry since the decision
             hinted = self._aim(prepared, score, failed, handover)
+            ticket = self._predict(entry, score, prepared, handover)
             t_call = time.perf_counter()
             bound_s = stall.unary_s(score.cost_s, _max_tokens(prepared.forward), entry.step_s)
-            with _Attempt(entry, self.metrics):
+            with _Attempt(entry, self.metrics), _closing(self.ttft, ticket):
                 call = entry.stub.Generate(prepared.forward, timeout=context.time_remaining())
                 watch = asyncio.timeout(bound_s)  # bound_s None: the client's deadline only
                 try:
                     async with watch:
                         response = await call
                     entry.made_progress()
+                    if ticket is not None:
+                        self.ttft.unary_done(ticket, _steps(response.usage, prepared.forward))
                     entry.note_steps(time.perf_counter() - t_call,
                                      _steps(response.usage, prepared.forward))
                 except TimeoutError:
@@ -411,7 +431,7 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             if handover is not None:
                 overhead -= handover.prefill_ms / 1e3  # the prefill pod's time, not ours
             self._finish(context, prepared, decision, score, response.usage, overhead,
-                         self._hinted_tokens(decision, score, hinted, handover))
+                         self._hinted_tokens(decision, score, hinted, handover), ticket)
             return response
         self.metrics.failures.labels(code="UNAVAILABLE").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
@@ -448,12 +468,13 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             if entry is None:
                 continue
             hinted = self._aim(prepared, score, failed, handover)
+            ticket = self._predict(entry, score, prepared, handover)
             t_call = time.perf_counter()
             overhead = t_call - t0 - in_pods
             sent = 0  # chunks passed on to the client
             bound_s = stall.chunk_s(score.cost_s)  # None: the client's deadline only
             watch = asyncio.timeout(None)
-            with _Attempt(entry, self.metrics):
+            with _Attempt(entry, self.metrics), _closing(self.ttft, ticket):
                 call = entry.stub.GenerateStream(prepared.forward,
                                                  timeout=context.time_remaining())
                 chunks = aiter(call)
@@ -468,6 +489,8 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                         except StopAsyncIteration:
                             break
                         if not sent:  # this pod answers: no failover from here on
+                            if ticket is not None:
+                                self.ttft.first_token(ticket)
                             entry.made_progress()
                             await context.send_initial_metadata(
                                 _decision_metadata(decision, score, reason))
@@ -485,7 +508,8 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                                                                      prepared.forward))
                             self._finish(context, prepared, decision, score, chunk.usage,
                                          overhead,
-                                         self._hinted_tokens(decision, score, hinted, handover))
+                                         self._hinted_tokens(decision, score, hinted, handover),
+                                         ticket)
                         sent += 1
                         yield chunk
                 except TimeoutError:
@@ -515,6 +539,15 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
             return
         self.metrics.failures.labels(code="UNAVAILABLE").inc()
         await context.abort(grpc.StatusCode.UNAVAILABLE, self._no_pods_message(decision))
+
+
+@contextlib.contextmanager
+def _closing(tracker: TtftTracker, ticket: TtftTicket | None) -> Iterator[None]:
+    """A call's TTFT ticket is closed however the call ends (a no-op once measured)."""
+    try:
+        yield
+    finally:
+        tracker.close(ticket)
 
 
 def _point(request: pagekv_pb2.GenerateRequest, score: Score, failed: set[str]) -> bool:
