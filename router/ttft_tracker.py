@@ -24,6 +24,16 @@ their TTFT left over the rest of the model, per pair (at least ATTENTION_MIN_SAM
 them; 0 before; at most ATTENTION_MAX_PER_PREFILL). A median, and idle calls only: one call
 slowed by the host, or by a batch beside it, must not move it.
 
+Pods on one host slow each other down (a shared CPU, memory bandwidth, the host's other
+work): on bench/ttft_prediction.py's 2-core box a call whose pod found nothing of ours ahead
+took 1.7x its prediction when the other pod was prefilling meanwhile, 1.1x when it was
+not. So each pod fits a factor for its calls sent while another pod had a prefill of ours
+pending, from those that found nothing of ours ahead on it: the median of their measured
+over predicted own work (CONTEXT_WINDOW calls, at least CONTEXT_MIN_SAMPLES, within
+[1/CONTEXT_CLAMP, CONTEXT_CLAMP]; 1 before). The other calls stand at the pod's figures
+(and the attention fit, which learns from them). A fleet on hosts of their own fits about
+1.
+
 The errors are kept per pod and predictor: "model" (this) and "cost_s" (the scorer's cost,
 the naive predictor, as the baseline), as the rolling MAPE gauge, a histogram of predicted
 over measured, and a debug log line per call.
@@ -48,6 +58,7 @@ from pagekv.router.metrics import TTFT_PREDICTORS, RouterMetrics
 from pagekv.router.scoring import CostModel, Score
 from pagekv.router.ttft_errors import RollingErrors
 from pagekv.router.ttft_model import (
+    TtftPrediction,
     attention_pairs,
     backlog_seconds,
     pod_figures,
@@ -56,6 +67,9 @@ from pagekv.router.ttft_model import (
 
 logger = logging.getLogger(__name__)
 
+CONTEXT_WINDOW = 16
+CONTEXT_MIN_SAMPLES = 3
+CONTEXT_CLAMP = 3.0
 ATTENTION_WINDOW = 16
 ATTENTION_MIN_SAMPLES = 3
 ATTENTION_MIN_PAIRS = 64 * 512  # 64 new tokens over a 512-token prefix, or more
@@ -80,6 +94,9 @@ class TtftTicket:
     # A sample for the pod's attention figure (found nothing of ours ahead, priced at the
     # pod's own figures, a long enough prefix): (its own work less attention, pairs, prefill).
     attention: tuple[float, int, float] | None = None
+    others_busy: bool = False  # another pod had a prefill of ours pending when it was sent
+    measured_costs: bool = False  # the pod's own figures priced it (not the configured)
+    base_own_s: float = 0.0    # its own work before the context factor
     open: bool = True
 
 
@@ -90,6 +107,15 @@ class _PodClock:
     last_first_token: float = 0.0  # unix time (the published load's clock)
     # Per pair of (new token, cached token), in units of the pod's prefill s/token.
     attention: deque[float] = field(default_factory=lambda: deque(maxlen=ATTENTION_WINDOW))
+
+    # Measured over predicted own work of calls sent while other pods were busy.
+    busy_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=CONTEXT_WINDOW))
+
+    def factor(self, others_busy: bool) -> float:
+        ratios = self.busy_ratios
+        if not others_busy or len(ratios) < CONTEXT_MIN_SAMPLES:
+            return 1.0
+        return min(CONTEXT_CLAMP, max(1.0 / CONTEXT_CLAMP, statistics.median(ratios)))
 
     def attention_per_prefill(self) -> float:
         if len(self.attention) < ATTENTION_MIN_SAMPLES:
@@ -127,14 +153,21 @@ class TtftTracker:
         ahead = max(0.0, clock.busy_until() - now)
         if not clock.pending and info.updated_at > clock.last_first_token:
             ahead = max(ahead, backlog_seconds(pod))  # others' work, as the pod published it
-        p = predict(score, prompt_len, pod, ahead)
+        base = predict(score, prompt_len, pod, ahead)
+        others_busy = any(c.pending for pid, c in self._clocks.items() if pid != score.pod_id)
+        factor = clock.factor(others_busy)
+        p = base if factor == 1.0 else TtftPrediction(
+            base.ahead_s + base.own_s * factor, base.ahead_s, base.own_s * factor, base.steps)
         self._seq += 1
         ticket = TtftTicket(score.pod_id, self._seq, now, p.seconds, score.cost_s, p.ahead_s,
-                            p.own_s, pod.step_s, now + p.seconds)
+                            p.own_s, pod.step_s, now + p.seconds, others_busy=others_busy,
+                            base_own_s=base.own_s)
         pairs = attention_pairs(score, prompt_len)
-        if inflight == 0 and p.ahead_s == 0 and pod.measured and pairs >= ATTENTION_MIN_PAIRS:
-            ticket.attention = (p.own_s - pairs * pod.attention_s, pairs,
+        if inflight == 0 and p.ahead_s == 0 and pod.measured and pairs >= ATTENTION_MIN_PAIRS \
+                and not others_busy:
+            ticket.attention = (base.own_s - pairs * pod.attention_s, pairs,
                                 pod.prefill_s_per_token)
+        ticket.measured_costs = pod.measured
         clock.pending.append(ticket)
         logger.debug("ttft %s #%d: %d-token prompt, %d cached, prefill %.3g s/token, step "
                      "%.3g s, attention %.3g s/pair, %d of ours pending", score.pod_id,
@@ -193,6 +226,9 @@ class TtftTracker:
         clock.idle_at = max(clock.idle_at, first)
         clock.last_first_token = time.time()
         measured = first - ticket.sent
+        if ticket.others_busy and ticket.ahead_s == 0 and ticket.measured_costs and \
+                ticket.base_own_s > 0:
+            clock.busy_ratios.append(measured / ticket.base_own_s)
         if ticket.attention is not None:
             rest, pairs, per_token = ticket.attention
             clock.attention.append((measured - rest) / (pairs * per_token))

@@ -20,7 +20,12 @@ from pagekv.router.ttft_model import (
     pod_figures,
     predict,
 )
-from pagekv.router.ttft_tracker import ATTENTION_MIN_PAIRS, ATTENTION_MIN_SAMPLES, TtftTracker
+from pagekv.router.ttft_tracker import (
+    ATTENTION_MIN_PAIRS,
+    ATTENTION_MIN_SAMPLES,
+    CONTEXT_MIN_SAMPLES,
+    TtftTracker,
+)
 
 COSTS = CostModel(prefill_per_token=6e-4, cpu_per_token=6e-6, disk_per_token=3e-5,
                   queue_per_request=0.025, peer_per_token=6e-5)
@@ -237,3 +242,25 @@ def test_the_attention_over_a_cached_prefix_is_fitted_per_pod() -> None:
         pytest.approx(OWN_100)
     # A short prefix is no sample (too few pairs to tell from the noise).
     assert pairs >= ATTENTION_MIN_PAIRS > 1 * 16
+
+
+def test_calls_sent_while_another_pod_computes_are_priced_at_a_fitted_slowdown() -> None:
+    """Pods on one host slow each other: a pod's calls sent while another pod has a prefill
+    of ours pending get the slowdown measured on such calls; the others do not."""
+    t, _ = tracker()
+    now = 0.0
+    for _ in range(CONTEXT_MIN_SAMPLES):
+        other = t.start(score("b"), info("b"), 5000, now=now)  # b busy meanwhile
+        ticket = t.start(score(), info(), 100, now=now)
+        assert ticket.predicted_s == pytest.approx(OWN_100)  # nothing fitted yet
+        t.first_token(ticket, now=now + 1.5 * OWN_100)
+        t.close(other)
+        now += 10.0
+    alone = t.start(score(), info(), 100, now=now)
+    assert alone.predicted_s == pytest.approx(OWN_100)
+    t.close(alone)
+    t.start(score("b"), info("b"), 5000, now=now)
+    beside = t.start(score(), info(), 100, now=now)
+    assert beside.predicted_s == pytest.approx(1.5 * OWN_100)
+    behind = t.start(score(), info(), 100, now=now)  # the clock carries it
+    assert behind.ahead_s == pytest.approx(1.5 * OWN_100)
