@@ -43,14 +43,15 @@ def _queue(entry: PodEntry) -> int:
 
 
 class FleetView:
-    __slots__ = ("costs", "serving", "prefill", "published", "fast", "excluded", "ring",
-                 "serving_load", "prefill_load", "fastest")
+    __slots__ = ("costs", "serving", "prefill", "published", "speeds", "fast", "excluded",
+                 "ring", "serving_load", "prefill_load", "fastest")
 
     def __init__(self, costs: CostModel) -> None:
         self.costs = costs
         self.serving: dict[str, PodEntry] = {}  # pods that take whole requests
         self.prefill: dict[str, PodEntry] = {}  # prefill pods, while serving pods exist
         self.published: dict[str, Mapping[str, float]] = {}  # costs to score each pod with
+        self.speeds: dict[str, float] = {}  # the prefill s/token each pod is scored at
         self.fast: list[PodEntry] = []  # serving pods faster than the median band
         self.fastest = costs.prefill_per_token  # the least prefill s/token of a serving pod
         self.excluded: list[Score] = []  # RoutingInfo.candidates' entries of refused pods
@@ -75,6 +76,8 @@ class FleetView:
         self.published = {
             p.pod_id: {**p.info.tier_costs, "prefill": speeds[p.pod_id]}
             if p.pod_id in speeds else p.info.tier_costs for p in eligible}
+        self.speeds = {pid: costs.get("prefill", self.costs.prefill_per_token)
+                       for pid, costs in self.published.items()}
         serving_speeds = {pid: self.speed(pid) for pid in ids}
         self.fastest = min(serving_speeds.values(), default=self.costs.prefill_per_token)
         typical = sorted(serving_speeds.values())[len(serving_speeds) // 2] \
@@ -96,8 +99,7 @@ class FleetView:
 
     def speed(self, pod_id: str) -> float:
         """The prefill s/token a pod is scored at (settled; else the configured figure)."""
-        value = self.published.get(pod_id, {}).get("prefill")
-        return self.costs.prefill_per_token if value is None else value
+        return self.speeds.get(pod_id, self.costs.prefill_per_token)
 
     def touch(self, entry: PodEntry) -> None:
         """A pod's queue moved (a call of ours started or ended)."""
@@ -107,34 +109,50 @@ class FleetView:
         elif self.prefill.get(entry.pod_id) is entry:
             self.prefill_load.touch(entry)
 
-    def holders(self, named: Sequence[str], matches: Mapping[str, PodMatch],
-                bursts: Mapping[str, int]) -> list[PodEntry]:
-        """The pods of `named` (holders, predicted holders) worth scoring: all of them,
+    def holders(self, matches: Mapping[str, PodMatch], bursts: Mapping[str, int]
+                ) -> list[PodEntry]:
+        """The pods the index or the burst predictions name, worth scoring: all of them,
         except that of holders alike — the same tiers block by block, the same prediction,
         the same role and speed, so the same cost but for the queue — only the `OTHERS`
-        least-loaded (a hot root block can have hundreds of holders; the rest cannot win)."""
-        if len(named) <= OTHERS or len(self.serving) + len(self.prefill) <= SCORE_ALL_PODS:
-            return [self.serving.get(pid) or self.prefill[pid] for pid in named]
+        least-loaded (a hot root block can have hundreds of holders; the rest cannot win).
+        Pods not in the view (gone, refused) are left out."""
+        serving, prefill, speeds = self.serving, self.prefill, self.speeds
+        entries: list[PodEntry] = []
+        named = [*matches, *(pid for pid in bursts if pid not in matches)]
+        if len(named) <= OTHERS or len(serving) + len(prefill) <= SCORE_ALL_PODS:
+            for pid in named:
+                entry = serving.get(pid) or prefill.get(pid)
+                if entry is not None:
+                    entries.append(entry)
+            return entries
         groups: dict[tuple[object, ...], list[PodEntry]] = {}
         for pid in named:
-            entry = self.serving.get(pid)
+            entry = serving.get(pid)
+            role = entry is not None
+            if entry is None:
+                entry = prefill.get(pid)
+                if entry is None:
+                    continue
             match = matches.get(pid)
-            key = (match.depth if match else 0, match.predicted if match else 0,
-                   bursts.get(pid, 0), entry is not None, self.speed(pid))
-            groups.setdefault(key, []).append(entry or self.prefill[pid])
-        out: list[PodEntry] = []
+            key = (match.depth, match.predicted, bursts.get(pid, 0), role, speeds.get(pid)) \
+                if match is not None else (0, 0, bursts[pid], role, speeds.get(pid))
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [entry]
+            else:
+                group.append(entry)
         for group in groups.values():
             if len(group) <= OTHERS:
-                out += group
+                entries += group
                 continue
             alike: dict[tuple[str, ...], list[PodEntry]] = {}  # then the tiers themselves
             for entry in group:
                 match = matches.get(entry.pod_id)
                 alike.setdefault(tuple(match.tiers) if match else (), []).append(entry)
             for same in alike.values():
-                out += same if len(same) <= OTHERS else heapq.nsmallest(OTHERS, same,
-                                                                         key=_queue)
-        return out
+                entries += same if len(same) <= OTHERS else heapq.nsmallest(OTHERS, same,
+                                                                             key=_queue)
+        return entries
 
     def others(self, holders: Iterable[str], prefill: bool) -> list[PodEntry]:
         """The pods to score besides `holders`: the least-loaded serving ones and the fast

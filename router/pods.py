@@ -118,6 +118,8 @@ class PodEntry:
     on_load: Callable[[PodEntry], None] | None = field(default=None, repr=False)
     _recent: float = 0.0  # requests routed here, decayed with _RECENT_HALF_LIFE_S
     _recent_at: float = 0.0
+    _published: int = 0  # waiting + running of `_published_of` (the info it was read from)
+    _published_of: PodInfo | None = field(default=None, repr=False)
     _backlog: float = 0.0  # prompt tokens we sent here to compute, as of _backlog_at
     _backlog_at: float = 0.0
 
@@ -166,7 +168,13 @@ class PodEntry:
     def queue(self) -> int:
         """Requests ahead of a new one here: the published load less ours that finished
         since it was published, or our own calls in flight where more (scoring.Candidate's)."""
-        published = self.info.waiting + self.info.running - self.finished_since_load()
+        info = self.info
+        if self._published_of is not info:  # read once per registration read, not per call
+            self._published = info.waiting + info.running
+            self._published_of = info
+        published = self._published
+        if self.finished:
+            published -= self.finished_since_load()
         return max(published, self.inflight, 0)
 
     def note_steps(self, seconds: float, steps: int) -> None:
@@ -228,6 +236,9 @@ class PodRegistry:
         self._live_len = 0
         self._next_expiry = 0.0  # monotonic: no lease, as last read, runs out before this
         self._expiry_of: dict[str, PodEntry] | None = None  # the pods it was computed for
+        # Called after every change of `pods` (a refresh, a lease that ran out), so what the
+        # router derives from the whole fleet is rebuilt there, off a decision's clock.
+        self.listeners: list[Callable[[], None]] = []
         self.index_up = False
         self.ready = asyncio.Event()  # set after the first successful read of the index
         self._channels: dict[str, _Channel] = {}
@@ -382,12 +393,16 @@ class PodRegistry:
         self._expiry_of = self.pods
         if gone:
             self._update_gauges()
+            for listener in self.listeners:
+                listener()
 
     def _changed(self) -> None:
         self._next_expiry = min((p.lease_until for p in self.pods.values()),
                                 default=float("inf"))
         self._expiry_of = self.pods
         self._update_gauges()
+        for listener in self.listeners:
+            listener()
 
     def live_epochs(self) -> dict[str, str]:
         """Pod id -> live epoch of every eligible pod: what a lookup matches claims with."""

@@ -125,6 +125,7 @@ class Router:
         self._view_of: dict[str, PodEntry] | None = None  # the registry pods it was made of
         self._view_len = 0
         self._view_foreign: object = None
+        self.registry.listeners.append(self._fleet)
         self._sharded = is_cluster(redis_client)
         self._bucket_down_until: dict[int, float] = {}  # bucket -> monotonic time
         self._counter = 0
@@ -141,7 +142,7 @@ class Router:
         forward.ClearField("handover")  # the router's to set (a prefill half), no client's
         if prompt.kind == "text":
             forward.token_ids.ids.extend(prompt.token_ids)  # setting the oneof clears `text`
-        ids = list(prompt.token_ids)
+        ids = list(prompt.token_ids[:])  # (a slice copies a protobuf field in C: 1.5x list())
         hashes: list[bytes] = []
         RequestBlockHasher(self.hash_config, self.config.block_size, prompt.cache_salt,
                            lora_key(prompt.lora_id)).extend(ids, hashes)
@@ -244,10 +245,8 @@ class Router:
         now = time.monotonic()
         # The pods that hold (or are predicted to hold) some of the prefix, then a few of
         # the least-loaded others: every pod that could win, not every pod (fleet_view.py).
-        known = {**bursts, **matches}
-        named = [pid for pid in known if pid in view.serving or pid in view.prefill]
-        entries = view.holders(named, matches, bursts)
-        entries += view.others(named, self.config.pd_split)
+        entries = view.holders(matches, bursts)
+        entries += view.others([p.pod_id for p in entries], self.config.pd_split)
         cands = [self._candidate(p, view, matches.get(p.pod_id), bursts.get(p.pod_id, 0),
                                  limit, now) for p in entries]
         # Every pod is a pull source; only the serving ones (decode, mixed) take requests.

@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagekv.proto.hashing import max_hit_blocks
-from pagekv.proto.medium import MEDIUMS, Medium
+from pagekv.proto.medium import Medium
 from pagekv.proto.pull_cost import PullCost
 
 # Reasons reported in RoutingInfo.reason and as a metric label (a small fixed set).
@@ -270,12 +270,12 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
     if not c.eligible:
         return s
     limit = max_hit_blocks(prompt_len, block_size)
-    counts: dict[str, int] = dict.fromkeys(MEDIUMS, 0)
-    for tier in c.tiers[:limit]:
-        counts[tier] += 1
-    s.cached_gpu = counts[Medium.GPU] * block_size
-    s.cached_cpu = counts[Medium.CPU] * block_size
-    s.cached_disk = counts[Medium.DISK] * block_size
+    tiers = c.tiers if len(c.tiers) <= limit else c.tiers[:limit]
+    if tiers:  # (count() is a C loop: a 100-block prefix costs no Python loop)
+        cpu, disk = tiers.count(Medium.CPU), tiers.count(Medium.DISK)
+        s.cached_gpu = (len(tiers) - cpu - disk) * block_size
+        s.cached_cpu = cpu * block_size
+        s.cached_disk = disk * block_size
     s.from_burst = c.burst_blocks > 0
     pub = c.published_costs
     prefill = _pod_cost(pub, "prefill", costs.prefill_per_token)
