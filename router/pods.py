@@ -127,8 +127,8 @@ class PodEntry:
         """Prompt tokens waiting to be computed here: what we sent (each request's
         uncached part), drained at the pod's measured prefill rate since, or what the pod
         published (`load.prefill_backlog`, everyone's, up to a lease renewal old) where
-        more. Needs no end-of-call signal: a prefill's tokens are gone once the pod has had
-        the time to compute them."""
+        more. A prefill's tokens are gone once the pod has had the time to compute them, or
+        once none of our calls there is left in flight (`call_finished`)."""
         now = time.monotonic() if now is None else now
         return max(self._ours(per_token_s, now), self.info.load.get("prefill_backlog", 0.0))
 
@@ -158,6 +158,9 @@ class PodEntry:
         if len(self.finished) > _FINISHED_KEEP:  # keep a few lease renewals' worth
             cut = bisect.bisect_right(self.finished, now - 5.0)
             del self.finished[:max(cut, len(self.finished) - _FINISHED_KEEP)]
+        # None of ours left in flight: every prompt we sent here is computed.
+        if self.inflight <= 0:
+            self._backlog = 0.0
         if self.on_load is not None:
             self.on_load(self)
 

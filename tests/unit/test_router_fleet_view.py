@@ -334,3 +334,18 @@ def test_a_fleet_view_without_pods_is_empty() -> None:
     view.rebuild({}, [])
     assert view.others([], True) == [] and view.min_queue() == 0
     assert view.cold_pick(b"k" * 32, 0, 1.0, 10) is None
+
+
+def test_the_backlog_is_gone_when_none_of_our_calls_is_left() -> None:
+    entry = PodEntry(info("p"), None)  # type: ignore[arg-type]
+    entry.add_backlog(900, 1.0)  # a slow drain: 1 s a token
+    entry.inflight = 2  # three were sent, one ends: the others' prompts may still wait
+    entry.call_finished()
+    assert entry.backlog(1.0) == pytest.approx(900, abs=2)
+    entry.inflight = 0  # the last of ours ended: nothing of ours is waiting there
+    entry.call_finished()
+    assert entry.backlog(1.0) == 0.0
+
+
+def test_sticky_is_the_default_policy() -> None:
+    assert RouterConfig().policy == "sticky"
