@@ -241,7 +241,7 @@ class PodRegistry:
         self._expiry_of: dict[str, PodEntry] | None = None  # the pods it was computed for
         # Called after every change of `pods` (a refresh, a lease that ran out), so what the
         # router derives from the whole fleet is rebuilt there, off a decision's clock.
-        self.listeners: list[Callable[[], None]] = []
+        self.listeners: list[Callable[[], object]] = []
         self.index_up = False
         self.ready = asyncio.Event()  # set after the first successful read of the index
         self._channels: dict[str, _Channel] = {}
