@@ -58,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hash-seed", default=DEFAULT_HASH_SEED)
     group = parser.add_argument_group("routing")
     group.add_argument("--policy", default=d.policy, choices=POLICIES,
-                       help="sticky (default): by estimated TTFT, the queue priced as the prompt "
-                            "tokens waiting on the pod too (sticky until saturated); prefix: "
-                            "the queue per request only; round_robin / random: baselines")
+                       help="prefix (default): by estimated TTFT, the queue per request; sticky: "
+                            "the queue priced as the prompt tokens waiting on the pod too "
+                            "(sticky until saturated); round_robin / random: baselines")
     group.add_argument("--cost-prefill-per-token", type=float, default=c.prefill_per_token,
                        help="seconds of prefill per token, until a pod publishes its own")
     group.add_argument("--cost-cpu-per-token", type=float, default=c.cpu_per_token,

@@ -67,9 +67,9 @@ class RouterConfig:
     hash_algo: str = "sha256"
     hash_seed: str = DEFAULT_HASH_SEED
     index_prefix: str = "pagekv"
-    # sticky: on bench.scale --sweep (32 pods, a hot prefix, loads 0.5-1.3) TTFT p90 0.86-1.10x
-    # the oracle's, prefix's 1.20-1.44x (docs/BENCHMARKS.md §22)
-    policy: str = "sticky"
+    # sticky wins bench.scale --sweep (docs/BENCHMARKS.md §22) but, as the default, sent a
+    # shared prompt's siblings away from its real pod in the router tests: not yet
+    policy: str = "prefix"
     costs: CostModel = field(default_factory=lambda: DEFAULT_COSTS)
     burst_ttl_s: float = 2.0
     shared_bursts: bool = True        # burst predictions through the index, for other routers

@@ -345,7 +345,3 @@ def test_the_backlog_is_gone_when_none_of_our_calls_is_left() -> None:
     entry.inflight = 0  # the last of ours ended: nothing of ours is waiting there
     entry.call_finished()
     assert entry.backlog(1.0) == 0.0
-
-
-def test_sticky_is_the_default_policy() -> None:
-    assert RouterConfig().policy == "sticky"
