@@ -39,6 +39,11 @@ class SharedBursts:
         shows it holding the ones before): tell the other routers, without waiting."""
         if self.ttl_ms <= 0 or start >= len(block_hashes):
             return
+        # Predictions are keyed by the pod's registration's claim id, as the lookup names
+        # holders: a pod without a valid one is not predicted.
+        claim_id = self.index.claim_id_of(pod_id)
+        if claim_id is None:
+            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (a test calling in from another thread): local only
@@ -46,13 +51,14 @@ class SharedBursts:
         if len(self._tasks) >= MAX_IN_FLIGHT:
             self.metrics.shared_predictions.labels(result="dropped").inc()
             return
-        task = loop.create_task(self._write(pod_id, block_hashes, start))
+        task = loop.create_task(self._write(pod_id, claim_id, block_hashes, start))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _write(self, pod_id: str, block_hashes: Sequence[bytes], start: int) -> None:
+    async def _write(self, pod_id: str, claim_id: bytes, block_hashes: Sequence[bytes],
+                     start: int) -> None:
         try:
-            await self.index.predict(pod_id, block_hashes, start, self.ttl_ms,
+            await self.index.predict(claim_id, block_hashes, start, self.ttl_ms,
                                      MAX_PODS_PER_KEY)
         except REDIS_ERRORS as exc:
             logger.debug("shared burst prediction for %s not written: %r", pod_id, exc)

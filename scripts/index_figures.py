@@ -109,7 +109,7 @@ def lookups(client: Any, nodes: list[Any], label: str) -> None:
                 times.append((time.perf_counter() - t0) * 1e6)
             assert sum(m.depth == 32 for m in got.values()) == holders
             times.sort()
-            args = len(live.arg)
+            args = sum(len(a) for a in call.args)  # no pods among them
             print(f"  {n_pods:3d} pods, {holders:3d} holding: {times[500]:6.0f} / "
                   f"{times[990]:6.0f} us, server {usec_per_call(nodes, 'evalsha'):6.0f} us "
                   f"(ARGV {args} B)")

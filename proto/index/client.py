@@ -46,6 +46,8 @@ class IndexClient:
         self.schema = schema
         self.bad_records = bad_records if bad_records is not None else BadRecords()
         self.slots = IndexSlots(max_in_flight, wait_s)
+        # The live pods of the last lookup (the registry's): the claim ids predictions take.
+        self.live = LivePods({})
 
     async def _run(self, call: Call[T]) -> T:
         async with self.slots.held():
@@ -64,16 +66,23 @@ class IndexClient:
         `predictions`, are predicted to by a router's recent dispatch), with that prefix;
         absent: none. One EVALSHA, one shard. A request cancelled while it waits for a
         connection (its deadline passed: gRPC cancels it) stops waiting there."""
+        self.live = live
         if not block_hashes or not live:
             return {}
         return await self._run(queries.lookup(self.schema, block_hashes, live, predictions,
                                               self.bad_records))
 
-    async def predict(self, pod_id: str, block_hashes: Sequence[bytes], start: int,
+    def claim_id_of(self, pod_id: str) -> bytes | None:
+        """`pod_id`'s claim id as the last lookup's live pods (the registry's) have it: what
+        a prediction for it is keyed by; None when it has no valid one."""
+        return self.live.claim_id(pod_id)
+
+    async def predict(self, claim_id: bytes, block_hashes: Sequence[bytes], start: int,
                       ttl_ms: int, max_pods: int) -> int:
-        """Predict `pod_id` holding blocks `start`... of the chain for `ttl_ms`, for the
-        other routers' lookups: one EVALSHA on the chain's shard."""
-        return await self._run(queries.predict(self.schema, pod_id, block_hashes, start,
+        """Predict the pod registered under `claim_id` (`claim_id_of`) holding blocks
+        `start`... of the chain for `ttl_ms`, for the other routers' lookups: one EVALSHA on
+        the chain's shard."""
+        return await self._run(queries.predict(self.schema, claim_id, block_hashes, start,
                                                ttl_ms, max_pods))
 
     async def list_live_pods(self, schema: IndexSchema | None = None) -> list[PodInfo]:

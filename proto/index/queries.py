@@ -31,7 +31,6 @@ from pagekv.proto.index.pod_record import PodInfo as PodInfo  # re-exported: its
 from pagekv.proto.index.pod_record import parse_pod_record
 from pagekv.proto.index.schema import (
     BUCKETS,
-    CLAIM_ID_BYTES,
     IndexSchema,
     bucket_of,
     claim_field,
@@ -49,18 +48,28 @@ T = TypeVar("T")
 # Claims HASH fields per STRIP call (one HSCAN page): a bucket is cleaned in steps this size.
 STRIP_PAGE = 1000
 
-_TIER_OF_CODE: dict[str, Medium] = {m.code: m for m in MEDIUMS}
+_TIER_OF_BYTE: dict[int, Medium] = {ord(m.code): m for m in MEDIUMS}  # a claim code's byte
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class PodMatch:
     """A live pod's consecutive prefix from block 0; tiers[i] is where block i lives.
     `predicted`: its prefix held or predicted by a router's recent dispatch there (shared
-    burst predictions), when that is longer than `depth`; else 0."""
+    burst predictions), when that is longer than `depth`; else 0. `tiers` is read-only: a
+    lookup's are shared by every match of the same claim codes (a list or a tuple compares
+    alike)."""
 
     depth: int
-    tiers: list[str]
+    tiers: Sequence[str]
     predicted: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PodMatch):
+            return NotImplemented
+        return (self.depth, tuple(self.tiers), self.predicted) == \
+            (other.depth, tuple(other.tiers), other.predicted)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass's with eq
 
     def tier_counts(self) -> dict[str, int]:
         counts: dict[str, int] = dict.fromkeys(MEDIUMS, 0)
@@ -87,27 +96,29 @@ class Call(Generic[T]):
 
 class LivePods(Mapping[str, bytes]):
     """The pods a lookup counts claims of (pod id -> the claim id their claims carry: their
-    registration's), packed once into the script's one argument: the router's registry keeps
-    one per refresh, so a lookup neither rebuilds nor encodes a pair per pod. The packing is
-    "\\0<claim id>\\1pod" per pod, then "\\0": a claim id has no byte 0 or 1
-    (schema.new_claim_id) and a pod id neither, so a search finds only whole records. A pod
-    without a valid claim id (unknown: only predicted, or a garbled registration) is packed
-    with a placeholder no claim matches. Pod ids holding the separators (no command line can
-    pass the first) are left out."""
+    registration's), and the reverse map `pods_of` (claim id -> pod id) that turns the
+    lookup's holders, named by claim id, into pods: the router's registry keeps one per
+    refresh, so a lookup sends nothing per pod and maps each holder with one dict lookup. A
+    claim id that is not here (a dead, retired or forged one) is dropped. A pod without a
+    valid claim id (unknown: a garbled registration) is listed but matches nothing, and is
+    never predicted."""
 
-    __slots__ = ("_ids", "arg")
+    __slots__ = ("_ids", "pods_of")
 
     def __init__(self, claim_ids: Mapping[str, bytes]) -> None:
-        self._ids = {pod: cid for pod, cid in claim_ids.items()
-                     if "\0" not in pod and "\1" not in pod}
-        self.arg = b"".join(
-            b"\0" + (cid if valid_claim_id(cid) else _NO_CLAIM_ID) + b"\1" + pod.encode()
-            for pod, cid in self._ids.items()) + b"\0"
+        self._ids = dict(claim_ids)
+        self.pods_of: dict[bytes, str] = {cid: pod for pod, cid in self._ids.items()
+                                          if valid_claim_id(cid)}
 
     @classmethod
     def of(cls, infos: Iterable[PodInfo]) -> LivePods:
         """From the registry's live pods (their registrations' claim ids)."""
         return cls({info.pod_id: info.claim_id for info in infos})
+
+    def claim_id(self, pod: str) -> bytes | None:
+        """`pod`'s valid claim id, else None (not live, or no valid registration)."""
+        cid = self._ids.get(pod)
+        return cid if cid is not None and cid in self.pods_of else None
 
     def __getitem__(self, pod: str) -> bytes:
         return self._ids[pod]
@@ -119,45 +130,52 @@ class LivePods(Mapping[str, bytes]):
         return len(self._ids)
 
 
-_NO_CLAIM_ID = b"\0" * CLAIM_ID_BYTES  # matches no claim: a claim id holds no byte 0
-
-
 # -- replies ---------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4096)
-def _tiers(codes: str) -> tuple[Medium, ...]:
+def _tiers(codes: bytes) -> tuple[Medium, ...]:
     """A claim code string's tiers, up to the first letter no pod writes (a forged claim:
-    the prefix ends there). A prefix's codes repeat across lookups and pods."""
+    the prefix ends there). A prefix's codes repeat across lookups and pods: the tuple is
+    shared (PodMatch.tiers is read-only)."""
     out: list[Medium] = []
     for code in codes:
-        tier = _TIER_OF_CODE.get(code)
+        tier = _TIER_OF_BYTE.get(code)
         if tier is None:
             break
         out.append(tier)
     return tuple(out)
 
 
-def _parse_lookup(bad: BadRecords, reply: Sequence[Any]) -> dict[str, PodMatch]:
+def _parse_lookup(bad: BadRecords, pods_of: Mapping[bytes, str], reply: Sequence[Any]
+                  ) -> dict[str, PodMatch]:
     """The lookup's reply: its three garbage counts first (see scripts.LOOKUP_LUA), then a
-    triple per pod. A claim with an unknown tier letter ends that pod's prefix there."""
-    if len(reply) < 3 or (len(reply) - 3) % 3:
-        bad.note(BAD_REPLY, f"lookup reply of {len(reply)} items")
+    triple per holder (claim id, codes, predicted depth): the claim ids of `pods_of` (the
+    live pods') become pods, any other is dropped. A claim with an unknown tier letter ends
+    that pod's prefix there."""
+    n = len(reply)
+    if n < 3 or (n - 3) % 3:
+        bad.note(BAD_REPLY, f"lookup reply of {n} items")
         return {}
-    bad.note(WRONG_TYPE, "a claim or prediction key of another Redis type", int(reply[0]))
-    bad.note(BAD_PREDICTION, "a prediction whose expiry is not a number", int(reply[1]))
-    bad.note(BAD_CLAIM, "a claims field that is not whole (claim id, tier mask) entries",
-             int(reply[2]))
+    if reply[0] or reply[1] or reply[2]:
+        bad.note(WRONG_TYPE, "a claim or prediction key of another Redis type", int(reply[0]))
+        bad.note(BAD_PREDICTION, "a prediction whose expiry is not a number", int(reply[1]))
+        bad.note(BAD_CLAIM, "a claims field that is not whole (claim id, tier mask) entries",
+                 int(reply[2]))
     out: dict[str, PodMatch] = {}
-    for i in range(3, len(reply), 3):
-        try:
-            pod, codes = text(reply[i]), text(reply[i + 1])
-        except UnicodeDecodeError:
-            bad.note(BAD_ENCODING, f"a claim of pod {reply[i]!r} that is not UTF-8")
+    pod_of = pods_of.get
+    for i in range(3, n, 3):
+        pod = pod_of(reply[i])
+        if pod is None:
             continue
-        tiers = _tiers(codes)
+        codes = reply[i + 1]
+        try:
+            tiers = _tiers(codes)
+        except TypeError:  # a client decoding replies: bytes expected
+            tiers = _tiers(codes.encode())
         if len(tiers) < len(codes):
-            bad.note(BAD_CLAIM, f"pod {pod}: claim tier {codes[len(tiers)]!r} at block "
-                                f"{len(tiers)} (known: {', '.join(m.code for m in MEDIUMS)})")
-        out[pod] = PodMatch(len(tiers), list(tiers), int(reply[i + 2]))
+            bad.note(BAD_CLAIM, f"pod {pod}: claim tier {codes[len(tiers):len(tiers) + 1]!r} "
+                                f"at block {len(tiers)} "
+                                f"(known: {', '.join(m.code for m in MEDIUMS)})")
+        out[pod] = PodMatch(len(tiers), tiers, int(reply[i + 2]))
     return out
 
 
@@ -237,23 +255,25 @@ def lookup(schema: IndexSchema, block_hashes: Sequence[bytes], live: LivePods,
     of `block_hashes`, how many leading blocks, and where; with `predictions`, also the
     routers' burst predictions (PodMatch.predicted), and the pods only predicted. Pods absent
     from the reply hold nothing. Every key is in block 0's bucket: one script, one slot.
-    One key and at most five arguments however long the chain and however many pods."""
+    One key and at most four arguments however long the chain, none naming pods: the reply
+    names holders by claim id, which `live` maps back."""
     bucket = bucket_of(block_hashes[0])
-    fields = b"".join(claim_field(h) for h in block_hashes)
-    args = [schema.bucket_base(bucket), fields, live.arg, "1" if predictions else ""]
+    fields = b"".join([claim_field(h) for h in block_hashes])
+    args = [schema.bucket_base(bucket), fields, "1" if predictions else ""]
     if predictions:
         args.append(b"".join(block_hashes).hex())
     return Call(scripts.LOOKUP, (schema.claims_key(bucket),), args,
-                functools.partial(_parse_lookup, bad))
+                functools.partial(_parse_lookup, bad, live.pods_of))
 
 
-def predict(schema: IndexSchema, pod_id: str, block_hashes: Sequence[bytes], start: int,
+def predict(schema: IndexSchema, claim_id: bytes, block_hashes: Sequence[bytes], start: int,
             ttl_ms: int, max_pods: int) -> Call[int]:
-    """Predict `pod_id` holding blocks `start`... of the chain for `ttl_ms` (a router's
-    dispatch, for the others' lookups); each key keeps at most `max_pods` pods. One script,
-    one slot; the reply is the number of keys written."""
+    """Predict the pod registered under `claim_id` (a valid one: LivePods.claim_id) holding
+    blocks `start`... of the chain for `ttl_ms` (a router's dispatch, for the others'
+    lookups); each key keeps at most `max_pods` pods. One script, one slot; the reply is the
+    number of keys written."""
     return Call(scripts.PREDICT, schema.chain_prediction_keys(block_hashes, start),
-                (pod_id, ttl_ms, max_pods), _parse_int)
+                (claim_id, ttl_ms, max_pods), _parse_int)
 
 
 def live_pods(schema: IndexSchema, bad: BadRecords = UNCOUNTED) -> Call[list[PodInfo]]:

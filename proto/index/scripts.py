@@ -17,34 +17,37 @@ from redis.exceptions import NoScriptError
 
 # KEYS[1]: the chain's bucket's claims HASH (it routes the call to the chain's shard).
 # ARGV[1]: the bucket's key base; ARGV[2]: the chain's claim fields (schema.claim_field,
-# FIELD_BYTES each), concatenated; ARGV[3]: the pods the caller believes live, packed as
-# "\0<claim id>\1pod\0<claim id>\1pod\0" (queries.LivePods: the router's registry; the
-# registrations live in the control slot, which this script cannot read on a cluster);
-# ARGV[4]: "1" to read the routers' burst predictions too, with ARGV[5] the chain's hashes in
-# hex, concatenated (each prediction key is ARGV[1] .. 'r:' .. one of them: the same slot).
+# FIELD_BYTES each), concatenated; ARGV[3]: "1" to read the routers' burst predictions too,
+# with ARGV[4] the chain's hashes in hex, concatenated (each prediction key is ARGV[1] ..
+# 'r:' .. one of them: the same slot).
 # A field's value is its holders' claims, CLAIM_ENTRY_BYTES each: a claim id, then a byte,
-# the tier mask; a claim counts only under the claim id passed for its pod (a claim id that
-# is not passed is a dead or restarted pod's: garbage until reaped).
-# Reply: flat [wrong-type keys, bad prediction entries, bad claim values, then pod, tier
-# codes, predicted depth, ...] for the live pods that hold or are predicted to hold a prefix
-# (absent: neither); the code string's length is the pod's depth, '?' a mask no pod writes
-# (the parser ends the prefix there). Garbage anyone may have written (a key of another type,
-# a non-numeric expiry, a value that is not whole entries) is skipped and counted in the
-# first three, never an error: one bad key must not fail the lookup.
-# Block 0's holders are the only candidates, so the work grows with the pods that hold the
-# chain, not with the pods passed. The fields are read CHUNK at a time (one HMGET each) and
-# the walk ends as soon as no pod is left: blocks past the longest match are barely read.
-# Predictions extend a pod's claimed prefix: blocks 1..c held (c claims), then a run of
+# the tier mask. The script knows no pods: it names holders by claim id (4 raw bytes) and
+# the router maps them to its live pods (queries.LivePods), dropping the ids of no live
+# registration (a dead or restarted pod's, garbage until reaped): no argument grows with
+# the fleet, and nothing is searched per pod.
+# Reply: flat [wrong-type keys, bad prediction entries, bad claim values, then claim id, tier
+# codes, predicted depth, ...] for the claim ids that hold or are predicted to hold a prefix
+# (absent: neither); the code string's length is the depth, '?' a mask no pod writes (the
+# parser ends the prefix there). Garbage anyone may have written (a key of another type, a
+# non-numeric expiry, a value that is not whole entries) is skipped and counted in the first
+# three, never an error: one bad key must not fail the lookup.
+# Block 0's holders are the only candidates. The fields are read CHUNK at a time (one HMGET
+# each) and the walk ends as soon as no holder is left. Consecutive blocks of a chain mostly
+# carry the identical value (same holders, same tiers), and Lua compares strings in O(1)
+# (interned): a run of equal values is counted, and only where the value changes is each
+# remaining holder looked up in it (its code for the run so far appended with string.rep), so
+# the walk costs O(holders x distinct values), not O(holders x blocks).
+# Predictions extend a holder's claimed prefix: blocks 1..c held (c claims), then a run of
 # predictions from block c + 1 that have not expired (Redis's clock) gives depth c + run,
-# reported only where it adds to c. Each prediction key holds few pods (the writer caps it):
-# a block's are read whole, and only for blocks where some pod's claims end or its
-# predictions continue.
+# reported only where it adds to c. A prediction key maps claim ids to expiries and holds few
+# (the writer caps it): a block's are read whole, and only for blocks where some holder's
+# claims end or its predictions continue.
 LOOKUP_LUA = """
-local base, fields, live, want, hexes = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local base, fields, want, hexes = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local FW, EW, CHUNK = 8, 5, 32
 local n = #fields / FW
 local CODE = {'G', 'C', 'G', 'D', 'G', 'C', 'G'}
-local codes, cidof, holders = {}, {}, {}
+local holders, code, parts = {}, {}, {}
 local bad_type, bad_pred, bad_claim = 0, 0, 0
 local vals, loaded = {}, 0
 local function value(i)
@@ -62,44 +65,49 @@ local function value(i)
   if v and (#v == 0 or #v % EW ~= 0) then bad_claim = bad_claim + 1; return nil end
   return v
 end
-local v = n > 0 and value(1)
-if v then
-  for e = 1, #v, EW do
-    local cid = string.sub(v, e, e + EW - 2)
-    local p = string.find(live, '\0' .. cid .. '\1', 1, true)
-    if p then
-      local q = string.find(live, '\0', p + EW + 1, true)
-      local pod = string.sub(live, p + EW + 1, q - 1)
-      if not codes[pod] then
-        codes[pod] = {CODE[string.byte(v, e + EW - 1)] or '?'}
-        cidof[pod] = cid
-        holders[#holders + 1] = pod
-      end
+local active = {}
+local prev = n > 0 and value(1)
+if prev then
+  for e = 1, #prev, EW do
+    local cid = string.sub(prev, e, e + EW - 2)
+    if not code[cid] then
+      local c = CODE[string.byte(prev, e + EW - 1)] or '?'
+      code[cid] = c
+      holders[#holders + 1] = cid
+      if c == '?' then parts[cid] = {'?'} else parts[cid] = {}; active[#active + 1] = cid end
     end
   end
 end
-local active = {}
-for _, pod in ipairs(holders) do
-  if codes[pod][1] ~= '?' then active[#active + 1] = pod end
-end
+local run = 1
 for i = 2, n do
   if #active == 0 then break end
-  v = value(i)
+  local v = value(i)
   if not v then break end
-  local still = {}
-  for _, pod in ipairs(active) do
-    local cid = cidof[pod]
-    local p = string.find(v, cid, 1, true)
-    while p and (p - 1) % EW ~= 0 do p = string.find(v, cid, p + 1, true) end
-    if p then
-      local m = string.byte(v, p + EW - 1)
-      local c = codes[pod]
-      local code = CODE[m] or '?'
-      c[#c + 1] = code
-      if code ~= '?' then still[#still + 1] = pod end
+  if v == prev then
+    run = run + 1
+  else
+    local still = {}
+    for _, cid in ipairs(active) do
+      local pc = parts[cid]
+      pc[#pc + 1] = string.rep(code[cid], run)
+      local p = string.find(v, cid, 1, true)
+      while p and (p - 1) % EW ~= 0 do p = string.find(v, cid, p + 1, true) end
+      if p then
+        local c = CODE[string.byte(v, p + EW - 1)] or '?'
+        if c == '?' then pc[#pc + 1] = '?' else code[cid] = c; still[#still + 1] = cid end
+      end
     end
+    active, prev, run = still, v, 1
   end
-  active = still
+end
+for _, cid in ipairs(active) do
+  local pc = parts[cid]
+  pc[#pc + 1] = string.rep(code[cid], run)
+end
+local codes, depth = {}, {}
+for _, cid in ipairs(holders) do
+  local s = table.concat(parts[cid])
+  codes[cid], depth[cid] = s, #s
 end
 local pred = {}
 if want == '1' then
@@ -108,8 +116,8 @@ if want == '1' then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local ends, maxc = {}, 0
-  for _, pod in ipairs(holders) do
-    local d = #codes[pod]
+  for _, cid in ipairs(holders) do
+    local d = depth[cid]
     ends[d] = true
     if d > maxc then maxc = d end
   end
@@ -122,19 +130,14 @@ if want == '1' then
       if entries.err then bad_type, entries = bad_type + 1, {} end
       local nxt, m = {}, 0
       for j = 1, #entries, 2 do
-        local pod = entries[j]
+        local cid = entries[j]
         local expiry = tonumber(entries[j + 1])
         if not expiry then
           bad_pred = bad_pred + 1
-        elseif expiry > now then
-          local c = codes[pod]
-          local d = c and #c or 0
-          if cur[pod] or (d == i - 1 and
-              (c or string.find(live, '\1' .. pod .. '\0', 1, true))) then
-            nxt[pod] = true
-            m = m + 1
-            pred[pod] = i
-          end
+        elseif expiry > now and (cur[cid] or (depth[cid] or 0) == i - 1) then
+          nxt[cid] = true
+          m = m + 1
+          pred[cid] = i
         end
       end
       cur, ncur = nxt, m
@@ -142,35 +145,36 @@ if want == '1' then
   end
 end
 local out = {bad_type, bad_pred, bad_claim}
-for _, pod in ipairs(holders) do
-  out[#out + 1] = pod
-  out[#out + 1] = table.concat(codes[pod])
-  out[#out + 1] = pred[pod] or 0
-  pred[pod] = nil
+for _, cid in ipairs(holders) do
+  out[#out + 1] = cid
+  out[#out + 1] = codes[cid]
+  out[#out + 1] = pred[cid] or 0
+  pred[cid] = nil
 end
-for pod, d in pairs(pred) do
-  out[#out + 1] = pod
+for cid, d in pairs(pred) do
+  out[#out + 1] = cid
   out[#out + 1] = ''
   out[#out + 1] = d
 end
 return out
 """
 
-# KEYS: the burst-prediction keys of consecutive blocks of one chain (one bucket). ARGV: pod,
-# TTL ms, the most pods one key keeps. Each key maps the pod to now + TTL (Redis's clock,
-# shared by every router) and expires TTL after its last write. A key over the cap drops its
+# KEYS: the burst-prediction keys of consecutive blocks of one chain (one bucket). ARGV: the
+# pod's claim id (its registration's, 4 raw bytes: what the lookup names holders by), TTL ms,
+# the most pods one key keeps. Each key maps the claim id to now + TTL (Redis's clock, shared
+# by every router) and expires TTL after its last write. A key over the cap drops its
 # expired entries, then its oldest: the cost of a write stays bounded however many pods one
 # hot block is sent to. A key of another type is left alone (not written), an entry whose
 # expiry is not a number is dropped. Reply: the number of keys written.
 PREDICT_LUA = """
-local pod, ttl, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local cid, ttl, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local expiry = string.format('%d', now + ttl)
 local written = 0
 for i = 1, #KEYS do
   local key = KEYS[i]
-  local added = redis.pcall('HSET', key, pod, expiry)
+  local added = redis.pcall('HSET', key, cid, expiry)
   if type(added) == 'number' then
     written = written + 1
   end

@@ -274,13 +274,13 @@ def test_the_layout_is_part_of_the_namespace_and_named_in_a_mismatch():
     assert SCHEMA.hash_config()[LAYOUT_FIELD] == "2"
 
 
-def test_live_pods_pack_only_whole_records():
+def test_live_pods_map_only_valid_claim_ids_back_to_pods():
     a, b = new_claim_id(), new_claim_id()
-    live = LivePods({"pod-a": a, "pod-b": b"", "bad\0pod": b, "pod-c": b"\x00\x01ab"})
-    assert list(live) == ["pod-a", "pod-b", "pod-c"]
-    assert live.arg.count(a) == 1 and b not in live.arg  # no claim id: a placeholder
-    assert live.arg == (b"\0" + a + b"\1pod-a" + b"\0" + b"\0" * 4 + b"\1pod-b"
-                        + b"\0" + b"\0" * 4 + b"\1pod-c" + b"\0")
+    live = LivePods({"pod-a": a, "pod-b": b"", "pod-d": b, "pod-c": b"\x00\x01ab"})
+    assert list(live) == ["pod-a", "pod-b", "pod-d", "pod-c"]
+    assert live.pods_of == {a: "pod-a", b: "pod-d"}  # no valid claim id: matches nothing
+    assert live.claim_id("pod-a") == a and live.claim_id("pod-b") is None
+    assert live.claim_id("pod-c") is None and live.claim_id("pod-x") is None
 
 
 def test_claims_of_a_registration_the_control_keys_lost_are_still_stripped(make_pod, client):

@@ -18,13 +18,17 @@ from tests.integration.test_index_lookup import counting_from_now, evalsha_calls
 
 pytestmark = pytest.mark.integration
 
-# Live pods as a router passes them (no claim ids: no claims needed).
-FAR = LivePods({"pod-a": b"", "pod-b": b""})
+# Live pods as a router passes them (registered, no claims written: none needed).
+FAR = LivePods({"pod-a": b"\x02aaa", "pod-b": b"\x02bbb"})
+MANY = LivePods({f"pod-{i}": bytes([2 + i]) * 4 for i in range(12)})
+CLAIM_IDS = {**FAR, **MANY}
 
 
 def predict(client, pod: str, blocks: list[bytes], start: int = 0, ttl_ms: int = 30_000,
-            cap: int = 8) -> int:
-    return queries.predict(SCHEMA, pod, blocks, start, ttl_ms, cap).run(client)
+            cap: int = 8, live: LivePods | None = None) -> int:
+    """What a router's SharedBursts writes for `pod`: keyed by its claim id."""
+    cid = (live or CLAIM_IDS)[pod]
+    return queries.predict(SCHEMA, cid, blocks, start, ttl_ms, cap).run(client)
 
 
 def test_a_prediction_is_read_by_the_next_lookup(client):
@@ -34,9 +38,14 @@ def test_a_prediction_is_read_by_the_next_lookup(client):
     assert got == {"pod-a": PodMatch(0, [], 4), "pod-b": PodMatch(0, [])}
     # A router that does not share bursts reads none.
     assert lookup_prefix(client, SCHEMA, blocks, FAR)["pod-a"] == PodMatch(0, [])
-    # Only live pods count: a pod the caller does not pass is never reported.
-    assert lookup_prefix(client, SCHEMA, blocks, {"pod-b": "e2"}, predictions=True) == \
-        {"pod-b": PodMatch(0, [])}
+    # Only live pods count: a claim id the caller does not pass is never reported.
+    assert lookup_prefix(client, SCHEMA, blocks, LivePods({"pod-b": FAR["pod-b"]}),
+                         predictions=True) == {"pod-b": PodMatch(0, [])}
+    # Nor a pod listed without a valid claim id (a garbled registration): it is unknown.
+    assert lookup_prefix(client, SCHEMA, blocks, {"pod-a": "e2"}, predictions=True) == \
+        {"pod-a": PodMatch(0, [])}
+    # The key names the claim id, not the pod.
+    assert client.hgetall(SCHEMA.chain_prediction_keys(blocks)[0]).keys() == {FAR["pod-a"]}
 
 
 def test_predictions_extend_the_claimed_prefix(make_pod, client):
@@ -46,14 +55,14 @@ def test_predictions_extend_the_claimed_prefix(make_pod, client):
     assert pod.pub.flush()
     live = LivePods.of(list_live_pods(client, SCHEMA))
     # What a router writes: the blocks past what the index confirms there.
-    assert predict(client, "pod-a", blocks[:6], start=3) == 3
+    assert predict(client, "pod-a", blocks[:6], start=3, live=live) == 3
     got = lookup_prefix(client, SCHEMA, blocks, live, predictions=True)["pod-a"]
     assert got == PodMatch(3, ["CPU"] * 3, 6)
     # A run of predictions that does not start where the claims end adds nothing.
     other = chain(8, "p3")
     pod.store(other[:2])
     assert pod.pub.flush()
-    predict(client, "pod-a", other[:6], start=3)
+    predict(client, "pod-a", other[:6], start=3, live=live)
     assert lookup_prefix(client, SCHEMA, other, live, predictions=True)["pod-a"] == \
         PodMatch(2, ["GPU"] * 2)
 
@@ -74,7 +83,7 @@ def test_a_prediction_expires_after_its_ttl(client):
 
 def test_a_key_keeps_at_most_the_cap_latest_pods(client):
     blocks = chain(2, "p5")
-    live = LivePods({f"pod-{i}": b"" for i in range(12)})
+    live = MANY
     for pod in live:
         predict(client, pod, blocks, cap=4)
     got = lookup_prefix(client, SCHEMA, blocks, live, predictions=True)

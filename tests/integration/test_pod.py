@@ -18,7 +18,13 @@ from pagekv.deploy.redis_server import RedisProcess
 from pagekv.kvnode.engine.llm import LLM
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.proto.hashing import HashConfig, hash_prompt
-from pagekv.proto.index import IndexSchema, count_pod_claims, list_live_pods, lookup_prefix
+from pagekv.proto.index import (
+    IndexSchema,
+    PodMatch,
+    count_pod_claims,
+    list_live_pods,
+    lookup_prefix,
+)
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 
@@ -92,7 +98,7 @@ def test_index_holds_exactly_the_prompt_blocks_at_gpu(stub, rclient):
     while time.time() < deadline and lookup_prefix(rclient, SCHEMA, hashes)["node-a"].depth < 2:
         time.sleep(0.05)
     match = lookup_prefix(rclient, SCHEMA, hashes)["node-a"]
-    assert match.depth == 2 and match.tiers == ["GPU", "GPU"]
+    assert match == PodMatch(2, ["GPU", "GPU"])
     assert count_pod_claims(rclient, SCHEMA, "node-a") == 2
     again = gen.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                             sampling=greedy(4)))

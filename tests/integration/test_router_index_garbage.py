@@ -178,7 +178,7 @@ def _an_unknown_claim_id_at_block_0(r: redis.Redis, pod: str, hashes: list[bytes
 
 
 def _non_numeric_prediction(r: redis.Redis, pod: str, hashes: list[bytes]) -> None:
-    r.hset(_prediction_key(hashes, 0), pod, "soon")
+    r.hset(_prediction_key(hashes, 0), claim_id_of(r, pod, SCHEMA), "soon")  # the pod's key
     r.pexpire(_prediction_key(hashes, 0), 60_000)
 
 

@@ -20,7 +20,7 @@ import zmq
 from pagekv.kvnode.index.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
 from pagekv.kvnode.index.vllm_ingest import IngestConfig, VllmIngester
 from pagekv.proto.hashing import HashConfig, hash_prompt
-from pagekv.proto.index import list_live_pods, lookup_prefix
+from pagekv.proto.index import PodMatch, list_live_pods, lookup_prefix
 from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagekv.proto.medium import Medium
 from pagekv.proto.vllm_events import (
@@ -120,7 +120,7 @@ def test_stored_removed_cleared_land_in_the_index(make_ingester, rclient, hash_f
                     BlockRemoved([A[3]], Medium.GPU)])
         sync(pub, ing)
         match = lookup_prefix(rclient, SCHEMA, A)["vllm-a"]
-        assert match.depth == 4 and match.tiers == ["GPU", "GPU", "GPU", "CPU"]
+        assert match == PodMatch(4, ["GPU", "GPU", "GPU", "CPU"])
         assert lookup_prefix(rclient, SCHEMA, B)["vllm-a"].depth == 2
         assert pod_claims(rclient, SCHEMA, "vllm-a") == by_field(
             {**dict.fromkeys(A[:3], "G"), A[3]: "C", **dict.fromkeys(B, "G")})

@@ -25,8 +25,12 @@ class ScriptedIndex:
         self.error = error
         self.gate: asyncio.Event | None = None
 
-    async def predict(self, pod_id, block_hashes, start, ttl_ms, max_pods) -> int:
-        self.calls.append((pod_id, list(block_hashes[start:]), ttl_ms, max_pods))
+    def claim_id_of(self, pod_id: str) -> bytes | None:
+        """The registry's claim ids: pod-x has no valid one."""
+        return None if pod_id == "pod-x" else b"\x02" + pod_id[-1].encode() * 3
+
+    async def predict(self, claim_id, block_hashes, start, ttl_ms, max_pods) -> int:
+        self.calls.append((claim_id, list(block_hashes[start:]), ttl_ms, max_pods))
         if self.gate is not None:
             await self.gate.wait()
         if self.error is not None:
@@ -47,8 +51,9 @@ def test_writes_the_blocks_past_the_held_prefix_off_the_callers_path() -> None:
         shared.record("pod-a", CHAIN, 4)
         assert index.calls == []  # not yet: the caller goes on first
         shared.record("pod-b", CHAIN, 6)  # the index holds it all there: nothing to write
+        shared.record("pod-x", CHAIN, 0)  # no valid claim id: not predicted
         await asyncio.sleep(0)
-        assert index.calls == [("pod-a", CHAIN[4:], 2000, MAX_PODS_PER_KEY)]
+        assert index.calls == [(b"\x02aaa", CHAIN[4:], 2000, MAX_PODS_PER_KEY)]
         assert counts(metrics) == {"written": 1, "error": 0, "dropped": 0}
 
     asyncio.run(run())

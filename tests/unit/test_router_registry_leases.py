@@ -98,12 +98,12 @@ def test_the_lookups_packed_pods_are_built_once_until_the_pods_change():
         live = reg.live_pods()
         assert reg.live_pods() is live  # per request: the same object, nothing rebuilt
         a1, b7, a2 = claim_id("a", "e1"), claim_id("b", "e7"), claim_id("a", "e2")
-        assert dict(live) == {"a": a1, "b": b7}  # a separator in an id: left out
-        assert live.arg == b"\0" + a1 + b"\1a\0" + b7 + b"\1b\0"
+        assert dict(live) == {"a": a1, "b": b7, "bad\0id": claim_id("bad\0id", "e1")}
+        assert live.pods_of == {a1: "a", b7: "b", claim_id("bad\0id", "e1"): "bad\0id"}
         reg.drop_expired(time.monotonic() + 0.2)  # b's lease ran out
-        assert dict(reg.live_pods()) == {"a": a1}
+        assert reg.live_pods().pods_of == {a1: "a", claim_id("bad\0id", "e1"): "bad\0id"}
         assert await reg.refresh()  # a restarted: a new epoch, a new claim id
-        assert a2 != a1 and reg.live_pods().arg == b"\0" + a2 + b"\1a\0"
+        assert a2 != a1 and reg.live_pods().pods_of == {a2: "a"}
         await reg.close()
 
     asyncio.run(go())
