@@ -44,7 +44,7 @@ def _queue(entry: PodEntry) -> int:
 
 class FleetView:
     __slots__ = ("costs", "serving", "prefill", "published", "speeds", "fast", "excluded",
-                 "ring", "serving_load", "prefill_load", "fastest")
+                 "ring", "serving_load", "prefill_load")
 
     def __init__(self, costs: CostModel) -> None:
         self.costs = costs
@@ -53,7 +53,6 @@ class FleetView:
         self.published: dict[str, Mapping[str, float]] = {}  # costs to score each pod with
         self.speeds: dict[str, float] = {}  # the prefill s/token each pod is scored at
         self.fast: list[PodEntry] = []  # serving pods faster than the median band
-        self.fastest = costs.prefill_per_token  # the least prefill s/token of a serving pod
         self.excluded: list[Score] = []  # RoutingInfo.candidates' entries of refused pods
         self.ring: ColdRing[PodEntry] = ColdRing(_pod_id)
         self.serving_load: LoadOrder[PodEntry] = LoadOrder(_queue, _pod_id)
@@ -79,9 +78,8 @@ class FleetView:
         self.speeds = {pid: costs.get("prefill", self.costs.prefill_per_token)
                        for pid, costs in self.published.items()}
         serving_speeds = {pid: self.speed(pid) for pid in ids}
-        self.fastest = min(serving_speeds.values(), default=self.costs.prefill_per_token)
         typical = sorted(serving_speeds.values())[len(serving_speeds) // 2] \
-            if serving_speeds else self.fastest
+            if serving_speeds else self.costs.prefill_per_token
         self.fast = [p for p in serving if serving_speeds[p.pod_id] < typical]
         for entry in eligible:
             entry.on_load = self.touch
@@ -103,9 +101,8 @@ class FleetView:
 
     def touch(self, entry: PodEntry) -> None:
         """A pod's queue moved (a call of ours started or ended)."""
-        if entry.pod_id in self.serving:
-            if self.serving.get(entry.pod_id) is entry:
-                self.serving_load.touch(entry)
+        if self.serving.get(entry.pod_id) is entry:
+            self.serving_load.touch(entry)
         elif self.prefill.get(entry.pod_id) is entry:
             self.prefill_load.touch(entry)
 

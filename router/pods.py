@@ -391,18 +391,18 @@ class PodRegistry:
             del self.pods[entry.pod_id]
             logger.info("pod %s at %s: lease ran out; no longer routed to", entry.pod_id,
                         entry.info.address)
+        if gone:
+            self._changed()
+        else:
+            self._note_expiry()
+
+    def _note_expiry(self) -> None:
         self._next_expiry = min((p.lease_until for p in self.pods.values()),
                                 default=float("inf"))
         self._expiry_of = self.pods
-        if gone:
-            self._update_gauges()
-            for listener in self.listeners:
-                listener()
 
     def _changed(self) -> None:
-        self._next_expiry = min((p.lease_until for p in self.pods.values()),
-                                default=float("inf"))
-        self._expiry_of = self.pods
+        self._note_expiry()
         self._update_gauges()
         for listener in self.listeners:
             listener()

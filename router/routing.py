@@ -142,7 +142,7 @@ class Router:
         forward.ClearField("handover")  # the router's to set (a prefill half), no client's
         if prompt.kind == "text":
             forward.token_ids.ids.extend(prompt.token_ids)  # setting the oneof clears `text`
-        ids = list(prompt.token_ids[:])  # (a slice copies a protobuf field in C: 1.5x list())
+        ids = prompt.token_ids[:]  # (a slice copies a protobuf field in C: 1.5x list())
         hashes: list[bytes] = []
         RequestBlockHasher(self.hash_config, self.config.block_size, prompt.cache_salt,
                            lora_key(prompt.lora_id)).extend(ids, hashes)
@@ -280,12 +280,10 @@ class Router:
             self._view_of, self._view_len, self._view_foreign = \
                 reg.pods, len(reg.pods), reg.foreign
             if self.config.kv_pull:
-                self.crossovers.update(
-                    [self._candidate(p, self.view, None, 0, 0, time.monotonic())
-                     for p in self.view.serving.values()] +
-                    [self._candidate(p, self.view, None, 0, 0, time.monotonic())
-                     for p in self.view.prefill.values()], self.config.costs,
-                    time.monotonic())
+                now = time.monotonic()
+                pods = (*self.view.serving.values(), *self.view.prefill.values())
+                self.crossovers.update([self._candidate(p, self.view, None, 0, 0, now)
+                                        for p in pods], self.config.costs, now)
         return self.view
 
     def _place_cold(self, order: list[Score], reason: str, prepared: Prepared,
