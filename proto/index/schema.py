@@ -235,8 +235,9 @@ def claim_field_hex(hex_hash: str) -> bytes:
 
 
 def new_claim_id() -> bytes:
-    """A random claim id. Its bytes are never 0 or 1, the separators of the lookup's packed
-    live pods (queries.LivePods), so a search there can only match a whole id."""
+    """A random claim id. Its bytes are never 0 or 1: ids of that shape are what
+    `valid_claim_id` accepts, so a garbled registration's id (or the placeholder of none)
+    never matches a real one."""
     return bytes(2 + secrets.randbelow(254) for _ in range(CLAIM_ID_BYTES))
 
 
