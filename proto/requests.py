@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagekv.proto.retention import CacheControl
+
 if TYPE_CHECKING:
     from pagekv.proto.pagekv.v1.pagekv_pb2 import GenerateRequest
 
@@ -118,6 +120,7 @@ def check_request(request: GenerateRequest, limits: PromptLimits) -> None:
                  "bytes")
         _at_most("kv_source.address", _utf8_bytes(request.kv_source.address),
                  MAX_REQUEST_ID_BYTES, "bytes")
+    cache_control_of(request)  # its own BadRequest
     sampling = request.sampling
     _at_most("sampling.stop_token_ids", len(sampling.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
     _check_stop_strings(sampling.stop)
@@ -136,6 +139,20 @@ def check_request(request: GenerateRequest, limits: PromptLimits) -> None:
     elif kind == "token_ids":
         _at_most("prompt token_ids", len(request.token_ids.ids), limits.max_tokens, "ids",
                  "--max-prompt-tokens")
+
+
+def cache_control_of(request: GenerateRequest) -> CacheControl:
+    """The request's retention asks (cache_control, one_shot, session_id); BadRequest when
+    they are out of bounds or contradict each other."""
+    ttl = request.cache_control.ttl_s if request.HasField("cache_control") else 0
+    tokens = request.cache_control.tokens if request.HasField("cache_control") else 0
+    if request.HasField("cache_control") and ttl == 0:
+        raise BadRequest("cache_control.ttl_s must be 1 to 86400 seconds")
+    _at_most("session_id", _utf8_bytes(request.session_id), MAX_REQUEST_ID_BYTES, "bytes")
+    try:
+        return CacheControl(float(ttl), tokens, request.one_shot, request.session_id)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def _check_stop_strings(stop: Sequence[str]) -> None:

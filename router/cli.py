@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speed-band", type=float, default=c.speed_band,
                        help="published prefill speeds within this factor of the pods' median "
                             "count as equal (noise); 1 trusts every pod's own figure")
+    group.add_argument("--session-idle-s", type=float, default=d.session_idle_s,
+                       help="a session_id's turns go back to the pod of its last turn for "
+                            "this long after it (0: no session affinity); match the pods' "
+                            "--session-idle-s, which keeps the session's blocks as long")
+    group.add_argument("--session-max-waiting", type=int, default=d.session_max_waiting,
+                       help="a session's pod with this many requests waiting is saturated: "
+                            "the turn goes where the scores send it, and the session with it")
     group.add_argument("--burst-ttl-s", type=float, default=d.burst_ttl_s,
                        help="how long a routed request counts as a predicted hit")
     group.add_argument("--shared-bursts", action=argparse.BooleanOptionalAction,
@@ -179,6 +186,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         hash_algo=args.hash_algo, hash_seed=args.hash_seed, index_prefix=args.index_prefix,
         policy=args.policy, costs=costs, kv_pull=args.kv_pull,
         cold_placement=args.cold_placement, burst_ttl_s=args.burst_ttl_s,
+        session_idle_s=args.session_idle_s, session_max_waiting=args.session_max_waiting,
         shared_bursts=args.shared_bursts,
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
         reap_dead_after_s=args.reap_dead_after_s,

@@ -75,6 +75,10 @@ class RouterConfig:
     shared_bursts: bool = True        # burst predictions through the index, for other routers
     kv_pull: bool = True              # score the pull option and send pods kv_source hints
     cold_placement: str = "hash"      # no pod holds the prefix: router/placement.py
+    # Session affinity (router/sessions.py): a session_id's turns stay on its pod for this
+    # long after the last one, while the pod has fewer than session_max_waiting waiting.
+    session_idle_s: float = 600.0
+    session_max_waiting: int = 2
     refresh_interval_s: float = 0.5
     namespace_check_interval_s: float = 2.0
     reap_dead_after_s: float = 60.0   # drop a lease-less pod's index entries after this; 0: never
@@ -171,6 +175,8 @@ class RouterConfig:
         if self.tls is not None:
             self.tls.require_identity()
         check_tls_url(self.redis_url, self.redis_tls)
+        if self.session_idle_s < 0 or self.session_max_waiting < 1:
+            raise ValueError("session_idle_s must be >= 0 and session_max_waiting >= 1")
         if self.burst_ttl_s < 0 or self.refresh_interval_s <= 0 or self.redis_timeout_s <= 0:
             raise ValueError("burst_ttl_s must be >= 0; refresh_interval_s and "
                              "redis_timeout_s must be positive")

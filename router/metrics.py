@@ -118,6 +118,11 @@ class RouterMetrics:
             "Burst predictions written to the index for the other routers (--shared-bursts), "
             "by result: written, error (Redis failed), dropped (too many writes waiting)",
             ["result"], registry=r)
+        self.session_routes = Counter(
+            "pagekv_router_session_routes_total",
+            "Requests with a session_id, by outcome: kept (its session's pod), moved (that "
+            "pod saturated or gone), new (no turn of it seen in --session-idle-s)",
+            ["outcome"], registry=r)
         self.fallbacks = Counter(
             "pagekv_router_fallback_routes_total",
             "Requests routed without prefix knowledge, by cause", ["cause"], registry=r)

@@ -34,6 +34,7 @@ from pagekv.router.scoring import (
     REASON_FALLBACK,
     REASON_RANDOM,
     REASON_ROUND_ROBIN,
+    REASON_SESSION,
     Candidate,
     Score,
     merge_prediction,
@@ -43,6 +44,7 @@ from pagekv.router.scoring import (
     rank,
     score_all,
 )
+from pagekv.router.sessions import KEPT, MOVED, NEW, SessionAffinity
 from pagekv.router.shared_bursts import SharedBursts
 from pagekv.router.tokenize import PromptTokenizer
 
@@ -61,6 +63,7 @@ class Prepared:
     lookup_blocks: int         # the blocks that can hit: (len - 1) // block_size
     # pod -> the prompt tokens it would compute (neither cached nor pulled), by decide
     uncached: dict[str, int] = field(default_factory=dict)
+    session: tuple[str, str] | None = None  # (cache salt, session_id): router/sessions.py
 
 
 @dataclass(slots=True)
@@ -122,6 +125,7 @@ class Router:
         self.shared = SharedBursts(self.index, config.burst_ttl_s, metrics) \
             if config.shared_bursts and config.burst_ttl_s > 0 else None
         self.view = FleetView(config.costs)
+        self.sessions = SessionAffinity(config.session_idle_s, config.session_max_waiting)
         self._view_of: dict[str, PodEntry] | None = None  # the registry pods it was made of
         self._view_len = 0
         self._view_foreign: object = None
@@ -147,7 +151,8 @@ class Router:
         RequestBlockHasher(self.hash_config, self.config.block_size, prompt.cache_salt,
                            lora_key(prompt.lora_id)).extend(ids, hashes)
         lookup = min(len(hashes), max_hit_blocks(len(ids), self.config.block_size))
-        return Prepared(forward, forward.token_ids.ids, hashes, lookup)
+        return Prepared(forward, forward.token_ids.ids, hashes, lookup,
+                        session=SessionAffinity.key(request.cache_salt, request.session_id))
 
     # -- the decision ----------------------------------------------------------------------
     def _next_counter(self) -> int:
@@ -256,6 +261,8 @@ class Router:
                              self.config.costs, counter)
         if self.config.cold_placement == "hash" and prepared.block_hashes:
             order, reason = self._place_cold(order, reason, prepared, view, now)
+        if prepared.session is not None and self.config.session_idle_s > 0:
+            order, reason = self._keep_session(order, reason, prepared, view, now)
         prefill_order, _ = rank([s for s in scores if s.pod_id in view.prefill],
                                 self.config.costs, counter)
         prepared.uncached = {s.pod_id: prompt_len - s.cached_tokens - s.pull_tokens
@@ -309,6 +316,31 @@ class Router:
                                False, by_tokens=self.config.policy == "sticky")[0]
         return [chosen, *(s for s in order if s is not chosen)], REASON_COLD_SPREAD
 
+    def _keep_session(self, order: list[Score], reason: str, prepared: Prepared,
+                      view: FleetView, now: float) -> tuple[list[Score], str]:
+        """A session's turn goes first to the pod of its last turn, unless that pod is
+        saturated or no longer serving (router/sessions.py)."""
+        assert prepared.session is not None
+        pod_id = self.sessions.pod_of(prepared.session)
+        outcome = NEW
+        if pod_id is not None:
+            chosen = next((s for s in order if s.pod_id == pod_id), None)
+            entry = view.serving.get(pod_id)
+            if chosen is None and entry is not None:  # not among the few scored
+                cand = self._candidate(entry, view, None, 0, 0, now)
+                chosen = score_all([cand], len(prepared.token_ids), self.config.block_size,
+                                   self.config.costs, False,
+                                   by_tokens=self.config.policy == "sticky")[0]
+            outcome = MOVED
+            if chosen is not None and chosen.eligible and \
+                    not self.sessions.saturated(chosen.waiting):
+                outcome = KEPT
+                if order and order[0] is not chosen:
+                    order = [chosen, *(s for s in order if s is not chosen)]
+                    reason = REASON_SESSION
+        self.metrics.session_routes.labels(outcome=outcome).inc()
+        return order, reason
+
     def _finish(self, order: list[Score], reason: str, scores: list[Score], prepared: Prepared,
                 lookup_ms: float, held: dict[str, int] | None = None) -> Decision:
         now = time.monotonic()
@@ -337,6 +369,8 @@ class Router:
         """The request goes to `pod_id`: predict its blocks there for the burst TTL, here
         and, with shared bursts, for the other routers (the blocks past `held_blocks`, the
         prefix the index already confirms there)."""
+        if prepared.session is not None:
+            self.sessions.record(prepared.session, pod_id)
         entry = self.registry.pods.get(pod_id)
         if entry is not None:
             entry.note_dispatch()

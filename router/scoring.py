@@ -73,9 +73,10 @@ REASON_RETRY = "retry_after_unavailable"   # the pod tried before this one was U
 REASON_PULL = "peer_pull"             # the chosen pod pulls its prefix from a peer (kv_source)
 REASON_COLD_SPREAD = "cold_spread"    # no pod holds a prefix: the first block's hash picked
 REASON_PD_PREFILL = "pd_prefill"      # the prefill half of a split request (disaggregation)
+REASON_SESSION = "session"            # a session's turn, kept on its pod (router/sessions.py)
 REASONS = (REASON_PREFIX, REASON_BURST, REASON_COST, REASON_TIE_LOAD, REASON_TIE_ROTATE,
            REASON_FALLBACK, REASON_ROUND_ROBIN, REASON_RANDOM, REASON_COOLDOWN, REASON_RETRY,
-           REASON_PULL, REASON_COLD_SPREAD)
+           REASON_PULL, REASON_COLD_SPREAD, REASON_SESSION)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from pagekv.proto.medium import Medium
+from pagekv.proto.retention import RetentionTable
 from pagekv.tiers.base import BlockData, Tier, as_uint8_tensor, clone_block, copy_block
 from pagekv.tiers.copy_stream import CopyEvent, CopyStream
 
@@ -32,7 +33,10 @@ class DramTier(Tier):
     medium = Medium.CPU
 
     def __init__(self, capacity_bytes: int, block_bytes: int, pin_memory: bool = False,
-                 copy_stream: CopyStream | None = None) -> None:
+                 copy_stream: CopyStream | None = None,
+                 retention: RetentionTable | None = None, retained_cap_bytes: int = 0) -> None:
+        """`retention`: LRU victims it holds are passed over, up to `retained_cap_bytes` of
+        them (proto/retention.py)."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if capacity_bytes < 0:
@@ -53,6 +57,8 @@ class DramTier(Tier):
         self._held: set[int] = set()  # slots taken out by `hold`: neither free nor in the LRU
         self._lock = threading.Lock()
         self.evictions = 0
+        self.retention = retention
+        self.retained_cap_blocks = retained_cap_bytes // block_bytes
         logger.info(
             "DRAM tier: %d slots x %d B = %.1f MiB%s",
             self.num_slots,
@@ -197,7 +203,12 @@ class DramTier(Tier):
         with self._lock:
             if not self._lru:
                 return None
-            block_hash, slot = self._lru.popitem(last=False)
+            if self.retention:
+                block_hash = self.retention.spare_lru(self._lru, self.retained_cap_blocks,
+                                                      self.medium.value)
+                slot = self._lru.pop(block_hash)
+            else:
+                block_hash, slot = self._lru.popitem(last=False)
             self._settle((slot,))  # its data may still be on its way from the pool
             self._free.append(slot)
             self.evictions += 1

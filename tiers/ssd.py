@@ -41,6 +41,7 @@ import torch
 
 from pagekv.proto.loop_thread import LoopThread
 from pagekv.proto.medium import Medium
+from pagekv.proto.retention import RetentionTable
 from pagekv.tiers.base import BlockData, RecoveredEntry, Tier, as_uint8_tensor
 from pagekv.tiers.codec import (
     DEFAULT_MIN_RATIO,
@@ -100,9 +101,12 @@ class SsdTier(Tier):
         sync: bool = True,
         sync_delay_s: float = 1.0,
         direct_io: bool | None = None,
+        retention: RetentionTable | None = None,
+        retained_cap_bytes: int = 0,
     ) -> None:
         """`sync`: fdatasync sealed segments, on `flush()`/`close()`, and `sync_delay_s` after the
-        writer runs out of work. `direct_io`: None tries O_DIRECT, falls back to buffered I/O."""
+        writer runs out of work. `direct_io`: None tries O_DIRECT, falls back to buffered I/O.
+        `retention`: eviction passes over the blocks it holds, up to `retained_cap_bytes`."""
         if block_bytes <= 0 or capacity_bytes < 0:
             raise ValueError(f"need block_bytes > 0 and capacity_bytes >= 0, got {block_bytes}, {capacity_bytes}")
         self.block_bytes = block_bytes
@@ -127,7 +131,8 @@ class SsdTier(Tier):
         self._ring = PendingRing(self.batch_bytes, max_pending_bytes)
         self.max_pending_bytes = self._ring.max_bytes
         self._index = SsdIndex(capacity_bytes, self._c,
-                               lambda: self._files.schedule_reclaim_locked())
+                               lambda: self._files.schedule_reclaim_locked(),
+                               retention, retained_cap_bytes // block_bytes)
         self._recovered: dict[bytes, RecoveredEntry] = {}
         self._disabled = False
         self._closing = False

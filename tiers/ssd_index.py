@@ -17,6 +17,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagekv.proto.medium import Medium
+from pagekv.proto.retention import RetentionTable
+
 
 @dataclass(slots=True)
 class Segment:
@@ -42,10 +45,13 @@ class Loc:
 
 class SsdIndex:
     def __init__(
-        self, capacity: int, counters: dict[str, float], on_reclaimable: Callable[[], None]
+        self, capacity: int, counters: dict[str, float], on_reclaimable: Callable[[], None],
+        retention: RetentionTable | None = None, retained_cap_blocks: int = 0,
     ) -> None:
         """`on_reclaimable` is called when a segment loses its last entry outside `evict`
-        (a removal, a finished read): the tier then deletes it on its loop thread."""
+        (a removal, a finished read): the tier then deletes it on its loop thread.
+        `retention`: the LRU entries it holds are passed over by `evict`, up to
+        `retained_cap_blocks` (a spared entry keeps its segment file on disk)."""
         self.capacity = capacity
         self.entries: OrderedDict[bytes, Loc] = OrderedDict()  # LRU first
         self.segments: dict[int, Segment] = {}
@@ -53,6 +59,8 @@ class SsdIndex:
         self.dropped: list[bytes] = []  # lost without being asked, for take_dropped()
         self._c = counters
         self._on_reclaimable = on_reclaimable
+        self.retention = retention
+        self.retained_cap_blocks = retained_cap_blocks
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -150,8 +158,14 @@ class SsdIndex:
         and the segments they emptied, unlinked from the books (the caller deletes the files)."""
         evicted: list[bytes] = []
         doomed: list[Segment] = []
+        retention = self.retention
+        cap = self.retained_cap_blocks
         while self.disk_bytes + need > self.capacity and self.entries:
-            block_hash, loc = self.entries.popitem(last=False)
+            if retention:
+                block_hash = retention.spare_lru(self.entries, cap, Medium.DISK.value)
+                loc = self.entries.pop(block_hash)
+            else:
+                block_hash, loc = self.entries.popitem(last=False)
             loc.seg.live -= 1
             self._c["evictions"] += 1
             evicted.append(block_hash)

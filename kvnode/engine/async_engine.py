@@ -22,6 +22,7 @@ from pagekv.kvnode.engine.outputs import RequestOutput
 from pagekv.kvnode.engine.peer_pull import KvSource
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.proto.requests import already_in_flight
+from pagekv.proto.retention import NO_CACHE_CONTROL, CacheControl
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +138,11 @@ class AsyncEngine:
         kv_source: KvSource | None = None,
         prompt: str | None = None,
         hold_s: float = 0.0,
+        cache_control: CacheControl = NO_CACHE_CONTROL,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas as they are produced; closing the iterator aborts it.
-        `prompt`: the prompt's text when the client sent text (RequestOutput.prompt)."""
+        `prompt`: the prompt's text when the client sent text (RequestOutput.prompt);
+        `cache_control`: a pin, one-shot or session (proto/retention.py)."""
         if len(self._streams) >= self.max_queue:
             raise QueueFull(f"{len(self._streams)} requests in flight (max_queue={self.max_queue})")
         loop = asyncio.get_running_loop()
@@ -154,7 +157,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(
                     request_id, prompt_token_ids, params, cache_salt, lora_id, arrival, kv_source,
-                    prompt=prompt, hold_s=hold_s,
+                    prompt=prompt, hold_s=hold_s, cache_control=cache_control,
                 )
                 loop.call_soon_threadsafe(_set_result, admitted, None)
             except Exception as e:

@@ -34,6 +34,13 @@ class EngineArgs:
     disk_offload_bytes: int = 0
     disk_offload_dir: str | None = None
     disk_offload_persist: bool = True
+    # Retention (pins, sessions; proto/retention.py): the most of each tier retained blocks
+    # may keep from eviction (None: half the tier), and how long a session's blocks are kept
+    # after its last turn.
+    retained_pool_bytes: int | None = None
+    retained_dram_bytes: int | None = None
+    retained_ssd_bytes: int | None = None
+    session_idle_s: float = 600.0
     block_metrics_sample_rate: float = 0.01
     dtype: str = "auto"  # vLLM's: only the dtype PageKV computes in on the device is accepted
     seed: int | None = None  # vLLM's: seeds the sampling of requests without their own seed
@@ -58,7 +65,8 @@ CHOICES: dict[str, tuple] = {
     "role": POD_ROLES,
 }
 # Options whose values are sizes in bytes ("2GiB", "512MB", "1e9").
-BYTE_SIZES = frozenset({"cpu_offload_bytes", "disk_offload_bytes", "kv_cache_memory"})
+BYTE_SIZES = frozenset({"cpu_offload_bytes", "disk_offload_bytes", "kv_cache_memory",
+                        "retained_pool_bytes", "retained_dram_bytes", "retained_ssd_bytes"})
 
 
 # One line per option: the CLI's --help and the README's configuration table say this.
@@ -92,6 +100,15 @@ HELP: dict[str, str] = {
     "disk_offload_dir": "directory of the SSD tier (survives restarts)",
     "disk_offload_persist": "on a clean shutdown, write the pool's cached blocks and the DRAM "
                             "tier down to the SSD tier, so a restart finds the hot prefixes",
+    "retained_pool_bytes": "most of the pool that pinned and session blocks may keep from "
+                           "eviction (default: half the pool); past it they are evicted as "
+                           "any block",
+    "retained_dram_bytes": "most of the DRAM tier pinned and session blocks may keep "
+                           "(default: half of it)",
+    "retained_ssd_bytes": "most of the SSD tier pinned and session blocks may keep "
+                          "(default: half of it)",
+    "session_idle_s": "seconds a session's blocks (a request's session_id) are kept after "
+                      "its last turn (0: sessions are not retained)",
     "block_metrics_sample_rate": "fraction of blocks sampled for the lifecycle histograms",
     "dtype": "model dtype: auto (float32 on CPU, bfloat16 on CUDA or float16 without bf16); "
              "naming another dtype than that is refused",

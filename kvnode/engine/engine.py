@@ -41,6 +41,7 @@ from pagekv.kvnode.engine.outputs import (
 from pagekv.kvnode.engine.peer_pull import Fetch, KvSource, PeerPuller, PullResult
 from pagekv.kvnode.engine.prompt_logprobs import rows_to_score, score_tokens
 from pagekv.kvnode.engine.pull_costs import PeerPullCosts
+from pagekv.kvnode.engine.retention import PodRetention
 from pagekv.kvnode.engine.sampler import make_generator, sample
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
@@ -59,6 +60,7 @@ from pagekv.proto.hashing import HashConfig
 from pagekv.proto.index.schema import ROLE_DECODE
 from pagekv.proto.medium import Medium
 from pagekv.proto.requests import EMPTY_PROMPT
+from pagekv.proto.retention import NO_CACHE_CONTROL, CacheControl
 from pagekv.proto.tier_stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -110,8 +112,14 @@ class Engine:
             )
         self.metrics = KVCacheMetrics(args.block_metrics_sample_rate)
         # The tiers come first: the pool is built with its eviction hook into them.
+        # Pins and sessions (kvnode/engine/retention.py): read before the tiers, whose SSD
+        # recovery already spares what the previous run retained.
+        self.retention = PodRetention(args, self.runner.num_blocks, self.runner.block_bytes)
+        table = self.retention.table
         chain = build_tier_chain(self.runner, args.cpu_offload_bytes, args.disk_offload_bytes,
-                                 args.disk_offload_dir, args.block_size)
+                                 args.disk_offload_dir, args.block_size, table,
+                                 self.retention.cap_bytes(Medium.CPU),
+                                 self.retention.cap_bytes(Medium.DISK))
         if chain is not None and not args.enable_prefix_caching:
             raise ValueError("offload tiers need prefix caching (blocks are found by hash)")
         self.kv_manager = KVCacheManager(
@@ -123,6 +131,9 @@ class Engine:
             watermark=args.watermark,
             metrics=self.metrics,
             on_evict_many=TierEvictor(chain, self.runner) if chain is not None else None,
+            retention=table,
+            retained_cap_blocks=self.retention.cap_blocks[Medium.GPU],
+            session_idle_s=args.session_idle_s,
         )
         self.tiers: TierConnector | None = None
         if chain is not None:
@@ -253,10 +264,12 @@ class Engine:
         kv_source: KvSource | None = None,
         prompt: str | None = None,
         hold_s: float = 0.0,
+        cache_control: CacheControl = NO_CACHE_CONTROL,
     ) -> str:
         """Queue a request; `prompt` is its text when the client gave text (it is handed back
         in its outputs, as vLLM's RequestOutput.prompt). `hold_s` > 0: a P/D prefill, whose
-        prompt blocks are held that long for a decode pod's pull once it finishes."""
+        prompt blocks are held that long for a decode pod's pull once it finishes.
+        `cache_control`: a pin, one-shot or session (proto/retention.py)."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups or request_id in self._child_ids:
@@ -271,7 +284,8 @@ class Engine:
             if len(prompt_ids) > 1:
                 group.skip_reading_prefix_cache = True  # every position is computed
                 self._scoring[request_id] = group
-        req = Request(request_id, prompt_ids, cache_salt=cache_salt, lora_id=lora_id)
+        req = Request(request_id, prompt_ids, cache_salt=cache_salt, lora_id=lora_id,
+                      cache_control=cache_control)
         gen = self.default_generator if params.seed is None else make_generator(params.seed)
         seq = Sequence(req, group, 0, gen,
                        text=OutputText(params.skip_special_tokens))
@@ -306,6 +320,7 @@ class Engine:
         if self.puller is not None and self.puller.has_pending():
             self.puller.finish_pulls()
         self.holds.expire()
+        self.retention.tick()
         self._prefill_backlog = 0  # nothing unfinished: nothing queued
 
     def release_handover(self, handover_id: str) -> bool:
@@ -336,6 +351,7 @@ class Engine:
         if self.puller is not None:
             self.puller.finish_pulls()
         self.holds.expire()
+        self.retention.tick()
         if self.args.role == ROLE_DECODE:
             self.scheduler.prefill_budget = self._prefill_budget or None
         sched = self.scheduler.schedule()
@@ -632,6 +648,9 @@ class Engine:
             role=self.args.role,
             costs=self.tier_costs(),
             decode_step_s=self.decode_step_s,
+            retention=self.retention.stats(
+                mgr.cached_hashes().__contains__,
+                self.tiers.media_below if self.tiers is not None else None),
         )
 
     def tier_costs(self) -> dict[str, float]:
@@ -659,3 +678,4 @@ class Engine:
             self.puller.close()
         if self.tiers is not None:
             self.tiers.close(persist=self.args.disk_offload_persist)
+        self.retention.tick(force=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagekv.kvnode.engine.handover_holds import HoldStats
+from pagekv.kvnode.engine.retention import RetentionStats
 from pagekv.kvnode.memory.metrics import Histogram
 from pagekv.proto.medium import Medium
 from pagekv.proto.tier_stats import ChainStats, TierStats
@@ -81,6 +82,7 @@ class EngineStats:
     # step (None until timed): what the pod's /metrics exports as its fitted costs.
     costs: dict[str, float] = field(default_factory=dict)
     decode_step_s: float | None = None
+    retention: RetentionStats | None = None  # pins and sessions (kvnode/engine/retention.py)
 
     @property
     def tiers(self) -> dict[Medium, TierStats]:

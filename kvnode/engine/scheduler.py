@@ -153,7 +153,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.manager.free(seq.req)
+        self.manager.free(seq.req, preempted=True)
         seq.req.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

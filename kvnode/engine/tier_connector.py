@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager, PrefixHit
 from pagekv.kvnode.memory.request import Request
 from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.medium import OFFLOAD_MEDIUMS, Medium
+from pagekv.proto.retention import RetentionTable
 from pagekv.proto.tier_stats import ChainStats
 from pagekv.tiers.chain import TierChain
 from pagekv.tiers.codec import elem_size_of
@@ -83,7 +85,11 @@ def kv_layout(runner) -> KvLayout:
 
 
 def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
-                     disk_offload_dir: str | None, block_size: int) -> TierChain | None:
+                     disk_offload_dir: str | None, block_size: int,
+                     retention: RetentionTable | None = None,
+                     retained_dram_bytes: int = 0, retained_ssd_bytes: int = 0
+                     ) -> TierChain | None:
+    """`retention`: the tiers pass over the blocks it holds, up to their retained bytes."""
     if cpu_offload_bytes <= 0 and disk_offload_bytes <= 0:
         return None
     dram = None
@@ -91,7 +97,8 @@ def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
         transfer = transfer_for(runner)  # CUDA: copies through its stream and staging tensor
         dram = DramTier(cpu_offload_bytes, runner.block_bytes,
                         pin_memory=runner.device.type == "cuda",
-                        copy_stream=transfer.stream if transfer is not None else None)
+                        copy_stream=transfer.stream if transfer is not None else None,
+                        retention=retention, retained_cap_bytes=retained_dram_bytes)
     ssd = None
     if disk_offload_bytes > 0:
         from pagekv.tiers.ssd import SsdTier  # (lz4, xxhash, aiofiles: only with an SSD tier)
@@ -104,7 +111,8 @@ def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
             logger.error("SSD tier directory %s unusable: %s", disk_offload_dir, e)
         layout = kv_layout(runner)
         ssd = SsdTier(disk_offload_dir, disk_offload_bytes, runner.block_bytes, layout.json,
-                      dtype=layout.dtype)
+                      dtype=layout.dtype, retention=retention,
+                      retained_cap_bytes=retained_ssd_bytes)
     chain = TierChain(dram, ssd, block_size=block_size)
     logger.info(
         "offload tiers: DRAM %.1f MiB (%d blocks), SSD %.1f MiB in %s",
@@ -379,6 +387,10 @@ class TierConnector:
 
     def clear(self) -> int:
         return self.chain.clear()
+
+    def media_below(self, block_hashes: Sequence[bytes]) -> list[Medium | None]:
+        """Where each block is below the pool (None: not there)."""
+        return self.chain.media_below(block_hashes)
 
     def tier_stats(self) -> ChainStats:
         return self.chain.tier_stats()

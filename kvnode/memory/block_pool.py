@@ -8,6 +8,12 @@ A block has two independent properties: `ref_cnt` (how many request tables point
 `block_hash` (whether its content is a reusable prefix-cache entry). A free block that still
 carries a hash is both free *and* a valid cache entry; it is evicted lazily, only when it is
 popped from the free queue for reuse — and that is the moment `on_evict` hands it to the tiers.
+
+Retention (proto/retention.py): a free block whose hash the retention table holds (a pin, an
+idle session) is passed over when blocks are popped for reuse — it moves to the queue's tail —
+up to the pool's cap of retained blocks; when nothing else is free it yields, counted and
+logged: a pin never refuses a request. A one-shot request's private blocks go to the head
+and are never handed to the tiers.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
 from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagekv.proto.medium import Medium
+from pagekv.proto.retention import RetentionTable
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +43,9 @@ class KVCacheBlock:
     # kv_data_session.py): a cached block's content is fixed until it is handed out again,
     # which clears it, so a hot prefix served to many pods is checksummed once.
     payload_xxh: int | None = None
+    # Cached by a one-shot request and shared with no one since: evicted first, and never
+    # written below the pool. A later hit makes it an ordinary block.
+    one_shot: bool = False
 
     def __repr__(self) -> str:  # the default would recurse through the free-list links
         h = self.block_hash.hex()[:12] if self.block_hash else None
@@ -174,7 +184,11 @@ class BlockPool:
         metrics: KVCacheMetrics | None = None,
         enable_kv_events: bool = True,
         on_evict_many: EvictManyHook | None = None,
+        retention: RetentionTable | None = None,
+        retained_cap_blocks: int = 0,
     ) -> None:
+        """`retention`: the table of retained hashes; at most `retained_cap_blocks` free
+        retained blocks are passed over by one allocation."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -188,6 +202,8 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self._events: list[KVEvent] = []
+        self.retention = retention
+        self.retained_cap_blocks = retained_cap_blocks
 
     # -- prefix cache -------------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
@@ -243,12 +259,16 @@ class BlockPool:
                 f"cannot get {num_blocks} free blocks, only "
                 f"{self.free_block_queue.num_free_blocks} are free"
             )
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        if self.retention:
+            blocks = self._pop_sparing_retained(num_blocks, self.retention)
+        else:
+            blocks = self.free_block_queue.popleft_n(num_blocks)
         metrics = self.metrics
         now = time.monotonic() if metrics is not None else 0.0
         if self.on_evict is not None or self.on_evict_many is not None:
-            # The hooks copy the data out (to the tiers) before the blocks are overwritten.
-            evicted = [b for b in blocks if b.block_hash is not None]
+            # The hooks copy the data out (to the tiers) before the blocks are overwritten;
+            # a one-shot request's private blocks are not worth the copy.
+            evicted = [b for b in blocks if b.block_hash is not None and not b.one_shot]
             if evicted and self.on_evict_many is not None:
                 self.on_evict_many(evicted)
             if self.on_evict is not None:
@@ -266,10 +286,40 @@ class BlockPool:
                 block.block_hash = None
             block.ref_cnt = 1
             block.payload_xxh = None
+            block.one_shot = False
             block.alloc_time = now
         if removed and self.enable_kv_events:
             self._events.append(BlockRemoved(removed, Medium.GPU))
         return blocks
+
+    def _pop_sparing_retained(self, n: int, retention: RetentionTable) -> list[KVCacheBlock]:
+        """`n` blocks off the free queue's head, passing over retained ones (to the tail) up
+        to the cap; retained ones are taken when nothing else is left."""
+        queue = self.free_block_queue
+        now = retention.now()
+        out: list[KVCacheBlock] = []
+        spared: list[KVCacheBlock] = []
+        cap = self.retained_cap_blocks
+        yielded = 0
+        while len(out) < n:
+            if not queue.num_free_blocks:
+                taken = spared[: n - len(out)]
+                del spared[: len(taken)]
+                out += taken
+                yielded += len(taken)
+                break
+            block = queue.popleft()
+            h = block.block_hash
+            if h is not None and retention.holds(h, now):
+                if len(spared) < cap:
+                    spared.append(block)
+                    continue
+                yielded += 1
+            out.append(block)
+        if spared:
+            queue.append_n(spared)
+        retention.note(Medium.GPU.value, len(spared), yielded)
+        return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix hits; a free one leaves the free queue (not evicted)."""
@@ -277,6 +327,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 revived.append(block)
+                block.one_shot = False  # someone else's hit: no longer the one-shot's own
             block.ref_cnt += 1
         if revived:
             self.free_block_queue.remove_n(revived)
@@ -286,11 +337,13 @@ class BlockPool:
                 for block in revived:
                     metrics.observe_reuse(now - block.free_time)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock],
+                    evict_first: bool = False) -> None:
         """Drop one reference each; blocks reaching zero go back to the free queue.
 
         Hashed blocks join the tail (LRU: evicted last, in the order given); unhashed blocks
-        hold nothing reusable and go to the head, to be reused first.
+        hold nothing reusable and go to the head, to be reused first. `evict_first`: the
+        hashed ones go to the head too, after the unhashed (a one-shot request's).
         """
         now = time.monotonic() if self.metrics is not None else 0.0
         hashed: list[KVCacheBlock] = []
@@ -308,7 +361,9 @@ class BlockPool:
                     hashed.append(block)
             else:
                 raise ValueError(f"{block} freed more often than it was referenced")
-        if hashed:
+        if hashed and evict_first:
+            self.free_block_queue.prepend_n(hashed)
+        elif hashed:
             self.free_block_queue.append_n(hashed)
         if unhashed:
             self.free_block_queue.prepend_n(unhashed)

@@ -30,6 +30,7 @@ from pagekv.proto.hashing import (
 )
 from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.medium import Medium
+from pagekv.proto.retention import RetentionTable
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +76,15 @@ class KVCacheManager:
         metrics: KVCacheMetrics | None = None,
         enable_kv_events: bool = True,
         on_evict_many: EvictManyHook | None = None,
+        retention: RetentionTable | None = None,
+        retained_cap_blocks: int = 0,
+        session_idle_s: float = 0.0,
     ) -> None:
         """`on_evict_many` gets every batch of hashed blocks about to be reused, before they
-        are overwritten (the tiers copy them out); it is fixed here, once, at construction."""
+        are overwritten (the tiers copy them out); it is fixed here, once, at construction.
+        `retention`: the pod's table of pinned and session blocks (proto/retention.py); a
+        request's pin is marked at admission, a session's blocks for `session_idle_s` when
+        each turn ends, and every hit renews them."""
         if block_size not in VALID_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -88,8 +95,10 @@ class KVCacheManager:
         self.metrics = metrics if metrics is not None else KVCacheMetrics()
         self.block_pool = BlockPool(
             num_blocks, enable_caching, block_size, on_evict, self.metrics, enable_kv_events,
-            on_evict_many,
+            on_evict_many, retention, retained_cap_blocks,
         )
+        self.retention = retention
+        self.session_idle_s = session_idle_s
         # Admissions keep this many blocks in reserve for running requests' decode growth,
         # so a new arrival cannot push the running batch straight into preemption.
         self.watermark_blocks = int(watermark * num_blocks)
@@ -238,6 +247,9 @@ class KVCacheManager:
                 )
         if hits:
             pool.touch(hits)
+        request.num_hit_blocks = len(hits)
+        if self.retention is not None:
+            self._retain_at_admission(request, len(hits))
         req_blocks = self.req_to_blocks[rid] = list(hits)
         self.num_cached_blocks[rid] = len(hits)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
@@ -245,6 +257,20 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, total)
         return new_blocks
+
+    def _retain_at_admission(self, request: Request, num_hits: int) -> None:
+        """A hit renews what it hit; a pin is marked now, before its blocks are computed, so
+        that none of them is evicted while the rest of its prompt is."""
+        retention = self.retention
+        assert retention is not None
+        hashes = request.block_hashes
+        if num_hits and retention:
+            retention.renew(hashes[:num_hits])
+        control = request.cache_control
+        if control.pins:
+            n = control.pin_blocks(request.num_prompt_tokens, self.block_size,
+                                   len(self._hashes(request)))
+            retention.retain(hashes[:n], control.pin_ttl_s)
 
     @staticmethod
     def _too_many(request: Request, total: int) -> None:
@@ -339,13 +365,29 @@ class KVCacheManager:
         """Release `pin`: tail first, as `free`, so the prefix's head stays cached longest."""
         self.block_pool.free_blocks(reversed(blocks))
 
-    def free(self, request: Request | str) -> None:
-        """Release a request's blocks, tail first, so its prompt's head is evicted last."""
+    def free(self, request: Request | str, preempted: bool = False) -> None:
+        """Release a request's blocks, tail first, so its prompt's head is evicted last.
+        `preempted`: it will be computed again, so its cache control does not apply yet."""
         rid = request if isinstance(request, str) else request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
         if blocks is None:
             raise KeyError(f"request {rid!r} holds no blocks (unknown request or double free)")
         del self.num_cached_blocks[rid]
+        req = request if isinstance(request, Request) and not preempted else None
+        control = req.cache_control if req is not None else None
+        if req is not None and control is not None and control.one_shot:
+            # Its own blocks (past its hit) that no one else holds: first to go, never demoted.
+            for block in blocks[req.num_hit_blocks:]:
+                if block.ref_cnt == 1 and block.block_hash is not None:
+                    block.one_shot = True
+            self.block_pool.free_blocks(reversed(blocks[req.num_hit_blocks:]),
+                                        evict_first=True)
+            self.block_pool.free_blocks(reversed(blocks[: req.num_hit_blocks]))
+            return
+        if req is not None and req.cache_control.session_id and self.retention is not None \
+                and self.session_idle_s > 0:
+            # The next turn's prompt starts with all of this one: keep it through the pause.
+            self.retention.retain(req.block_hashes[: len(blocks)], self.session_idle_s)
         self.block_pool.free_blocks(reversed(blocks))
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pagekv.proto.retention import NO_CACHE_CONTROL, CacheControl
+
 if TYPE_CHECKING:
     from pagekv.proto.hashing import RequestBlockHasher
 
@@ -40,6 +42,8 @@ class Request:
         "block_hashes",
         "hasher",
         "prefix_stats_recorded",
+        "cache_control",
+        "num_hit_blocks",
     )
 
     def __init__(
@@ -50,6 +54,7 @@ class Request:
         lora_id: str | None = None,
         mm_hashes: Sequence[MMInput] = (),
         lora_path: str | None = None,
+        cache_control: CacheControl = NO_CACHE_CONTROL,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -67,6 +72,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.hasher: RequestBlockHasher | None = None
         self.prefix_stats_recorded = False
+        self.cache_control = cache_control  # pin, one-shot, session (proto/retention.py)
+        self.num_hit_blocks = 0  # its prefix hit at admission: the blocks it did not compute
 
     @property
     def num_tokens(self) -> int:

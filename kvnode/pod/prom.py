@@ -25,6 +25,7 @@ from pagekv.proto.tier_stats import ChainStats
 if TYPE_CHECKING:
     from pagekv.kvnode.engine.engine import Engine
     from pagekv.kvnode.engine.engine_stats import EngineStats, PeerPullStats
+    from pagekv.kvnode.engine.retention import RetentionStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -151,6 +152,8 @@ class EngineCollector(Collector):
             yield from self._pull_metrics(st.peer_pull)
         yield from self._role_metrics(st)
         yield from self._cost_metrics(st)
+        if st.retention is not None:
+            yield from self._retention_metrics(st.retention)
         if self.publish_lag is not None:
             yield histogram_family("pagekv_index_publish_lag_seconds",
                                    "Index publisher: submit to visible in Redis, per batch",
@@ -165,6 +168,30 @@ class EngineCollector(Collector):
                     yield self._counter(f"pagekv_index_{key}", f"Index publisher: {key}", value)
                 elif isinstance(value, (int, float)):
                     yield self._gauge(f"pagekv_index_{key}", f"Index publisher: {key}", value)
+
+    def _retention_metrics(self, st: RetentionStats) -> Iterable:
+        """Pins and sessions (kvnode/engine/retention.py): labels are the three tiers only."""
+        yield self._gauge("pagekv_pod_retained_marks", "Block hashes pinned or kept for an "
+                          "idle session, their time running", st.marks)
+        by_tier = [
+            ("pagekv_pod_retained_blocks", GaugeMetricFamily, "Retained blocks held in the "
+             "tier now", {str(m): v for m, v in st.resident.items()}),
+            ("pagekv_pod_retained_cap_blocks", GaugeMetricFamily, "Most retained blocks the "
+             "tier keeps from eviction (--retained-*-bytes)",
+             {str(m): v for m, v in st.cap_blocks.items()}),
+            ("pagekv_pod_retained_spared", CounterMetricFamily, "Retained blocks an eviction "
+             "passed over", st.spared),
+            ("pagekv_pod_retained_yielded", CounterMetricFamily, "Retained blocks evicted all "
+             "the same (over the tier's cap, or nothing else to evict: a pin never refuses a "
+             "request)", st.yielded),
+        ]
+        for name, family, doc, values in by_tier:
+            metric = family(name, doc, labels=[*self.label_names, "tier"])
+            for tier in ("GPU", "CPU", "DISK"):
+                metric.add_metric([*self.label_values, tier], values.get(tier, 0))
+            yield metric
+        yield self._counter("pagekv_pod_retained_refused", "Marks refused: the pod's table "
+                            "of retained blocks was full", st.refused)
 
     def _tier_metrics(self, chain: ChainStats) -> Iterable:
         """The tiers below the pool, one series per medium or direction, read off the chain's

@@ -60,6 +60,7 @@ from pagekv.proto.requests import (
     BadRequest,
     PromptLimits,
     already_in_flight,
+    cache_control_of,
     check_request,
     parse_prompt,
     prompt_is_large,
@@ -101,7 +102,8 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         params = to_sampling_params(request.sampling, eng.max_model_len - len(tokens))
         rid = request.request_id or uuid.uuid4().hex
         salt = self.pod.salting.salt(context, prompt.cache_salt)  # NoTenant
-        return rid, tokens, params, salt, prompt.lora_id, self._kv_source(request)
+        return (rid, tokens, params, salt, prompt.lora_id, self._kv_source(request),
+                cache_control_of(request))
 
     @staticmethod
     def _hold_s(request: pb.GenerateRequest) -> float:
@@ -123,11 +125,12 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         await self._started(context)
         rid = request.request_id
         try:
-            rid, tokens, params, salt, lora, source = await self._parse(request, context)
+            rid, tokens, params, salt, lora, source, control = await self._parse(request,
+                                                                                 context)
             # aclosing: a cancelled call aborts its request now, not when collected.
             async with contextlib.aclosing(
                 pod.aengine.generate(engine_request_id(rid), tokens, params, salt, lora, source,
-                                     hold_s=self._hold_s(request))
+                                     hold_s=self._hold_s(request), cache_control=control)
             ) as deltas:
                 async for delta in deltas:
                     yield rid, tokens, delta

@@ -311,6 +311,11 @@ class OpenAIFrontend:
         chat_echo = ""
         if chat:
             prompts = [await self._chat_prompt(tokenizer, messages, template_kwargs)]
+            if parsed.pin_message is not None:  # the breakpoint: the prompt through it
+                through = {**template_kwargs, "add_generation_prompt": False}
+                head = await self._chat_prompt(tokenizer, messages[: parsed.pin_message + 1],
+                                               through)
+                parsed.pin_tokens = max(1, len(head))
             if parsed.echo:
                 chat_echo = _chat_echo(messages, template_kwargs)
         self._log_ignored(parsed.ignored)
@@ -349,7 +354,11 @@ class OpenAIFrontend:
 
     @staticmethod
     def _request(rid: str, prompt: str | list[int], parsed: Parsed) -> pb.GenerateRequest:
-        req = pb.GenerateRequest(request_id=rid, cache_salt=parsed.cache_salt)
+        req = pb.GenerateRequest(request_id=rid, cache_salt=parsed.cache_salt,
+                                 one_shot=parsed.one_shot, session_id=parsed.session_id)
+        if parsed.pin_ttl_s:
+            req.cache_control.ttl_s = parsed.pin_ttl_s
+            req.cache_control.tokens = parsed.pin_tokens
         if isinstance(prompt, str):
             req.text = prompt
         else:

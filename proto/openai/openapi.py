@@ -103,7 +103,21 @@ FIELDS: dict[str, Schema] = {
                      "requests with different salts never share a cached prefix", maxLength=256),
     "request_id": _t("string", "The request's id (also from the X-Request-Id header); echoed "
                      "in `id` and the X-Request-Id response header", maxLength=256),
-    "user": _t("string", "Accepted, not used"),
+    "user": _t("string", "PageKV: the session id when session_id is not given"),
+    "cache_control": _obj({"type": _t("string", enum=["ephemeral"]),
+                           "ttl": {"oneOf": [_t("integer", minimum=1, maximum=86400),
+                                             _t("string", "e.g. \"30s\", \"5m\", \"1h\"")]},
+                           "tokens": _t("integer", "The prompt's first tokens; 0 or absent: "
+                                        "all of it", minimum=0)},
+                          "PageKV extension: keep the prompt (its first `tokens`) cached for "
+                          "`ttl` (default 5m), renewed by every hit. On chat, a message (or "
+                          "a content part) may carry it instead: the prompt through that "
+                          "message is kept"),
+    "one_shot": _t("boolean", "PageKV extension: this prompt will not come back; its blocks "
+                   "are evicted first and never written to DRAM or SSD"),
+    "session_id": _t("string", "PageKV extension: a conversation's turns stay on one pod "
+                     "while it is not saturated, and its blocks are kept between turns "
+                     "(--session-idle-s)", maxLength=256),
     "metadata": _t("object", "Accepted, not used"),
     "store": _t("boolean", "Accepted, not used"),
     "service_tier": _t("string", "Accepted, not used"),

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from pagekv.proto.openai.errors import invalid
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.requests import MAX_LOGPROBS
+from pagekv.proto.retention import MAX_TTL_S
 
 UINT32_MAX = (1 << 32) - 1
 MAX_PROMPTS = 64  # prompts in one /v1/completions call (each is its own engine request)
@@ -74,6 +75,7 @@ _COMMON = {
     "best_of", "metadata", "store", "service_tier", "parallel_tool_calls", "length_penalty",
     "spaces_between_special_tokens", "return_tokens_as_token_ids", "return_token_ids",
     "min_p", "skip_special_tokens", "prompt_logprobs", "echo",
+    "cache_control", "one_shot", "session_id",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
@@ -101,6 +103,14 @@ class Parsed:
     num_logprobs: int | None = None  # completions' `logprobs` (top_logprobs shows k + 1)
     prompt_logprobs: int | None = None  # vLLM's, shown as prompt_logprobs (not streamed)
     ignored: list[str] = field(default_factory=list)
+    # PageKV's cache control (README "Cache control"): a pin of the prompt's first
+    # `pin_tokens` (0: all of it; a chat message's breakpoint sets `pin_message`), one-shot,
+    # and the session (`session_id`, else `user`).
+    pin_ttl_s: int = 0
+    pin_tokens: int = 0
+    pin_message: int | None = None
+    one_shot: bool = False
+    session_id: str = ""
 
 
 def _show(v: Any) -> str:
@@ -185,6 +195,45 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> list[str]:
     return sorted(k for k in body if k not in known and k not in REFUSED)
 
 
+_TTL_UNITS = {"s": 1, "m": 60, "h": 3600}
+# Anthropic's breakpoint without a ttl keeps its cache five minutes: so does PageKV's.
+DEFAULT_PIN_TTL_S = 300
+
+
+def read_cache_control(value: Any, where: str) -> tuple[int, int]:
+    """A `cache_control` object, `{"type": "ephemeral", "ttl": "1h" | 3600, "tokens": N}`, as
+    (ttl seconds, tokens); `type` is optional, and `ephemeral` the only one."""
+    if not isinstance(value, dict) or set(value) - {"type", "ttl", "tokens"}:
+        raise invalid(f"{where} must be an object with optional type, ttl and tokens",
+                      "cache_control")
+    if value.get("type", "ephemeral") != "ephemeral":
+        raise invalid(f"{where}.type must be \"ephemeral\"", "cache_control")
+    ttl: Any = value.get("ttl", DEFAULT_PIN_TTL_S)
+    if isinstance(ttl, str) and ttl[-1:] in _TTL_UNITS and ttl[:-1].isdigit():
+        ttl = int(ttl[:-1]) * _TTL_UNITS[ttl[-1]]
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= int(MAX_TTL_S):
+        raise invalid(f"{where}.ttl must be 1 to {int(MAX_TTL_S)} seconds, as a number or "
+                      f"\"30s\", \"5m\", \"1h\"; got {_show(ttl)}", "cache_control")
+    tokens = read_int(value, "tokens", 0, UINT32_MAX) or 0
+    return ttl, tokens
+
+
+def _retention(body: dict[str, Any], parsed: Parsed) -> None:
+    if body.get("cache_control") is not None:
+        parsed.pin_ttl_s, parsed.pin_tokens = read_cache_control(body["cache_control"],
+                                                                 "cache_control")
+    parsed.one_shot = read_bool(body, "one_shot")
+    session = read_str(body, "session_id")
+    if session is None:
+        session = read_str(body, "user")
+    if session is not None and len(session.encode()) > 256:
+        raise invalid("session_id is at most 256 bytes", "session_id")
+    parsed.session_id = session or ""
+    if parsed.one_shot and (parsed.pin_ttl_s or parsed.session_id):
+        raise invalid("a one_shot request cannot also pin a prefix or join a session "
+                      "(cache_control, session_id or user)", "one_shot")
+
+
 def parse_common(body: dict[str, Any], *, chat: bool) -> Parsed:
     """The fields completions and chat share; `sampling.logprobs` and max_tokens' default
     differ between them and are set here by kind."""
@@ -244,18 +293,19 @@ def parse_common(body: dict[str, Any], *, chat: bool) -> Parsed:
         if not isinstance(options, dict):
             raise invalid("stream_options must be an object", "stream_options")
         include_usage = read_bool(options, "include_usage")
-    read_str(body, "user")  # accepted as OpenAI does; not used
     prompt_logprobs = read_int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
     if prompt_logprobs and stream:  # vLLM's rule: a stream's events have no place for them
         raise invalid("prompt_logprobs is not available when stream is true",
                       "prompt_logprobs")
-    return Parsed(model=read_str(body, "model"), sampling=sp, n=n, stream=stream,
-                  include_usage=include_usage, cache_salt=read_str(body, "cache_salt") or "",
-                  request_id=read_str(body, "request_id"), logprobs=False,
-                  tokens_as_ids=read_bool(body, "return_tokens_as_token_ids"),
-                  token_ids=read_bool(body, "return_token_ids"), echo=read_bool(body, "echo"),
-                  echo_only=read_bool(body, "echo") and max_tokens == 0,
-                  prompt_logprobs=None if stream else prompt_logprobs, ignored=ignored)
+    parsed = Parsed(model=read_str(body, "model"), sampling=sp, n=n, stream=stream,
+                    include_usage=include_usage, cache_salt=read_str(body, "cache_salt") or "",
+                    request_id=read_str(body, "request_id"), logprobs=False,
+                    tokens_as_ids=read_bool(body, "return_tokens_as_token_ids"),
+                    token_ids=read_bool(body, "return_token_ids"), echo=read_bool(body, "echo"),
+                    echo_only=read_bool(body, "echo") and max_tokens == 0,
+                    prompt_logprobs=None if stream else prompt_logprobs, ignored=ignored)
+    _retention(body, parsed)
+    return parsed
 
 
 def parse_completion(body: dict[str, Any]) -> tuple[Parsed, list[str | list[int]]]:
@@ -315,7 +365,30 @@ def parse_chat(body: dict[str, Any]) -> tuple[Parsed, list[dict[str, Any]], dict
         read_int(body, "top_logprobs", 0, UINT32_MAX)
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     _ask_prompt_logprobs(parsed, None)
-    return parsed, parse_messages(body.get("messages")), template_kwargs(body)
+    messages = parse_messages(body.get("messages"))
+    breakpoint = _last_breakpoint(body["messages"])
+    if breakpoint is not None:
+        index, control = breakpoint
+        ttl, _ = read_cache_control(control, f"messages[{index}].cache_control")
+        parsed.pin_ttl_s = max(parsed.pin_ttl_s, ttl)
+        parsed.pin_message = index
+    if parsed.one_shot and parsed.pin_ttl_s:
+        raise invalid("a one_shot request cannot also pin a prefix", "one_shot")
+    return parsed, messages, template_kwargs(body)
+
+
+def _last_breakpoint(messages: list[Any]) -> tuple[int, Any] | None:
+    """The last message with a `cache_control` (on the message or on one of its content
+    parts, as Anthropic's API places it): the prompt through that message is pinned."""
+    found = None
+    for i, m in enumerate(messages):
+        parts = m.get("content") if isinstance(m.get("content"), list) else []
+        marks = [m.get("cache_control")] + [p.get("cache_control") for p in parts
+                                           if isinstance(p, dict)]
+        marks = [c for c in marks if c is not None]
+        if marks:
+            found = (i, marks[-1])
+    return found
 
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:

@@ -63,7 +63,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., min_p: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "lora_id", "kv_source", "handover")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "lora_id", "kv_source", "handover", "cache_control", "one_shot", "session_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,9 @@ class GenerateRequest(_message.Message):
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    ONE_SHOT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -80,7 +83,18 @@ class GenerateRequest(_message.Message):
     lora_id: int
     kv_source: KvSource
     handover: Handover
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ...) -> None: ...
+    cache_control: CacheControl
+    one_shot: bool
+    session_id: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ..., one_shot: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class CacheControl(_message.Message):
+    __slots__ = ("ttl_s", "tokens")
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: int
+    tokens: int
+    def __init__(self, ttl_s: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Handover(_message.Message):
     __slots__ = ("hold_ms",)
