@@ -1,0 +1,202 @@
+"""Cache control end to end: real pods as processes (pool, DRAM and SSD tiers), a real Redis,
+the router in-process, the OpenAI HTTP API and gRPC. A pinned prefix outlives a flood; a
+one-shot flood leaves DRAM and SSD as they were; a session's turns stay on its pod; the pods'
+/metrics show it; the greedy tokens of every hit equal the cold run's.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import openai
+import pytest
+import redis
+
+from pagekv.deploy.redis_server import RedisProcess
+from pagekv.proto.hashing import HashConfig, hash_prompt
+from pagekv.proto.index import lookup_prefix
+from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from tests.integration.router_fixtures import SCHEMA, SEED, tokens_req
+
+pytestmark = pytest.mark.integration
+
+# pagekv-tiny: 8 KiB a block of 16 tokens. The pool holds 256 blocks (4,096 tokens), DRAM 64,
+# the SSD ~256: a flood of 8 prompts of 2,200 tokens (1,100 blocks) passes through all three.
+POD_ARGS = ["--num-gpu-blocks", "256", "--max-model-len", "4096", "--lease-ttl-s", "1.5",
+            "--cpu-offload-bytes", "512KiB", "--disk-offload-bytes", "2MiB",
+            "--retained-pool-bytes", "1536KiB", "--max-num-batched-tokens", "2048",
+            "--session-idle-s", "120"]
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from pagekv.deploy.local_cluster import LocalCluster, wait_healthy
+
+    run_dir = tmp_path_factory.mktemp("cache-control")
+    rp = RedisProcess(data_dir=run_dir / "redis", binary=redis_binary).start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        cluster = LocalCluster(nodes=0, run_dir=run_dir, redis_url=rp.url,
+                               node_args=POD_ARGS, start_router=False)
+        try:
+            for pod_id in ("node-a", "node-b"):
+                cluster.start_pod(pod_id, ["--disk-offload-dir", str(run_dir / f"ssd-{pod_id}")])
+            for child in cluster.children:
+                wait_healthy(child.address, 120, child.proc)
+        except BaseException:
+            cluster.stop()
+            rp.close()
+            raise
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        rp.close()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 256) for _ in range(n)]
+
+
+def stub(address: str) -> tuple[pb_grpc.GenerationStub, pb_grpc.KVNodeStub]:
+    channel = grpc.insecure_channel(address)
+    return pb_grpc.GenerationStub(channel), pb_grpc.KVNodeStub(channel)
+
+
+def reset(cluster: Any) -> None:
+    for pod in cluster.pods:
+        assert stub(pod.address)[1].ResetPrefixCache(
+            pb.ResetPrefixCacheRequest(include_tiers=True), timeout=30).success
+
+
+def tier_entries(address: str) -> dict[str, int]:
+    stats = stub(address)[1].Stats(pb.StatsRequest(), timeout=10)
+    return {t.tier: t.entries for t in stats.tiers}
+
+
+def pod_metric(cluster: Any, pod_name: str, name: str, labels: str = "") -> float:
+    pod = next(p for p in cluster.pods if p.name == pod_name)
+    host = pod.address.rsplit(":", 1)[0]
+    url = f"http://{host}:{pod.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read()
+    total = 0.0
+    for line in text.decode().splitlines():
+        if line.startswith(name) and labels in line and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def complete(router: Any, prompt: list[int], **extra: Any) -> dict[str, Any]:
+    """A completion through the router's OpenAI API, with OpenAI's own client (PageKV's
+    fields as its extra_body), as a plain dict."""
+    client = openai.OpenAI(base_url=router.http_url, api_key="none", timeout=120)
+    resp = client.completions.create(model="pagekv-tiny", prompt=prompt, max_tokens=4,
+                                     temperature=0,
+                                     extra_body={"ignore_eos": True, **extra})
+    return resp.model_dump()
+
+
+def test_a_pinned_prefix_outlives_a_flood_of_every_tier(cluster, make_router) -> None:
+    reset(cluster)
+    router = make_router(cluster.redis_url)
+    router.wait_pods(2)
+    prefix = [256] + tokens(1, 2047)  # 2,048 tokens: 128 blocks
+    question = tokens(2, 20)
+    cold = complete(router, prefix + question, cache_control={"type": "ephemeral", "ttl": "1h",
+                                                              "tokens": 2048})
+    home = cold["pagekv"]["served_by"]
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    address = next(p.address for p in cluster.pods if p.name == home)
+    gen = stub(address)[0]
+    for i in range(8):  # straight to the pod: 8 x 2,200 tokens, more than pool + DRAM + SSD
+        gen.Generate(tokens_req([256] + tokens(100 + i, 2199)), timeout=120)
+    entries = tier_entries(address)
+    assert entries.get("CPU", 0) > 0 and entries.get("DISK", 0) > 0  # the flood went below
+    again = complete(router, prefix + question)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 2048
+    assert again["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert pod_metric(cluster, home, "pagekv_pod_retained_blocks", 'tier="GPU"') == 128
+    assert pod_metric(cluster, home, "pagekv_pod_retained_spared_total") > 0
+    # An unpinned prefix of the same size, sent the same way, does not survive it.
+    other = [256] + tokens(3, 2047)
+    gen.Generate(tokens_req(other + question), timeout=120)
+    for i in range(8):
+        gen.Generate(tokens_req([256] + tokens(200 + i, 2199)), timeout=120)
+    lost = gen.Generate(tokens_req(other + question), timeout=120)
+    assert lost.usage.cached_tokens < 2048
+
+
+def settled_entries(address: str) -> dict[str, int]:
+    """The tiers' entries once the SSD's write-behind has caught up (two equal reads)."""
+    last = tier_entries(address)
+    for _ in range(50):
+        time.sleep(0.2)
+        now = tier_entries(address)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def test_one_shot_requests_leave_dram_and_ssd_as_they_were(cluster) -> None:
+    reset(cluster)
+    pod = cluster.pods[0]
+    gen = stub(pod.address)[0]
+    for i in range(3):  # some of everything below the pool first
+        gen.Generate(tokens_req([256] + tokens(300 + i, 2199)), timeout=120)
+    prompts = [[256] + tokens(400 + i, 2199) for i in range(7)]
+
+    def one_shot(prompt: list[int]) -> None:
+        req = tokens_req(prompt)
+        req.one_shot = True
+        gen.Generate(req, timeout=120)
+
+    # The first one makes room in a full pool as any request does (others' LRU blocks go
+    # down a tier); from then on each one-shot reuses the last one's blocks first.
+    one_shot(prompts[0])
+    before = settled_entries(pod.address)
+    for prompt in prompts[1:]:  # 6 x 2,200 tokens: 3x the pool
+        one_shot(prompt)
+    after = settled_entries(pod.address)
+    assert (after.get("CPU", 0), after.get("DISK", 0)) == (before.get("CPU", 0),
+                                                           before.get("DISK", 0))
+    # None of their blocks is held below the pool (nor in it: the next one took them).
+    client = redis.Redis.from_url(cluster.redis_url)
+    for prompt in prompts[:-1]:
+        held = lookup_prefix(client, SCHEMA, hash_prompt(HashConfig("sha256", SEED), 16,
+                                                        prompt))
+        assert all(m.depth == 0 for m in held.values()), held
+    bad = tokens_req([1, 2, 3])
+    bad.one_shot, bad.session_id = True, "s"
+    with pytest.raises(grpc.RpcError) as err:
+        gen.Generate(bad, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "one_shot" in err.value.details()
+
+
+def test_a_sessions_turns_stay_on_its_pod(cluster, make_router) -> None:
+    reset(cluster)
+    router = make_router(cluster.redis_url, session_idle_s=120.0)
+    router.wait_pods(2)
+    history = [256] + tokens(7, 300)
+    served = []
+    for turn in range(4):
+        req = tokens_req(history + tokens(500 + turn, 30), max_tokens=4)
+        req.session_id = "agent-1"
+        resp = router.stub.Generate(req, timeout=120)
+        served.append(resp.served_by)
+        history = history + tokens(500 + turn, 30) + list(resp.completions[0].token_ids)
+        if turn:
+            assert resp.usage.cached_tokens >= 300
+        time.sleep(0.2)
+    assert len(set(served)) == 1
+    assert router.metric("pagekv_router_session_routes_total", {"outcome": "kept"}) == 3
+    assert router.metric("pagekv_router_session_routes_total", {"outcome": "new"}) == 1
+    assert pod_metric(cluster, served[0], "pagekv_pod_retained_marks") > 0
