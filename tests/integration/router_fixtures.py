@@ -85,6 +85,7 @@ class FakePod(pb_grpc.GenerationServicer):
         self._timers: list[threading.Timer] = []
         self.mode = "ok"  # ok | unavailable | invalid | exhausted | slow
         self.calls = 0
+        self.waiting = 0  # the load it publishes (a test makes it look saturated)
         self.kv_sources: list[pb.KvSource | None] = []  # each call's hint, failed calls too
         self.cancelled = threading.Event()
         self.state: dict[bytes, str] = {}
@@ -96,7 +97,7 @@ class FakePod(pb_grpc.GenerationServicer):
         self.server.start()
         self.publisher = IndexPublisher(
             redis_url, schema, pod_id, self.address, schema.hash_config(),
-            load_fn=lambda: {"waiting": 0, "running": 0, "free_blocks": 100,
+            load_fn=lambda: {"waiting": self.waiting, "running": 0, "free_blocks": 100,
                              "num_blocks": 100},
             full_state_fn=self._snapshot, tier_costs_fn=lambda: {"prefill": 1e-3},
             lease_ttl_s=1.0)
