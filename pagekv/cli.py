@@ -1,4 +1,4 @@
-"""`pagekv` — the command line: `node`, `router`, `ingest-vllm`, `up`, `generate`,
+"""`pagekv` — the command line: `node`, `router`, `ingest-vllm`, `up`, `generate`, `cache`,
 `bench-cluster`, `ray-up`, `build-kernels`, `export-tokenizer`.
 
 The dispatcher, above every layer (it starts pods, the router and deploy's clusters). Each
@@ -27,6 +27,8 @@ SUBCOMMANDS = {
                     "index a vLLM pod's blocks from its KV events (ZeroMQ), for the router"),
     "up": ("pagekv.deploy.local_cluster", "start a local cluster: Redis, N pods and the router"),
     "generate": ("pagekv.kvnode.pod.client", "send one Generate call to a router or a pod"),
+    "cache": ("pagekv.kvnode.pod.cache_cli",
+              "where a prefix is cached, delete it, or pre-warm a pod with it (admin calls)"),
     "bench-cluster": ("pagekv.deploy.bench_cluster", "drive a shared-prefix workload through a cluster"),
     "ray-up": ("pagekv.deploy.ray_cluster", "deploy pods and the router as Ray actors"),
     "build-kernels": ("pagekv.kvnode.model.attention.cpu_kernel",

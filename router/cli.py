@@ -8,6 +8,7 @@ import logging
 import signal
 
 from pagekv.proto.credentials import (
+    ADMIN_TOKEN_ENV,
     API_TOKEN_ENV,
     POD_API_TOKEN_ENV,
     add_metrics_token_argument,
@@ -163,9 +164,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "system's CAs); --vllm-tls-cert/--vllm-tls-key: the router's client "
                       "certificate for vLLM servers that require one (vLLM's --ssl-ca-certs "
                       "with --ssl-cert-reqs 2)")
+    add_token_argument(parser, "--admin-token", ADMIN_TOKEN_ENV,
+                       "bearer token that the CacheAdmin calls (Locate, DeletePrefix, "
+                       "Prewarm) require; the router passes it on to the pods, whose own "
+                       "--admin-token must be the same (without one, anyone who reaches the "
+                       "port may call them)")
     add_token_argument(parser, "--pod-api-token", POD_API_TOKEN_ENV,
                        "the router's own bearer token for the pods' --api-token (a client's "
-                       "token is never forwarded)")
+                       "token is never forwarded, but for an admin's on CacheAdmin calls)")
     add_tenants_argument(parser)
 
 
@@ -199,6 +205,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         pod_keepalive_timeout_s=args.pod_keepalive_timeout_s,
         prompt_limits=prompt_limits_from(args), http_limits=http_limits_from(args),
         tls=tls_from(args), api_token=token_from(args.api_token, API_TOKEN_ENV),
+        admin_token=token_from(args.admin_token, ADMIN_TOKEN_ENV),
         pod_tls=tls_from(args, "pod-tls"), tenants=tenants_from(args),
         pod_api_token=token_from(args.pod_api_token, POD_API_TOKEN_ENV),
         redis_tls=tls_from(args, "redis"), vllm_tls=tls_from(args, "vllm-tls"),

@@ -110,6 +110,7 @@ class RouterConfig:
     # vllm_tls: the CA of https:// vLLM pods and the router's client certificate for them.
     tls: TlsFiles | None = None
     api_token: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)  # CacheAdmin (cache_admin.py)
     pod_tls: TlsFiles | None = None
     pod_api_token: str | None = field(default=None, repr=False)
     redis_tls: TlsFiles | None = None

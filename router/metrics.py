@@ -150,8 +150,8 @@ class RouterMetrics:
             registry=r)
         self.auth_refused = Counter(
             "pagekv_router_auth_refused_total",
-            "Calls refused for a missing or wrong bearer token (--api-token), by method and "
-            "gRPC code", ["method", "code"], registry=r)
+            "Calls refused for a missing or wrong bearer token (--api-token, --admin-token), "
+            "by method and gRPC code", ["method", "code"], registry=r)
         self.http_responses = Counter(
             "pagekv_router_http_requests",
             "OpenAI API (HTTP) responses by route and status", ["route", "status"],

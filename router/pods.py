@@ -559,6 +559,16 @@ class PodRegistry:
         ch.last_seen = now
         return ch
 
+    def admin_stub(self, pod_id: str) -> Any:
+        """A CacheAdmin stub on a PageKV pod's channel (None: unknown, or a vLLM pod, which
+        has no such service). The caller passes the admin credential with each call."""
+        entry = self.pods.get(pod_id)
+        if entry is None or entry.info.kind == POD_KIND_VLLM:
+            return None
+        ch = self._channel(entry.info, time.monotonic())
+        assert not isinstance(ch.channel, VllmStub)
+        return pagekv_pb2_grpc.CacheAdminStub(ch.channel)
+
     def _close_idle_channels(self, now: float) -> None:
         # Closed late, so calls still running on a departed pod's channel can finish.
         for address, ch in list(self._channels.items()):

@@ -50,6 +50,7 @@ from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import BadRequest, already_in_flight, check_request, prompt_is_large
 from pagekv.proto.serving import HealthServicer, add_servicer
 from pagekv.proto.tenant_identity import NoTenant, TenantSalting
+from pagekv.router.cache_admin import RouterCacheAdmin
 from pagekv.router.config import RouterConfig
 from pagekv.router.disaggregation import (
     PREFILL_FAILED,
@@ -72,6 +73,9 @@ PREDICTED_TTFT_METADATA_KEY = "pagekv-predicted-ttft-us"
 STOP_STEP_TIMEOUT_S = 5.0  # each clean-up step of stop(): the process exits regardless
 _STOP_STEP_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *REDIS_ERRORS)
 SERVICE_NAME = "pagekv.v1.Generation"
+_ADMIN_SERVICE = pagekv_pb2.DESCRIPTOR.services_by_name["CacheAdmin"]
+CACHE_ADMIN_METHODS = tuple(f"/{_ADMIN_SERVICE.full_name}/{m.name}"
+                            for m in _ADMIN_SERVICE.methods)
 
 
 class _Attempt:
@@ -648,8 +652,9 @@ class RouterServer:
         except REDIS_ERRORS as exc:
             logger.warning("redis index %s not reachable at start-up (%s); retrying",
                            redact_url(cfg.redis_url), exc)
-        # The router serves no admin calls: only --api-token applies here.
-        guard = TokenGuard(cfg.api_token, None, on_refused=lambda method, code:
+        # Its admin calls are CacheAdmin's (router/cache_admin.py), under --admin-token.
+        guard = TokenGuard(cfg.api_token, cfg.admin_token, CACHE_ADMIN_METHODS,
+                           on_refused=lambda method, code:
                            self.metrics.auth_refused.labels(method=method, code=code).inc(),
                            tenants=cfg.tenants)
         server = grpc.aio.server(options=[
@@ -663,11 +668,14 @@ class RouterServer:
         service = RouterService(router, self.metrics)
         add_servicer(server, pagekv_pb2.DESCRIPTOR.services_by_name["Generation"], service,
                      self.metrics.failures.labels(code="INVALID_ARGUMENT").inc)
+        add_servicer(server, pagekv_pb2.DESCRIPTOR.services_by_name["CacheAdmin"],
+                     RouterCacheAdmin(router))
         logger.info("limits: %s", cfg.prompt_limits.describe())
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # Like a pod: grpcurl-style clients discover the API by reflection.
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (SERVICE_NAME, _ADMIN_SERVICE.full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME), server)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.host}:{self.port}"

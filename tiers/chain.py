@@ -330,6 +330,36 @@ class TierChain:
                     state.update(dict.fromkeys(tier.keys(), tier.medium))
             return state
 
+    # --- an operator's side ----------------------------------------------------------------------
+    def discard(self, block_hashes: Sequence[bytes]) -> dict[Medium, int]:
+        """Delete these blocks from every tier below the pool, with their descendants here (no
+        lookup reaches those any more), publishing their removal. How many went, per tier."""
+        gone = {Medium.CPU: 0, Medium.DISK: 0}
+        with self._lock:
+            self._sync_ssd_locked()
+            for block_hash in block_hashes:
+                node = self._tree.get(block_hash)
+                if node is None:
+                    continue
+                self._tier_of(node.medium).remove(block_hash)
+                self._tree.left(block_hash, node.medium)
+                gone[node.medium] += 1
+                for child, medium in self._tree.drop_descendants(block_hash):
+                    self._tier_of(medium).remove(child)
+                    gone[medium] += 1
+        return gone
+
+    def parent_of(self, block_hash: bytes) -> tuple[bool, bytes | None]:
+        """(whether the block is below the pool, the hash of the block before it)."""
+        with self._lock:
+            node = self._tree.get(block_hash)
+            return (False, None) if node is None else (True, node.parent_hash)
+
+    def _tier_of(self, medium: Medium) -> Tier:
+        tier = self.dram if medium == Medium.CPU else self.ssd
+        assert tier is not None  # (a block is only ever in a tier the chain has)
+        return tier
+
     # --- figures (tiers.chain_stats) -----------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Every raw counter and size, flat, for diagnostics."""

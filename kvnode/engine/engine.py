@@ -39,6 +39,7 @@ from pagekv.kvnode.engine.outputs import (
     TokenLogprobs,
 )
 from pagekv.kvnode.engine.peer_pull import Fetch, KvSource, PeerPuller, PullResult
+from pagekv.kvnode.engine.prefix_admin import PrefixAdmin, PrefixHolding
 from pagekv.kvnode.engine.prompt_logprobs import rows_to_score, score_tokens
 from pagekv.kvnode.engine.pull_costs import PeerPullCosts
 from pagekv.kvnode.engine.retention import PodRetention
@@ -56,7 +57,7 @@ from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
 from pagekv.kvnode.memory.request import Request
 from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem
-from pagekv.proto.hashing import HashConfig
+from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index.schema import ROLE_DECODE
 from pagekv.proto.medium import Medium
 from pagekv.proto.requests import EMPTY_PROMPT
@@ -140,6 +141,7 @@ class Engine:
             self.tiers = TierConnector(chain, self.kv_manager, self.runner)
             if chain.ssd is not None and chain.full_state():
                 logger.info("warm restart: %d blocks found on SSD", len(chain.full_state()))
+        self.prefixes = PrefixAdmin(self.kv_manager, self.tiers, table)
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=args.max_num_seqs,
@@ -611,6 +613,25 @@ class Engine:
             n += self.tiers.clear()
         self._publish_events()
         return True, n
+
+    # -- an operator's calls (engine thread) ------------------------------------------------
+    def prefix_hashes(self, token_ids: Seq[int], cache_salt: str | None) -> list[bytes]:
+        """A prompt's full-block hashes, as its admission would hash them."""
+        return hash_prompt(self.hash_config, self.args.block_size, list(token_ids),
+                           cache_salt or None)
+
+    def chain_ending_at(self, block_hash: bytes) -> list[bytes]:
+        return self.prefixes.chain_ending_at(block_hash)
+
+    def locate(self, block_hashes: Seq[bytes]) -> PrefixHolding:
+        """Where this pod holds the prefix's blocks (pool, DRAM, SSD) and how many are retained."""
+        return self.prefixes.locate(block_hashes)
+
+    def delete_prefix(self, block_hashes: Seq[bytes]) -> PrefixHolding:
+        """Delete the prefix's blocks everywhere on this pod; what went."""
+        gone = self.prefixes.delete(block_hashes)
+        self._publish_events()
+        return gone
 
     # -- stats ----------------------------------------------------------------------------
     def load(self) -> EngineLoad:

@@ -392,6 +392,13 @@ class TierConnector:
         """Where each block is below the pool (None: not there)."""
         return self.chain.media_below(block_hashes)
 
+    def parent_of(self, block_hash: bytes) -> tuple[bool, bytes | None]:
+        return self.chain.parent_of(block_hash)
+
+    def discard(self, block_hashes: Sequence[bytes]) -> dict[Medium, int]:
+        """An operator's delete of these blocks below the pool; how many went per tier."""
+        return self.chain.discard(block_hashes)
+
     def tier_stats(self) -> ChainStats:
         return self.chain.tier_stats()
 

@@ -368,6 +368,28 @@ class BlockPool:
         if unhashed:
             self.free_block_queue.prepend_n(unhashed)
 
+    def forget(self, block_hashes: Iterable[bytes]) -> list[KVCacheBlock]:
+        """Take these hashes out of the prefix cache (an operator's delete): a free block goes
+        to the free queue's head, to be reused first; one a request holds stays its, uncached.
+        Returns the blocks that held them."""
+        cached = self.cached_block_hash_to_block
+        gone: list[KVCacheBlock] = []
+        removed: list[bytes] = []
+        for h in block_hashes:
+            block = cached.pop(h, None)
+            if block is None:
+                continue
+            removed.append(h)
+            block.block_hash = None
+            block.one_shot = False
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+                self.free_block_queue.prepend_n([block])
+            gone.append(block)
+        if removed and self.enable_kv_events:
+            self._events.append(BlockRemoved(removed, Medium.GPU))
+        return gone
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cache entry. Refused (False) while any block is in use."""
         if self.free_block_queue.num_free_blocks != self.num_blocks:

@@ -408,6 +408,15 @@ class KVCacheManager:
             child.hasher = parent.hasher
             child.block_hashes = list(parent.block_hashes)
 
+    def forget_cached(self, block_hashes: Sequence[bytes]) -> int:
+        """Drop these blocks from the prefix cache (an operator's delete); how many were in it."""
+        return len(self.block_pool.forget(block_hashes))
+
+    def parent_of(self, block_hash: bytes) -> tuple[bool, bytes | None]:
+        """(whether the pool caches the block, the hash of the block before it)."""
+        block = self.block_pool.get_cached_block(block_hash)
+        return (False, None) if block is None else (True, block.parent_hash)
+
     def reset_prefix_cache(self) -> bool:
         ok = self.block_pool.reset_prefix_cache()  # only succeeds with no request holding blocks
         if not ok:

@@ -30,9 +30,12 @@ def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
                  cache_salt: str | None = None, request_id: str | None = None,
                  stop: Sequence[str] = (), min_tokens: int = 0,
                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                 repetition_penalty: float | None = None, logprobs: int | None = None
-                 ) -> pb.GenerateRequest:
-    """A GenerateRequest; None leaves a field unset, so the server's default applies."""
+                 repetition_penalty: float | None = None, logprobs: int | None = None,
+                 pin_ttl_s: int = 0, pin_tokens: int = 0, one_shot: bool = False,
+                 session_id: str = "") -> pb.GenerateRequest:
+    """A GenerateRequest; None leaves a field unset, so the server's default applies.
+    `pin_ttl_s` > 0 pins the prompt's first `pin_tokens` (0: all of it) for that long;
+    `one_shot` and `session_id`: README "Cache control"."""
     sp = pb.SamplingParams(n=n, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids),
                            stop=[stop] if isinstance(stop, str) else list(stop),
                            min_tokens=min_tokens)
@@ -44,7 +47,11 @@ def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
         if value is not None:
             setattr(sp, name, value)
     req = pb.GenerateRequest(sampling=sp, cache_salt=cache_salt or "",
-                             request_id=request_id or "")
+                             request_id=request_id or "", one_shot=one_shot,
+                             session_id=session_id)
+    if pin_ttl_s:
+        req.cache_control.ttl_s = pin_ttl_s
+        req.cache_control.tokens = pin_tokens
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -111,7 +118,24 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
                         stop=args.stop, min_tokens=args.min_tokens,
                         presence_penalty=args.presence_penalty,
                         frequency_penalty=args.frequency_penalty,
-                        repetition_penalty=args.repetition_penalty, logprobs=args.logprobs)
+                        repetition_penalty=args.repetition_penalty, logprobs=args.logprobs,
+                        pin_ttl_s=args.pin_ttl_s, pin_tokens=args.pin_tokens,
+                        one_shot=args.one_shot, session_id=args.session_id)
+
+
+def add_cache_control_arguments(p: argparse.ArgumentParser) -> None:
+    """A request's retention asks (README "Cache control")."""
+    p.add_argument("--pin-ttl-s", type=int, default=0,
+                   help="keep the prompt cached this many seconds (pool, DRAM, SSD); every hit "
+                        "starts it again; 0: no pin")
+    p.add_argument("--pin-tokens", type=int, default=0,
+                   help="with --pin-ttl-s: only the prompt's first tokens (0: all of it)")
+    p.add_argument("--one-shot", action="store_true",
+                   help="the prompt will not come back: its blocks go first and never below "
+                        "the pool")
+    p.add_argument("--session-id", default="",
+                   help="a conversation: its turns stay on one pod, its blocks kept between "
+                        "turns")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,6 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=1)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--cache-salt", default=None)
+    add_cache_control_arguments(p)
     p.add_argument("--token-ids", action="store_true")
     p.add_argument("--chat", action="store_true",
                    help="the prompt is a user message: render it with --model's chat template "

@@ -60,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_redis_arguments(p, None)
     add_server_tls_arguments(p)
     add_token_argument(p, "--admin-token", ADMIN_TOKEN_ENV,
-                       "bearer token that KVNode.ResetPrefixCache requires (without one, "
-                       "anyone who reaches the port may clear the cache)")
+                       "bearer token that KVNode.ResetPrefixCache and the CacheAdmin calls "
+                       "(Locate, DeletePrefix, Prewarm) require (without one, anyone who "
+                       "reaches the port may clear the cache)")
     add_token_argument(p, "--api-token", API_TOKEN_ENV,
                        "bearer token that Generate, GenerateStream and Stats require")
     add_tenants_argument(p)

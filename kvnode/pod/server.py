@@ -2,7 +2,8 @@
 
 - `pagekv.v1.Generation` (unary and streaming) over the AsyncEngine; a cancelled stream
   aborts its request and frees its blocks.
-- `pagekv.v1.KVNode` (Stats, ResetPrefixCache), grpc.health.v1, server reflection.
+- `pagekv.v1.KVNode` (Stats, ResetPrefixCache), `pagekv.v1.CacheAdmin` (Locate, DeletePrefix,
+  Prewarm: cache_admin.py), grpc.health.v1, server reflection.
 - OpenAI's HTTP API on --http-port (proto/openai: it calls GenerateStream above in process),
   with /tokenize, /detokenize and the metrics page (/metrics) beside it.
 - Prometheus on --metrics-port (the same registry); KV events published to the Redis index
@@ -31,6 +32,7 @@ from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejec
 from pagekv.kvnode.engine.peer_pull import NO_ROOM, KvSource, PullResult
 from pagekv.kvnode.index.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
 from pagekv.kvnode.index.publisher import IndexPublisher
+from pagekv.kvnode.pod.cache_admin import CacheAdminServicer
 from pagekv.kvnode.pod.kv_pull_client import PeerFetcher
 from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
 from pagekv.kvnode.pod.kv_transports import data_clients, data_servers
@@ -73,7 +75,11 @@ logger = logging.getLogger(__name__)
 
 # What --admin-token guards: the calls that change a pod's state for everyone. Stats is
 # read-only (the metrics page shows as much): it is an API call, under --api-token.
-ADMIN_METHODS = (f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/ResetPrefixCache",)
+ADMIN_METHODS = (
+    f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/ResetPrefixCache",
+    *(f"/{pb.DESCRIPTOR.services_by_name['CacheAdmin'].full_name}/{m.name}"
+      for m in pb.DESCRIPTOR.services_by_name["CacheAdmin"].methods),
+)
 # What only peer pods call, with the peer token: PullBlocks hands out any tenant's KV blocks.
 PEER_METHODS = (f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/PullBlocks",)
 
@@ -379,12 +385,15 @@ class PodServer:
         servicer = PodServicer(self)
         for service in ("Generation", "KVNode"):
             add_servicer(self.server, pb.DESCRIPTOR.services_by_name[service], servicer)
+        add_servicer(self.server, pb.DESCRIPTOR.services_by_name["CacheAdmin"],
+                     CacheAdminServicer(self))
         logger.info("limits: %s", self.prompt_limits.describe())
         self.health = pod_health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(pod_health, self.server)
         names = (
             pb.DESCRIPTOR.services_by_name["Generation"].full_name,
             pb.DESCRIPTOR.services_by_name["KVNode"].full_name,
+            pb.DESCRIPTOR.services_by_name["CacheAdmin"].full_name,
             health.SERVICE_NAME,
             reflection.SERVICE_NAME,
         )

@@ -200,3 +200,134 @@ def test_a_sessions_turns_stay_on_its_pod(cluster, make_router) -> None:
     assert router.metric("pagekv_router_session_routes_total", {"outcome": "kept"}) == 3
     assert router.metric("pagekv_router_session_routes_total", {"outcome": "new"}) == 1
     assert pod_metric(cluster, served[0], "pagekv_pod_retained_marks") > 0
+
+
+def admin(address: str) -> pb_grpc.CacheAdminStub:
+    return pb_grpc.CacheAdminStub(grpc.insecure_channel(address))
+
+
+def prefix_query(ids: list[int]) -> pb.PrefixQuery:
+    return pb.PrefixQuery(token_ids=pb.TokenIds(ids=ids))
+
+
+def test_where_is_it_and_delete_through_the_router(cluster, make_router) -> None:
+    reset(cluster)
+    router = make_router(cluster.redis_url)
+    router.wait_pods(2)
+    prefix = [256] + tokens(11, 1023)  # 64 blocks
+    first = router.stub.Generate(tokens_req(prefix + tokens(12, 10)), timeout=120)
+    home = first.served_by
+    pinned = tokens_req(prefix[:512] + tokens(13, 5))
+    pinned.cache_control.ttl_s = 600
+    pinned.cache_control.tokens = 512
+    admin_stub = admin(router.address)
+    home_address = next(p.address for p in cluster.pods if p.name == home)
+    stub(home_address)[0].Generate(pinned, timeout=120)
+    where = admin_stub.Locate(prefix_query(prefix), timeout=60)
+    by_pod = {h.pod_id: h for h in where.pods}
+    assert set(by_pod) == {"node-a", "node-b"} and not any(h.error for h in where.pods)
+    assert by_pod[home].prefix_blocks == 64 and by_pod[home].gpu_blocks == 64
+    assert by_pod[home].pinned_blocks == 32
+    assert where.total_blocks == 64
+    for pod in cluster.pods:  # each pod's own answer is the router's line for it
+        own = admin(pod.address).Locate(prefix_query(prefix), timeout=60).pods[0]
+        assert own == by_pod[pod.name]
+    assert pod_metric(cluster, home, "pagekv_pod_retained_blocks", 'tier="GPU"') == 32
+    # By the hash of its last block: the pod walks the chain back to the root.
+    last = hash_prompt(HashConfig("sha256", SEED), 16, prefix)[-1]
+    by_hash = admin_stub.Locate(pb.PrefixQuery(prefix_hash=last), timeout=60)
+    assert {h.pod_id: h.gpu_blocks for h in by_hash.pods}[home] == 64
+
+    gone = admin_stub.DeletePrefix(prefix_query(prefix), timeout=60)
+    assert gone.total_blocks == 64
+    assert {h.pod_id: h.pinned_blocks for h in gone.pods}[home] == 32  # marks released
+    assert admin_stub.Locate(prefix_query(prefix), timeout=60).total_blocks == 0
+    client = redis.Redis.from_url(cluster.redis_url)
+    hashes = hash_prompt(HashConfig("sha256", SEED), 16, prefix)
+    deadline = time.monotonic() + 10
+    while any(m.depth for m in lookup_prefix(client, SCHEMA, hashes).values()):
+        assert time.monotonic() < deadline, "the index still holds the deleted prefix"
+        time.sleep(0.1)
+    again = stub(home_address)[0].Generate(tokens_req(prefix + tokens(12, 10)), timeout=120)
+    assert again.usage.cached_tokens == 0
+    assert list(again.completions[0].token_ids) == list(first.completions[0].token_ids)
+    with pytest.raises(grpc.RpcError) as err:
+        admin_stub.Locate(pb.PrefixQuery(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_prewarm_pulls_from_a_holder_and_the_first_call_is_a_full_hit(cluster,
+                                                                     make_router) -> None:
+    reset(cluster)
+    router = make_router(cluster.redis_url)
+    router.wait_pods(2)
+    prefix = [256] + tokens(21, 1535)  # 96 blocks
+    a, b = cluster.pods[0], cluster.pods[1]
+    cold = stub(a.address)[0].Generate(tokens_req(prefix + tokens(22, 9)), timeout=120)
+    client = redis.Redis.from_url(cluster.redis_url)
+    hashes = hash_prompt(HashConfig("sha256", SEED), 16, prefix)
+    deadline = time.monotonic() + 10
+    while (m := lookup_prefix(client, SCHEMA, hashes).get(a.name)) is None or m.depth < 95:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    warmed = admin(router.address).Prewarm(
+        pb.PrewarmRequest(pod_id=b.name, token_ids=pb.TokenIds(ids=prefix)), timeout=300)
+    assert warmed.pod_id == b.name and warmed.source == a.name
+    assert warmed.pulled_tokens >= 95 * 16 and warmed.prompt_tokens == 1536
+    first = stub(b.address)[0].Generate(tokens_req(prefix + tokens(22, 9)), timeout=120)
+    assert first.usage.cached_tokens == 1536  # the request's first call: every prefix block
+    assert list(first.completions[0].token_ids) == list(cold.completions[0].token_ids)
+    # A cold fleet: the pod computes it, and says so.
+    fresh = [256] + tokens(23, 511)
+    computed = admin(router.address).Prewarm(
+        pb.PrewarmRequest(pod_id=b.name, token_ids=pb.TokenIds(ids=fresh)), timeout=300)
+    assert computed.source == "" and computed.computed_tokens == 512
+    with pytest.raises(grpc.RpcError) as err:
+        admin(router.address).Prewarm(pb.PrewarmRequest(pod_id="nobody",
+                                                        token_ids=pb.TokenIds(ids=fresh)))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_admin_calls_need_the_admin_token_and_refusals_are_counted(cluster,
+                                                                  make_router) -> None:
+    router = make_router(cluster.redis_url, admin_token="s3cret-admin")
+    router.wait_pods(2)
+    admin_stub = admin(router.address)
+    for metadata in ((), (("authorization", "Bearer wrong"),)):
+        with pytest.raises(grpc.RpcError) as err:
+            admin_stub.Locate(prefix_query([1, 2, 3]), metadata=metadata, timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    ok = admin_stub.Locate(prefix_query([256] + tokens(31, 40)),
+                           metadata=(("authorization", "Bearer s3cret-admin"),), timeout=30)
+    assert len(ok.pods) == 2
+    refused = sum(router.metric("pagekv_router_auth_refused_total",
+                                {"method": "Locate", "code": code})
+                  for code in ("UNAUTHENTICATED", "PERMISSION_DENIED"))
+    assert refused == 2
+    # Generation stays open (no --api-token on this router).
+    assert router.stub.Generate(tokens_req([256, 1, 2]), timeout=60).served_by
+
+
+def test_the_cache_command_locates_prewarms_and_deletes(cluster, make_router) -> None:
+    import subprocess
+    import sys
+
+    reset(cluster)
+    router = make_router(cluster.redis_url)
+    router.wait_pods(2)
+    ids = ",".join(str(t) for t in [256] + tokens(41, 319))  # 20 blocks
+
+    def cache(*argv: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "pagekv", "cache", *argv, "--target",
+                               router.address, "--token-ids", ids],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    warmed = cache("prewarm", "--pod", "node-b", "--pin-ttl-s", "600")
+    assert warmed.startswith("node-b: 320 tokens ready") and "320 computed" in warmed
+    where = cache("locate")
+    assert "node-b: 20 of 20 blocks held (pool 20, DRAM 0, SSD 0; pinned 20)" in where
+    assert "node-a: 0 of 20 blocks held" in where
+    assert "total: 20 blocks" in cache("delete")
+    assert "total: 0 blocks" in cache("locate")

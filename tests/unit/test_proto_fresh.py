@@ -27,7 +27,7 @@ def test_generated_modules_import_as_a_package() -> None:
     from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 
     services = pagekv_pb2.DESCRIPTOR.services_by_name
-    assert set(services) == {"Generation", "KVNode"}
+    assert set(services) == {"Generation", "KVNode", "CacheAdmin"}
     assert services["Generation"].full_name == "pagekv.v1.Generation"
     assert hasattr(pagekv_pb2_grpc, "GenerationStub") and hasattr(pagekv_pb2_grpc, "KVNodeStub")
 

@@ -411,3 +411,83 @@ class ResetPrefixCacheResponse(_message.Message):
     message: str
     blocks_cleared: int
     def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., blocks_cleared: _Optional[int] = ...) -> None: ...
+
+class PrefixQuery(_message.Message):
+    __slots__ = ("text", "token_ids", "block_hashes", "prefix_hash", "cache_salt")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    block_hashes: BlockHashes
+    prefix_hash: bytes
+    cache_salt: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., block_hashes: _Optional[_Union[BlockHashes, _Mapping]] = ..., prefix_hash: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class BlockHashes(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PodHolding(_message.Message):
+    __slots__ = ("pod_id", "prefix_blocks", "gpu_blocks", "cpu_blocks", "disk_blocks", "pinned_blocks", "error")
+    POD_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    pod_id: str
+    prefix_blocks: int
+    gpu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+    pinned_blocks: int
+    error: str
+    def __init__(self, pod_id: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PrefixHoldings(_message.Message):
+    __slots__ = ("pods", "total_blocks")
+    PODS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pods: _containers.RepeatedCompositeFieldContainer[PodHolding]
+    total_blocks: int
+    def __init__(self, pods: _Optional[_Iterable[_Union[PodHolding, _Mapping]]] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
+class PrewarmRequest(_message.Message):
+    __slots__ = ("text", "token_ids", "cache_salt", "pod_id", "kv_source", "cache_control")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    POD_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    cache_salt: str
+    pod_id: str
+    kv_source: KvSource
+    cache_control: CacheControl
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pod_id: _Optional[str] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ...) -> None: ...
+
+class PrewarmResponse(_message.Message):
+    __slots__ = ("pod_id", "prompt_tokens", "cached_tokens", "pulled_tokens", "computed_tokens", "source", "seconds")
+    POD_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pod_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    pulled_tokens: int
+    computed_tokens: int
+    source: str
+    seconds: float
+    def __init__(self, pod_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., source: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -349,3 +349,171 @@ class KVNode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class CacheAdminStub:
+    """Cache control for operators (README "Cache control"), on pods and routers alike; every
+    method needs the admin token. A router answers for every pod it routes to.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Locate = channel.unary_unary(
+                '/pagekv.v1.CacheAdmin/Locate',
+                request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixQuery.SerializeToString,
+                response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixHoldings.FromString,
+                _registered_method=True)
+        self.DeletePrefix = channel.unary_unary(
+                '/pagekv.v1.CacheAdmin/DeletePrefix',
+                request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixQuery.SerializeToString,
+                response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixHoldings.FromString,
+                _registered_method=True)
+        self.Prewarm = channel.unary_unary(
+                '/pagekv.v1.CacheAdmin/Prewarm',
+                request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmRequest.SerializeToString,
+                response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmResponse.FromString,
+                _registered_method=True)
+
+
+class CacheAdminServicer:
+    """Cache control for operators (README "Cache control"), on pods and routers alike; every
+    method needs the admin token. A router answers for every pod it routes to.
+    """
+
+    def Locate(self, request, context):
+        """Which pods hold how many of a prefix's blocks, in which tier, pinned or not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePrefix(self, request, context):
+        """Drop a prefix's blocks from the pool, DRAM, SSD and the index; says how many went.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prewarm(self, request, context):
+        """Load a prompt's prefix into a pod's pool before traffic arrives: pulled from a peer
+        that holds it, else prefilled. Answers once it is ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CacheAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixQuery.FromString,
+                    response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixHoldings.SerializeToString,
+            ),
+            'DeletePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePrefix,
+                    request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixQuery.FromString,
+                    response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixHoldings.SerializeToString,
+            ),
+            'Prewarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prewarm,
+                    request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmRequest.FromString,
+                    response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pagekv.v1.CacheAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pagekv.v1.CacheAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class CacheAdmin:
+    """Cache control for operators (README "Cache control"), on pods and routers alike; every
+    method needs the admin token. A router answers for every pod it routes to.
+    """
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagekv.v1.CacheAdmin/Locate',
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixQuery.SerializeToString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixHoldings.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagekv.v1.CacheAdmin/DeletePrefix',
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixQuery.SerializeToString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrefixHoldings.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prewarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagekv.v1.CacheAdmin/Prewarm',
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmRequest.SerializeToString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
