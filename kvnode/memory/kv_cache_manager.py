@@ -263,13 +263,12 @@ class KVCacheManager:
         that none of them is evicted while the rest of its prompt is."""
         retention = self.retention
         assert retention is not None
-        hashes = request.block_hashes
         if num_hits and retention:
-            retention.renew(hashes[:num_hits])
+            retention.renew(request.block_hashes[:num_hits])
         control = request.cache_control
         if control.pins:
-            n = control.pin_blocks(request.num_prompt_tokens, self.block_size,
-                                   len(self._hashes(request)))
+            hashes = self._hashes(request)  # (none yet when it skipped reading the cache)
+            n = control.pin_blocks(request.num_prompt_tokens, self.block_size, len(hashes))
             retention.retain(hashes[:n], control.pin_ttl_s)
 
     @staticmethod
