@@ -76,7 +76,7 @@ proto: $(STAMP)
 
 # Every benchmark in quick mode (each prints its table; the full runs are in docs/BENCHMARKS.md).
 bench: $(STAMP)
-	for b in block_manager attention prefix_ttft kv_dtypes kv_quality throughput tiers tiers_io node routing startup faults http_vs_grpc aiperf_routing kv_pull hot_prefix scale vllm_ingest gguf_dequant guidellm_run; do \
+	for b in block_manager attention prefix_ttft agentic kv_dtypes kv_quality throughput tiers tiers_io node routing startup faults http_vs_grpc aiperf_routing kv_pull hot_prefix scale vllm_ingest gguf_dequant guidellm_run; do \
 		$(VPY) -m bench.$$b --quick || exit 1; done
 
 clean:
