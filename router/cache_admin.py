@@ -30,7 +30,7 @@ from pagekv.router.routing import Router
 
 logger = logging.getLogger(__name__)
 
-POD_CALL_TIMEOUT_S = 30.0
+POD_CALL_TIMEOUT_S = 10.0  # a stopped pod is listed with its error, not waited on
 PREWARM_TIMEOUT_S = 600.0
 
 

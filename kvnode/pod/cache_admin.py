@@ -87,7 +87,7 @@ class CacheAdminServicer(pb_grpc.CacheAdminServicer):
         prompt = await asyncio.to_thread(parse_prompt, request, eng.tokenizer.encode,
                                          self.pod.prompt_limits)
         salt = self.pod.salting.salt(context, prompt.cache_salt)
-        return eng.prefix_hashes(prompt.token_ids, salt)
+        return await asyncio.to_thread(eng.prefix_hashes, prompt.token_ids, salt)
 
     async def _answer(self, query, context, delete: bool) -> pb.PrefixHoldings:
         await self._ready(context)

@@ -7,13 +7,18 @@ fixtures that build these (loop, make_router, fake_pods) are in conftest.py.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from pagekv.kvnode.index.publisher import IndexPublisher
 from pagekv.proto.hashing import HashConfig, hash_prompt
@@ -69,6 +74,47 @@ def tokens_req(ids: list[int], salt: str = "", max_tokens: int = 2) -> pb.Genera
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), cache_salt=salt,
                               sampling=pb.SamplingParams(max_tokens=max_tokens,
                                                          temperature=0.0, ignore_eos=True))
+
+
+# -- real pods as processes ---------------------------------------------------------------------
+
+@contextmanager
+def pod_cluster(redis_binary: str, run_dir: Path, pod_args: list[str],
+                pods: dict[str, list[str]]) -> Iterator[Any]:
+    """A Redis and real pods (name -> its own extra flags) as processes, one torch thread
+    each, healthy when this yields; all stopped after, or if any fails to start."""
+    from pagekv.deploy.local_cluster import LocalCluster, wait_healthy
+    from pagekv.deploy.redis_server import RedisProcess
+
+    rp = RedisProcess(data_dir=run_dir / "redis", binary=redis_binary).start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # pods share two cores: no oversubscription
+        cluster = LocalCluster(nodes=0, run_dir=run_dir, redis_url=rp.url,
+                               node_args=pod_args, start_router=False)
+        try:
+            for name, extra in pods.items():
+                cluster.start_pod(name, extra)
+            for child in cluster.children:
+                wait_healthy(child.address, 120, child.proc)
+        except BaseException:
+            cluster.stop()
+            rp.close()
+            raise
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        rp.close()
+
+
+@contextmanager
+def stopped(pod: Any) -> Iterator[None]:
+    """The pod's process group stopped (as a hung host would be), resumed whatever happens."""
+    os.killpg(pod.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(pod.proc.pid, signal.SIGCONT)
 
 
 # -- fake pods: a real gRPC server and a real IndexPublisher, no model ------------------------

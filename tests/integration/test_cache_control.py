@@ -17,12 +17,11 @@ import openai
 import pytest
 import redis
 
-from pagekv.deploy.redis_server import RedisProcess
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from tests.integration.router_fixtures import SCHEMA, SEED, tokens_req
+from tests.integration.router_fixtures import SCHEMA, SEED, pod_cluster, stopped, tokens_req
 
 pytestmark = pytest.mark.integration
 
@@ -36,28 +35,11 @@ POD_ARGS = ["--num-gpu-blocks", "256", "--max-model-len", "4096", "--lease-ttl-s
 
 @pytest.fixture(scope="module")
 def cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from pagekv.deploy.local_cluster import LocalCluster, wait_healthy
-
     run_dir = tmp_path_factory.mktemp("cache-control")
-    rp = RedisProcess(data_dir=run_dir / "redis", binary=redis_binary).start()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        cluster = LocalCluster(nodes=0, run_dir=run_dir, redis_url=rp.url,
-                               node_args=POD_ARGS, start_router=False)
-        try:
-            for pod_id in ("node-a", "node-b"):
-                cluster.start_pod(pod_id, ["--disk-offload-dir", str(run_dir / f"ssd-{pod_id}")])
-            for child in cluster.children:
-                wait_healthy(child.address, 120, child.proc)
-        except BaseException:
-            cluster.stop()
-            rp.close()
-            raise
-    try:
+    pods = {name: ["--disk-offload-dir", str(run_dir / f"ssd-{name}")]
+            for name in ("node-a", "node-b")}
+    with pod_cluster(redis_binary, run_dir, POD_ARGS, pods) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        rp.close()
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -331,3 +313,16 @@ def test_the_cache_command_locates_prewarms_and_deletes(cluster, make_router) ->
     assert "node-a: 0 of 20 blocks held" in where
     assert "total: 20 blocks" in cache("delete")
     assert "total: 0 blocks" in cache("locate")
+
+
+def test_a_stopped_pod_is_listed_with_its_error_not_waited_on(cluster, make_router) -> None:
+    router = make_router(cluster.redis_url)
+    router.wait_pods(2)
+    start = time.monotonic()
+    with stopped(cluster.pods[1]):
+        where = admin(router.address).Locate(prefix_query([256] + tokens(51, 40)), timeout=60)
+    assert time.monotonic() - start < 20
+    by_pod = {h.pod_id: h for h in where.pods}
+    # (the call's deadline, or the channel's keepalive ping first: either is the pod's error)
+    assert by_pod["node-b"].error.split(":")[0] in ("DEADLINE_EXCEEDED", "UNAVAILABLE")
+    assert not by_pod["node-a"].error and by_pod["node-a"].prefix_blocks == 2

@@ -12,7 +12,6 @@ calls off it (with the default 3 s lease it would also drop out once the lease r
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -24,13 +23,12 @@ import grpc
 import pytest
 import redis
 
-from pagekv.deploy.redis_server import RedisProcess
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from pagekv.router.pods import keepalive_options
-from tests.integration.router_fixtures import BS, SCHEMA, SEED, tokens_req
+from tests.integration.router_fixtures import BS, SCHEMA, SEED, pod_cluster, stopped, tokens_req
 from tests.integration.test_router_real_pods import random_tokens, reset_all
 
 pytestmark = pytest.mark.integration
@@ -46,38 +44,9 @@ PROMPT = 320  # tokens: 20 blocks, so the pod that holds them is the clear first
 
 @pytest.fixture(scope="module")
 def cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from pagekv.deploy.local_cluster import LocalCluster, wait_healthy
-
     run_dir = tmp_path_factory.mktemp("hung-pods")
-    rp = RedisProcess(data_dir=run_dir / "redis", binary=redis_binary).start()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        cluster = LocalCluster(nodes=0, run_dir=run_dir, redis_url=rp.url,
-                               node_args=POD_ARGS, start_router=False)
-        try:
-            for pod_id in ("node-a", "node-b"):
-                cluster.start_pod(pod_id)
-            for child in cluster.children:
-                wait_healthy(child.address, 120, child.proc)
-        except BaseException:
-            cluster.stop()
-            rp.close()
-            raise
-    try:
+    with pod_cluster(redis_binary, run_dir, POD_ARGS, {"node-a": [], "node-b": []}) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        rp.close()
-
-
-@contextlib.contextmanager
-def stopped(pod: Any) -> Iterator[None]:
-    """The pod's process group stopped (as a hung host would be), resumed whatever happens."""
-    os.killpg(pod.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.killpg(pod.proc.pid, signal.SIGCONT)
 
 
 def cold_run_on(cluster: Any, pod: Any, ids: list[int], max_tokens: int) -> list[int]:

@@ -17,12 +17,11 @@ import grpc
 import pytest
 import redis
 
-from pagekv.deploy.redis_server import RedisProcess
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index import lookup_prefix
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from tests.integration.router_fixtures import BS, SCHEMA, SEED, tokens_req
+from tests.integration.router_fixtures import BS, SCHEMA, SEED, pod_cluster, tokens_req
 
 pytestmark = pytest.mark.integration
 
@@ -34,29 +33,10 @@ OTHER_SEED = "seed-2"
 @pytest.fixture(scope="module")
 def cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """node-a and node-b share the router's hash config; node-c has another seed."""
-    from pagekv.deploy.local_cluster import LocalCluster, wait_healthy
-
     run_dir = tmp_path_factory.mktemp("router-run")
-    rp = RedisProcess(data_dir=run_dir / "redis", binary=redis_binary).start()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")  # three pods on two cores: no oversubscription
-        cluster = LocalCluster(nodes=0, run_dir=run_dir, redis_url=rp.url,
-                               node_args=POD_ARGS, start_router=False)
-        try:
-            for pod_id in ("node-a", "node-b"):
-                cluster.start_pod(pod_id)
-            cluster.start_pod("node-c", ["--hash-seed", OTHER_SEED])
-            for child in cluster.children:
-                wait_healthy(child.address, 120, child.proc)
-        except BaseException:
-            cluster.stop()
-            rp.close()
-            raise
-    try:
+    pods = {"node-a": [], "node-b": [], "node-c": ["--hash-seed", OTHER_SEED]}
+    with pod_cluster(redis_binary, run_dir, POD_ARGS, pods) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        rp.close()
 
 
 def kv_stub(address: str) -> pb_grpc.KVNodeStub:

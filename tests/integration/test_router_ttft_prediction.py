@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagekv.deploy.redis_server import RedisProcess
 from pagekv.router.server import PREDICTED_TTFT_METADATA_KEY
-from tests.integration.router_fixtures import tokens_req
+from tests.integration.router_fixtures import pod_cluster, tokens_req
 
 pytestmark = pytest.mark.integration
 
@@ -25,26 +24,9 @@ POD_ARGS = ["--num-gpu-blocks", "160", "--max-model-len", "2048", "--lease-ttl-s
 
 @pytest.fixture(scope="module")
 def cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from pagekv.deploy.local_cluster import LocalCluster, wait_healthy
-
     run_dir = tmp_path_factory.mktemp("ttft-run")
-    rp = RedisProcess(data_dir=run_dir / "redis", binary=redis_binary).start()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        cluster = LocalCluster(nodes=0, run_dir=run_dir, redis_url=rp.url,
-                               node_args=POD_ARGS, start_router=False)
-        try:
-            cluster.start_pod("node-a")
-            wait_healthy(cluster.pods[0].address, 120, cluster.pods[0].proc)
-        except BaseException:
-            cluster.stop()
-            rp.close()
-            raise
-    try:
+    with pod_cluster(redis_binary, run_dir, POD_ARGS, {"node-a": []}) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        rp.close()
 
 
 def prompt(seed: int, n: int) -> list[int]:
