@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagekv.proto.retention import CacheControl
 
@@ -153,6 +153,19 @@ def cache_control_of(request: GenerateRequest) -> CacheControl:
         return CacheControl(float(ttl), tokens, request.one_shot, request.session_id)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
+
+
+def prompt_request(message: Any, cache_salt: str) -> GenerateRequest:
+    """A GenerateRequest with the prompt `message` carries (its `text` or its `token_ids`,
+    whichever is set: an admin call's prompt) and `cache_salt`, to be read as a request's."""
+    from pagekv.proto.pagekv.v1.pagekv_pb2 import GenerateRequest
+
+    request = GenerateRequest(cache_salt=cache_salt)
+    if message.HasField("text"):
+        request.text = message.text
+    elif message.HasField("token_ids"):
+        request.token_ids.CopyFrom(message.token_ids)
+    return request
 
 
 def _check_stop_strings(stop: Sequence[str]) -> None:

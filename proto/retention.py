@@ -139,11 +139,14 @@ class RetentionTable:
             return 0
         now = self._clock()
         marked = 0
+        swept = False  # at most one sweep a call: a full table of live marks stays full
         with self._lock:
             for h in block_hashes:
                 until = self._until.get(h)
                 if until is None and len(self._until) >= self.max_blocks:
-                    self._sweep_locked(now)
+                    if not swept:
+                        self._sweep_locked(now)
+                        swept = True
                     if len(self._until) >= self.max_blocks:
                         self.refused += 1
                         continue

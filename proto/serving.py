@@ -104,6 +104,12 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int,
 # UTF-8 in a string field, a message cut short) becomes UNKNOWN "Unexpected <class ...>" and an
 # ERROR traceback per call. add_servicer's deserializer returns an Undecodable instead, which
 # the handler refuses with INVALID_ARGUMENT and a warning at most every UNDECODABLE_LOG_S.
+def method_paths(service: ServiceDescriptor) -> tuple[str, ...]:
+    """Every method of a service as gRPC names it on the wire (`/pagekv.v1.CacheAdmin/Locate`):
+    what a TokenGuard's admin or peer methods list."""
+    return tuple(f"/{service.full_name}/{m.name}" for m in service.methods)
+
+
 UNDECODABLE_LOG_S = 10.0
 
 

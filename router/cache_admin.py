@@ -25,7 +25,7 @@ from pagekv.proto.credentials import bearer
 from pagekv.proto.index import REDIS_ERRORS
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from pagekv.proto.requests import BadRequest
+from pagekv.proto.requests import BadRequest, prompt_request
 from pagekv.router.routing import Router
 
 logger = logging.getLogger(__name__)
@@ -45,20 +45,15 @@ class RouterCacheAdmin(pb_grpc.CacheAdminServicer):
         token = self.router.config.pod_api_token
         return bearer(token) if token else ()
 
-    def _hashes(self, text: str | None, token_ids: pb.TokenIds | None, salt: str) -> list[bytes]:
-        request = pb.GenerateRequest(cache_salt=salt)
-        if text is not None:
-            request.text = text
-        elif token_ids is not None:
-            request.token_ids.CopyFrom(token_ids)
+    def _hashes(self, message: Any, salt: str) -> list[bytes]:
+        """The block hashes of the prompt `message` carries, hashed here as a request's."""
+        request = prompt_request(message, salt)
         return self.router.prepare(request).block_hashes  # BadRequest in a pod's words
 
     def _pod_query(self, query: pb.PrefixQuery) -> pb.PrefixQuery:
         kind = query.WhichOneof("prefix")
         if kind in ("text", "token_ids"):
-            hashes = self._hashes(query.text if kind == "text" else None,
-                                  query.token_ids if kind == "token_ids" else None,
-                                  query.cache_salt)
+            hashes = self._hashes(query, query.cache_salt)
             return pb.PrefixQuery(block_hashes=pb.BlockHashes(hashes=hashes))
         if kind is None:
             raise BadRequest("a prefix is required: text, token_ids, block_hashes or "
@@ -118,11 +113,8 @@ class RouterCacheAdmin(pb_grpc.CacheAdminServicer):
         if stub is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{request.pod_id} is not a PageKV pod: no pre-warm there")
-        kind = request.WhichOneof("prompt")
         try:
-            hashes = self._hashes(request.text if kind == "text" else None,
-                                  request.token_ids if kind == "token_ids" else None,
-                                  request.cache_salt)
+            hashes = self._hashes(request, request.cache_salt)
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         forward = pb.PrewarmRequest()

@@ -48,7 +48,7 @@ from pagekv.proto.openai.backend import HandlerContext
 from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import BadRequest, already_in_flight, check_request, prompt_is_large
-from pagekv.proto.serving import HealthServicer, add_servicer
+from pagekv.proto.serving import HealthServicer, add_servicer, method_paths
 from pagekv.proto.tenant_identity import NoTenant, TenantSalting
 from pagekv.router.cache_admin import RouterCacheAdmin
 from pagekv.router.config import RouterConfig
@@ -74,8 +74,7 @@ STOP_STEP_TIMEOUT_S = 5.0  # each clean-up step of stop(): the process exits reg
 _STOP_STEP_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *REDIS_ERRORS)
 SERVICE_NAME = "pagekv.v1.Generation"
 _ADMIN_SERVICE = pagekv_pb2.DESCRIPTOR.services_by_name["CacheAdmin"]
-CACHE_ADMIN_METHODS = tuple(f"/{_ADMIN_SERVICE.full_name}/{m.name}"
-                            for m in _ADMIN_SERVICE.methods)
+CACHE_ADMIN_METHODS = method_paths(_ADMIN_SERVICE)
 
 
 class _Attempt:

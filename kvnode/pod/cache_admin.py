@@ -26,7 +26,13 @@ from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.proto.medium import PEER_SHARE, Medium
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
-from pagekv.proto.requests import BadRequest, cache_control_of, check_request, parse_prompt
+from pagekv.proto.requests import (
+    BadRequest,
+    cache_control_of,
+    check_request,
+    parse_prompt,
+    prompt_request,
+)
 from pagekv.proto.tenant_identity import NoTenant
 
 if TYPE_CHECKING:
@@ -78,11 +84,7 @@ class CacheAdminServicer(pb_grpc.CacheAdminServicer):
         if kind is None:
             raise BadRequest("a prefix is required: text, token_ids, block_hashes or "
                              "prefix_hash")
-        request = pb.GenerateRequest(cache_salt=query.cache_salt)
-        if kind == "text":
-            request.text = query.text
-        else:
-            request.token_ids.CopyFrom(query.token_ids)
+        request = prompt_request(query, query.cache_salt)
         check_request(request, self.pod.prompt_limits)
         prompt = await asyncio.to_thread(parse_prompt, request, eng.tokenizer.encode,
                                          self.pod.prompt_limits)
@@ -118,13 +120,9 @@ class CacheAdminServicer(pb_grpc.CacheAdminServicer):
     async def Prewarm(self, request, context):
         await self._ready(context)
         eng = self.pod.built_engine()
-        generate = pb.GenerateRequest(cache_salt=request.cache_salt)
+        generate = prompt_request(request, request.cache_salt)
         if request.HasField("cache_control"):
             generate.cache_control.CopyFrom(request.cache_control)
-        if request.WhichOneof("prompt") == "text":
-            generate.text = request.text
-        else:
-            generate.token_ids.CopyFrom(request.token_ids)
         try:
             check_request(generate, self.pod.prompt_limits)
             control = cache_control_of(generate)

@@ -67,7 +67,7 @@ from pagekv.proto.requests import (
     parse_prompt,
     prompt_is_large,
 )
-from pagekv.proto.serving import HealthServicer, add_servicer, serve_metrics
+from pagekv.proto.serving import HealthServicer, add_servicer, method_paths, serve_metrics
 from pagekv.proto.tenant_identity import NoTenant, TenantSalting
 from pagekv.proto.tenants import TenantMap
 
@@ -77,8 +77,7 @@ logger = logging.getLogger(__name__)
 # read-only (the metrics page shows as much): it is an API call, under --api-token.
 ADMIN_METHODS = (
     f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/ResetPrefixCache",
-    *(f"/{pb.DESCRIPTOR.services_by_name['CacheAdmin'].full_name}/{m.name}"
-      for m in pb.DESCRIPTOR.services_by_name["CacheAdmin"].methods),
+    *method_paths(pb.DESCRIPTOR.services_by_name["CacheAdmin"]),
 )
 # What only peer pods call, with the peer token: PullBlocks hands out any tenant's KV blocks.
 PEER_METHODS = (f"/{pb.DESCRIPTOR.services_by_name['KVNode'].full_name}/PullBlocks",)
