@@ -17,7 +17,8 @@ protocol-5 pickle of the same tuple measured 3x slower than the C pickler.
 Extra keys are a tuple of tagged tuples, in this order, or None when there are none:
     ("lora", name, path)                on every block when a LoRA adapter is set
     ("mm", identifier, offset_in_block) for each multimodal input overlapping the block
-    ("cache_salt", salt)                on block 0 only
+    ("cache_salt", salt)                on block 0 only (block k after a shared region of k
+                                        blocks: proto/shared_prefix.py)
 offset_in_block = item_start_token - block_start_token; it is negative for an item that began
 in an earlier block, so a block's key says where the item sits relative to it.
 
@@ -228,7 +229,7 @@ def _check_inputs(
 
 def _extra_keys(
     block_index: int, block_size: int, salt: str | None,
-    lora_key: tuple[str, str, str] | None, mm: tuple[MMInput, ...],
+    lora_key: tuple[str, str, str] | None, mm: tuple[MMInput, ...], salt_block: int = 0,
 ) -> ExtraKeys | None:
     keys: list[tuple[str | int, ...]] = []
     if lora_key is not None:
@@ -241,7 +242,7 @@ def _extra_keys(
                 break  # sorted by start: nothing later overlaps either
             if start + length > begin:
                 keys.append(("mm", ident, start - begin))
-    if salt is not None and block_index == 0:
+    if salt is not None and block_index == salt_block:
         keys.append(("cache_salt", salt))
     return tuple(keys) if keys else None
 
@@ -252,11 +253,12 @@ def block_extra_keys(
     cache_salt: str | None = None,
     lora: tuple[str, str] | None = None,
     mm_inputs: Sequence[MMInput] = (),
+    salt_block: int = 0,
 ) -> ExtraKeys | None:
     """Extra keys of block `block_index` (see the module docstring for the layout)."""
     mm = _check_inputs(block_size, cache_salt, lora, mm_inputs)
     lora_key = ("lora", lora[0], lora[1]) if lora is not None else None
-    return _extra_keys(block_index, block_size, cache_salt, lora_key, mm)
+    return _extra_keys(block_index, block_size, cache_salt, lora_key, mm, salt_block)
 
 
 class RequestBlockHasher:
@@ -264,10 +266,11 @@ class RequestBlockHasher:
 
     `block_hashes` (owned by the caller, usually the request) is the state: its length is
     the number of blocks already hashed and its last entry the parent of the next one.
+    `salt_block`: the block that carries the salt (0; k after a shared region of k blocks).
     """
 
     __slots__ = ("config", "block_size", "_block_fn", "_root", "_plain", "_salt", "_lora_key",
-                 "_mm")
+                 "_mm", "salt_block")
 
     def __init__(
         self,
@@ -276,8 +279,12 @@ class RequestBlockHasher:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_inputs: Sequence[MMInput] = (),
+        salt_block: int = 0,
     ) -> None:
         self._mm = _check_inputs(block_size, cache_salt, lora, mm_inputs)
+        if type(salt_block) is not int or salt_block < 0:
+            raise ValueError(f"salt_block must be an int >= 0, got {salt_block!r}")
+        self.salt_block = salt_block
         self.config = config
         self.block_size = block_size
         self._block_fn = _BLOCK_FNS[config.hash_fn]  # HashConfig only knows these
@@ -305,9 +312,9 @@ class RequestBlockHasher:
                 parent = block_fn(parent, token_ids[i * bs:(i + 1) * bs], None)
                 block_hashes.append(parent)
         else:
-            salt, lora_key, mm = self._salt, self._lora_key, self._mm
+            salt, lora_key, mm, salted = self._salt, self._lora_key, self._mm, self.salt_block
             for i in range(start, stop):
-                extra = _extra_keys(i, bs, salt, lora_key, mm)
+                extra = _extra_keys(i, bs, salt, lora_key, mm, salted)
                 parent = block_fn(parent, token_ids[i * bs:(i + 1) * bs], extra)
                 block_hashes.append(parent)
         return stop - start
@@ -329,8 +336,10 @@ def hash_prompt(
     cache_salt: str | None = None,
     lora: tuple[str, str] | None = None,
     mm_inputs: Sequence[MMInput] = (),
+    salt_block: int = 0,
 ) -> list[bytes]:
     """The hash of every full block of `token_ids` (what the router looks up)."""
     hashes: list[bytes] = []
-    RequestBlockHasher(config, block_size, cache_salt, lora, mm_inputs).extend(token_ids, hashes)
+    RequestBlockHasher(config, block_size, cache_salt, lora, mm_inputs, salt_block).extend(
+        token_ids, hashes)
     return hashes

@@ -1,13 +1,15 @@
-"""Which salt a call may hash with: the caller's tenant, read from its own credential.
+"""Which salt a call may hash with, and whose quota it counts against: the caller's tenant,
+read from its own credential.
 
-`TenantSalting.salt(context, client_salt)` on the router and on pods alike:
+`TenantSalting.identity(context, client_salt, client_tenant)` -> (salt, tenant), on the
+router and on pods alike:
 - no tenants file: the client's salt, as before (the single `--api-token` mode);
 - a tenant's token (`authorization: Bearer`), or with mutual TLS a client certificate whose
   subject the file lists: `tenant_salt(tenant, client_salt)`;
 - a pod's fleet credential (its `--api-token`, which the router calls it with as
-  `--pod-api-token`, or the admin token): the salt as sent. The router has already derived
-  it from its own client's tenant, and the pod hashes with that same string, so the
-  router's hit prediction holds. A client never holds the fleet token: on the router, the
+  `--pod-api-token`, or the admin token): the salt and the tenant as sent. The router has
+  already derived them from its own client's credential, and the pod hashes with that same
+  string, so the router's hit prediction holds (a tenant the file does not name is refused). A client never holds the fleet token: on the router, the
   plain API token names no tenant and is refused once a tenants file is given;
 - anything else: `NoTenant` (the servers answer PERMISSION_DENIED).
 
@@ -46,21 +48,28 @@ class TenantSalting:
 
     def salt(self, context: Any, client_salt: str | None) -> str | None:
         """The salt this call hashes with (see the module docstring); NoTenant."""
+        return self.identity(context, client_salt)[0]
+
+    def identity(self, context: Any, client_salt: str | None, client_tenant: str = ""
+                 ) -> tuple[str | None, str]:
+        """(the salt this call hashes with, its tenant: "" for none); NoTenant."""
         tenants = self.tenants
         if tenants is None:
-            return client_salt
+            return client_salt, ""
         token = _bearer(context)
         if token is not None:
             given = token.encode()
             if any([hmac.compare_digest(given, t) for t in self.fleet_tokens]):
-                return client_salt
+                if client_tenant and client_tenant not in tenants.name_set:
+                    raise NoTenant(f"tenant {client_tenant[:64]!r} is not in the tenants file")
+                return client_salt, client_tenant
             tenant = tenants.tenant_for_token(token)
             if tenant is not None:
-                return tenant_salt(tenant, client_salt)
+                return tenant_salt(tenant, client_salt), tenant
         for subject in _subjects(context):
             tenant = tenants.tenant_for_subject(subject)
             if tenant is not None:
-                return tenant_salt(tenant, client_salt)
+                return tenant_salt(tenant, client_salt), tenant
         raise NoTenant("this credential names no tenant of the tenants file: send a "
                        "tenant's token (or its client certificate)")
 

@@ -20,6 +20,7 @@ from pagekv.proto.index.connect import is_cluster
 from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2
 from pagekv.proto.requests import parse_prompt
+from pagekv.proto.shared_prefix import SharedPrefixes
 from pagekv.router.burst import BurstTracker
 from pagekv.router.config import PREFIX_POLICIES, RouterConfig
 from pagekv.router.disaggregation import SplitPlan, plan_split, serving_pods
@@ -126,6 +127,10 @@ class Router:
             if config.shared_bursts and config.burst_ttl_s > 0 else None
         self.view = FleetView(config.costs)
         self.sessions = SessionAffinity(config.session_idle_s, config.session_max_waiting)
+        # The tenants file's shared region, hashed without the tenant's salt as pods do.
+        self.shared_prefixes = SharedPrefixes.of(
+            config.tenants.shared if config.tenants is not None else None, tokenizer.encode,
+            config.block_size)
         self._view_of: dict[str, PodEntry] | None = None  # the registry pods it was made of
         self._view_len = 0
         self._view_foreign: object = None
@@ -148,8 +153,9 @@ class Router:
             forward.token_ids.ids.extend(prompt.token_ids)  # setting the oneof clears `text`
         ids = prompt.token_ids[:]  # (a slice copies a protobuf field in C: 1.5x list())
         hashes: list[bytes] = []
+        shared = self.shared_prefixes.blocks(ids) if self.shared_prefixes is not None else 0
         RequestBlockHasher(self.hash_config, self.config.block_size, prompt.cache_salt,
-                           lora_key(prompt.lora_id)).extend(ids, hashes)
+                           lora_key(prompt.lora_id), (), shared).extend(ids, hashes)
         lookup = min(len(hashes), max_hit_blocks(len(ids), self.config.block_size))
         return Prepared(forward, forward.token_ids.ids, hashes, lookup,
                         session=SessionAffinity.key(request.cache_salt, request.session_id))

@@ -150,7 +150,10 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
         try:
             check_request(request, self.router.config.prompt_limits)  # before any real work
             if self.salting.active:  # the tenant's salt, hashed here and sent to the pod
-                request.cache_salt = self.salting.salt(context, request.cache_salt) or ""
+                salt, request.tenant = self.salting.identity(context, request.cache_salt)
+                request.cache_salt = salt or ""
+            else:
+                request.ClearField("tenant")  # (no tenants: no quota to count against)
             if prompt_is_large(request):  # milliseconds of tokenizing and hashing: not here
                 prepared = await asyncio.to_thread(self.router.prepare, request)
             else:

@@ -147,6 +147,11 @@ class Tier(ABC):
         """Remove the least recently used block; (hash, data), None when empty. The data may
         be a view the next `put` overwrites: the caller copies it at once or not at all."""
 
+    def take(self, block_hash: bytes) -> torch.Tensor | None:
+        """Remove this block and return its data (None if absent), which may be a view as
+        `pop_lru`'s is (the tier chain moves it down at once)."""
+        return self.pop(block_hash)
+
     @abstractmethod
     def touch(self, block_hash: bytes) -> bool:
         """Mark a block most recently used; False if absent."""

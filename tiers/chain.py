@@ -16,6 +16,11 @@ also writes the KV events the index reads (`BlockTree`, tiers.chain_tree), and t
 its figures are built from (`ChainCounters`, tiers.chain_stats). Every decision about where a
 block goes is the chain's own, here.
 
+Quotas (proto/tenant_ledger.py): with a ledger, the tree reports every block's tier to it,
+and after each change that adds blocks below the pool an owner over its DRAM quota has its
+oldest DRAM blocks moved down to the SSD, one over its SSD quota its oldest SSD blocks
+dropped (`_enforce_quotas_locked`): that owner's, never another's.
+
 Threads: the engine thread calls demote / match_prefix / promote; a loader thread may run
 promote_many; a peer's pull reads from its own thread; the SSD tier writes (and evicts) in
 its own thread. Chain state is under one lock, which promote_many releases while it reads the
@@ -39,6 +44,8 @@ import torch
 
 from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.medium import Medium
+from pagekv.proto.retention import RetentionTable
+from pagekv.proto.tenant_ledger import TenantLedger
 from pagekv.proto.tier_stats import ChainStats
 from pagekv.tiers.base import BlockData, Tier, as_uint8_tensor
 from pagekv.tiers.chain_stats import ChainCounters
@@ -53,15 +60,19 @@ PoolBatches = Iterable[Sequence[tuple[bytes, bytes | None, torch.Tensor]]]
 
 
 class TierChain:
-    def __init__(self, dram: Tier | None, ssd: Tier | None, *, block_size: int | None = None
+    def __init__(self, dram: Tier | None, ssd: Tier | None, *, block_size: int | None = None,
+                 ledger: TenantLedger | None = None, retention: RetentionTable | None = None
                  ) -> None:
+        """`ledger`: owners and quotas; `retention`: the quota's victims it holds go last."""
         if dram is not None and ssd is not None and dram.block_bytes != ssd.block_bytes:
             raise ValueError(f"DRAM blocks are {dram.block_bytes} B but SSD blocks are {ssd.block_bytes} B")
         self.dram = dram if dram is not None and dram.capacity_bytes > 0 else None
         self.ssd = ssd
         self.block_size = block_size
         self._lock = threading.Lock()
-        self._tree = BlockTree(block_size)  # every block below the pool, and the events
+        self._tree = BlockTree(block_size, ledger)  # every block below the pool, and the events
+        self._ledger = ledger
+        self._retention = retention
         self._promoting: set[bytes] = set()  # SSD blocks being read by promote_many
         self._counters = ChainCounters()
         if ssd is not None:
@@ -69,6 +80,8 @@ class TierChain:
             for rec in ssd.take_recovered():
                 node = Node(rec.parent_hash, rec.token_ids, None, Medium.DISK)
                 self._tree.add(rec.block_hash, node)
+            with self._lock:
+                self._enforce_quotas_locked()
 
     # --- the pool's side -----------------------------------------------------------------------
     def demote(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int],
@@ -84,7 +97,10 @@ class TierChain:
                 return medium
             self._counters.add("demotions")
             node = Node(parent_hash, tuple(token_ids), lora_id, Medium.CPU)
-            return self._place_locked(block_hash, node, data)
+            self._place_locked(block_hash, node, data)
+            self._enforce_quotas_locked()  # (which may move this very block down)
+            placed = self._tree.get(block_hash)
+            return placed.medium if placed is not None else None
 
     def demote_many(self, block_hashes: Sequence[bytes], parent_hashes: Sequence[bytes | None],
                     rows: torch.Tensor) -> None:
@@ -106,6 +122,7 @@ class TierChain:
                     self._counters.add("demotions")
                     node = Node(parent_hashes[i], (), None, Medium.CPU)
                     self._place_locked(block_hashes[i], node, rows[i])
+                self._enforce_quotas_locked()
                 return
             t0 = time.perf_counter()
             src = rows if len(fresh) == len(block_hashes) else rows[fresh]
@@ -114,6 +131,7 @@ class TierChain:
             self._counters.add("demotions", len(fresh))
             for i in fresh:
                 self._tree.add(block_hashes[i], Node(parent_hashes[i], (), None, Medium.CPU))
+            self._enforce_quotas_locked()
 
     def match_prefix(self, block_hashes: Sequence[bytes], start: int = 0) -> list[Medium]:
         """Media (CPU / DISK) of the consecutive blocks from `start` held below the pool."""
@@ -243,6 +261,7 @@ class TierChain:
             self._counters.add("demotions", len(fresh))
             for i in fresh:
                 self._tree.add(block_hashes[i], Node(parent_hashes[i], (), None, Medium.CPU))
+            self._enforce_quotas_locked()
             return True
 
     def hold_dram_run(self, block_hashes: Sequence[bytes]) -> list[int] | None:
@@ -422,6 +441,7 @@ class TierChain:
                         continue  # already below the pool: one copy is enough
                     if _put_waiting(ssd, block_hash, row, parent_hash):
                         written[Medium.GPU] += 1
+            self._enforce_quotas_locked()
         ssd.flush()
         return written
 
@@ -430,6 +450,37 @@ class TierChain:
             self.ssd.close()
 
     # --- internals (lock held) -----------------------------------------------------------------
+    def _enforce_quotas_locked(self) -> None:
+        """Owners over their DRAM quota: their oldest DRAM blocks move down to the SSD (or are
+        dropped without one); over their SSD quota: their oldest SSD blocks are dropped."""
+        ledger = self._ledger
+        if ledger is None:
+            return
+        retention = self._retention
+        now = retention.now() if retention else 0.0
+        retained = (lambda h: retention.holds(h, now)) if retention else None
+        dram, ssd = self.dram, self.ssd
+        if dram is not None:
+            for owner in ledger.over(Medium.CPU):
+                moved = 0
+                for h in ledger.victims(owner, Medium.CPU, ledger.excess(owner, Medium.CPU),
+                                        dram.contains, retained):
+                    data = dram.take(h)
+                    if data is not None:
+                        self._move_dram_victim_locked(h, data)
+                        moved += 1
+                ledger.count_evicted(owner, Medium.CPU, moved)
+        if ssd is not None:
+            for owner in ledger.over(Medium.DISK):
+                dropped = 0
+                for h in ledger.victims(owner, Medium.DISK, ledger.excess(owner, Medium.DISK),
+                                        ssd.contains, retained):
+                    node = self._tree.get(h)
+                    if ssd.remove(h) and node is not None and node.medium == Medium.DISK:
+                        self._lost_locked(h, Medium.DISK)
+                        dropped += 1
+                ledger.count_evicted(owner, Medium.DISK, dropped)
+
     def _find_locked(self, block_hash: bytes, count: bool = False) -> Medium | None:
         """The medium a block is held in below the pool, DRAM first; `count`: as a lookup
         (per-tier queries and hits)."""

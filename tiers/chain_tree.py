@@ -4,7 +4,8 @@ Every block below the pool has a node: its parent hash, token ids, LoRA id and t
 is in. The parent -> children links are what lets the chain drop a whole subtree once a block
 has left every level: a prefix lookup stops at the first miss, so its descendants below the
 pool could never be reached again. Each change to a node is published as a KV event
-(BlockStored / BlockRemoved with its medium), drained by `take_events`.
+(BlockStored / BlockRemoved with its medium), drained by `take_events`, and reported to the
+tenant ledger when there is one (whose blocks are in which tier: proto/tenant_ledger.py).
 
 Not thread-safe: the chain's lock guards every call.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagekv.proto.medium import OFFLOAD_MEDIUMS, Medium
+from pagekv.proto.tenant_ledger import TenantLedger
 
 
 @dataclass(slots=True)
@@ -26,9 +28,10 @@ class Node:
 
 
 class BlockTree:
-    def __init__(self, block_size: int | None) -> None:
+    def __init__(self, block_size: int | None, ledger: TenantLedger | None = None) -> None:
         """`block_size` goes into BlockStored events (None: the token count of each block)."""
         self.block_size = block_size
+        self.ledger = ledger
         self.nodes: dict[bytes, Node] = {}  # every block below the pool
         self.children: dict[bytes, set[bytes]] = {}  # parent -> children below the pool
         self._events: list[KVEvent] = []
@@ -48,10 +51,15 @@ class BlockTree:
         if node.parent_hash is not None:
             self.children.setdefault(node.parent_hash, set()).add(block_hash)
         self._events.append(self._stored(block_hash, node))
+        if self.ledger is not None:
+            self.ledger.placed((block_hash,), node.medium)
 
     def moved(self, block_hash: bytes, node: Node, medium: Medium) -> None:
         """A block went from its tier to another one below the pool."""
         self._events.append(BlockRemoved([block_hash], medium=node.medium))
+        if self.ledger is not None:
+            self.ledger.placed((block_hash,), medium)
+            self.ledger.gone((block_hash,), node.medium)
         node.medium = medium
         self._events.append(self._stored(block_hash, node))
 
@@ -63,6 +71,8 @@ class BlockTree:
     def forget(self, block_hash: bytes) -> Node | None:
         """Unlink a block from the tree (its own children keep their link to it)."""
         node = self.nodes.pop(block_hash, None)
+        if node is not None and self.ledger is not None:
+            self.ledger.gone((block_hash,), node.medium)
         if node is not None and node.parent_hash is not None:
             siblings = self.children.get(node.parent_hash)
             if siblings is not None:
@@ -94,6 +104,9 @@ class BlockTree:
         self.nodes.clear()
         self.children.clear()
         self._events.extend(AllBlocksCleared(medium) for medium in media)
+        if self.ledger is not None:
+            for medium in media:
+                self.ledger.cleared(medium)
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

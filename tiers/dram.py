@@ -214,6 +214,18 @@ class DramTier(Tier):
             self.evictions += 1
             return block_hash, self._slab[slot]
 
+    def take(self, block_hash: bytes) -> torch.Tensor | None:
+        """Remove this block and return a view of its slot, valid until the next `put` (as
+        `pop_lru`'s): a quota's victim, moved down at once. None if absent (or held)."""
+        with self._lock:
+            slot = self._lru.pop(block_hash, None)
+            if slot is None:
+                return None
+            self._settle((slot,))
+            self._free.append(slot)
+            self.evictions += 1
+            return self._slab[slot]
+
     def evict(self) -> bytes | None:
         """Drop the least recently used block; return its hash (None when empty)."""
         victim = self.pop_lru()

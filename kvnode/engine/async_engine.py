@@ -139,10 +139,12 @@ class AsyncEngine:
         prompt: str | None = None,
         hold_s: float = 0.0,
         cache_control: CacheControl = NO_CACHE_CONTROL,
+        tenant: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas as they are produced; closing the iterator aborts it.
         `prompt`: the prompt's text when the client sent text (RequestOutput.prompt);
-        `cache_control`: a pin, one-shot or session (proto/retention.py)."""
+        `cache_control`: a pin, one-shot or session (proto/retention.py); `tenant`: whose
+        quota its blocks count against."""
         if len(self._streams) >= self.max_queue:
             raise QueueFull(f"{len(self._streams)} requests in flight (max_queue={self.max_queue})")
         loop = asyncio.get_running_loop()
@@ -157,7 +159,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(
                     request_id, prompt_token_ids, params, cache_salt, lora_id, arrival, kv_source,
-                    prompt=prompt, hold_s=hold_s, cache_control=cache_control,
+                    prompt=prompt, hold_s=hold_s, cache_control=cache_control, tenant=tenant,
                 )
                 loop.call_soon_threadsafe(_set_result, admitted, None)
             except Exception as e:

@@ -47,6 +47,7 @@ from pagekv.kvnode.engine.sampler import make_generator, sample
 from pagekv.kvnode.engine.sampling_params import SamplingParams
 from pagekv.kvnode.engine.scheduler import Scheduler, Sequence, SequenceGroup
 from pagekv.kvnode.engine.stop_checker import check_stop
+from pagekv.kvnode.engine.tenancy import PodTenancy
 from pagekv.kvnode.engine.tier_connector import (
     TierConnector,
     TierEvictor,
@@ -62,6 +63,7 @@ from pagekv.proto.index.schema import ROLE_DECODE
 from pagekv.proto.medium import Medium
 from pagekv.proto.requests import EMPTY_PROMPT
 from pagekv.proto.retention import NO_CACHE_CONTROL, CacheControl
+from pagekv.proto.tenants import TenantMap
 from pagekv.proto.tier_stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,10 @@ class DuplicateRequestId(RequestRejected):
 
 
 class Engine:
-    def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
+    def __init__(self, args: EngineArgs | None = None, *, tenants: TenantMap | None = None,
+                 **kwargs) -> None:
+        """`tenants`: the tenants file, for its quotas and shared region
+        (kvnode/engine/tenancy.py)."""
         args = args or EngineArgs(**kwargs)
         self.args = args
         check_dtype(args.dtype, args.device)  # before the model loads: a refusal is quick
@@ -117,10 +122,13 @@ class Engine:
         # recovery already spares what the previous run retained.
         self.retention = PodRetention(args, self.runner.num_blocks, self.runner.block_bytes)
         table = self.retention.table
+        self.tenancy = PodTenancy(tenants, self.tokenizer.encode, args.block_size,
+                                  self.runner.block_bytes) if tenants is not None else None
+        ledger = self.tenancy.ledger if self.tenancy is not None else None
         chain = build_tier_chain(self.runner, args.cpu_offload_bytes, args.disk_offload_bytes,
                                  args.disk_offload_dir, args.block_size, table,
                                  self.retention.cap_bytes(Medium.CPU),
-                                 self.retention.cap_bytes(Medium.DISK))
+                                 self.retention.cap_bytes(Medium.DISK), ledger)
         if chain is not None and not args.enable_prefix_caching:
             raise ValueError("offload tiers need prefix caching (blocks are found by hash)")
         self.kv_manager = KVCacheManager(
@@ -135,6 +143,7 @@ class Engine:
             retention=table,
             retained_cap_blocks=self.retention.cap_blocks[Medium.GPU],
             session_idle_s=args.session_idle_s,
+            ledger=ledger,
         )
         self.tiers: TierConnector | None = None
         if chain is not None:
@@ -154,7 +163,8 @@ class Engine:
         self.pull_costs: PeerPullCosts | None = None  # per holder, fitted from its pulls
         self.kv_layout = kv_layout(self.runner)  # what peers must share to exchange blocks
         # Peers pull from it: it reads and packs the blocks, the pod only sends the bytes.
-        self.exporter = KvExporter(self.kv_manager, self.runner, chain, self.kv_layout)
+        self.exporter = KvExporter(self.kv_manager, self.runner, chain, self.kv_layout,
+                                   self.salt_block)
         # P/D: a finished prefill's prompt blocks, held for the decode pod's pull.
         self.holds = HandoverHolds(self.kv_manager)
         self.groups: dict[str, SequenceGroup] = {}
@@ -267,11 +277,13 @@ class Engine:
         prompt: str | None = None,
         hold_s: float = 0.0,
         cache_control: CacheControl = NO_CACHE_CONTROL,
+        tenant: str = "",
     ) -> str:
         """Queue a request; `prompt` is its text when the client gave text (it is handed back
         in its outputs, as vLLM's RequestOutput.prompt). `hold_s` > 0: a P/D prefill, whose
         prompt blocks are held that long for a decode pod's pull once it finishes.
-        `cache_control`: a pin, one-shot or session (proto/retention.py)."""
+        `cache_control`: a pin, one-shot or session (proto/retention.py); `tenant`: whose
+        quota its blocks count against (kvnode/engine/tenancy.py)."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups or request_id in self._child_ids:
@@ -287,7 +299,8 @@ class Engine:
                 group.skip_reading_prefix_cache = True  # every position is computed
                 self._scoring[request_id] = group
         req = Request(request_id, prompt_ids, cache_salt=cache_salt, lora_id=lora_id,
-                      cache_control=cache_control)
+                      cache_control=cache_control, tenant=tenant,
+                      shared_blocks=self.salt_block(prompt_ids))
         gen = self.default_generator if params.seed is None else make_generator(params.seed)
         seq = Sequence(req, group, 0, gen,
                        text=OutputText(params.skip_special_tokens))
@@ -473,6 +486,7 @@ class Engine:
             self._child_ids.add(cid)
             child_req = Request(
                 cid, group.prompt_token_ids, cache_salt=group.cache_salt, lora_id=group.lora_id,
+                tenant=parent.req.tenant, shared_blocks=parent.req.shared_blocks,
             )
             gen = self.default_generator if base_seed is None else make_generator(base_seed + i)
             child = Sequence(child_req, group, i, gen,
@@ -615,10 +629,15 @@ class Engine:
         return True, n
 
     # -- an operator's calls (engine thread) ------------------------------------------------
+    def salt_block(self, token_ids: Seq[int]) -> int:
+        """The block of a prompt that carries its salt: after its shared-region blocks."""
+        return self.tenancy.shared_blocks(token_ids) if self.tenancy is not None else 0
+
     def prefix_hashes(self, token_ids: Seq[int], cache_salt: str | None) -> list[bytes]:
         """A prompt's full-block hashes, as its admission would hash them."""
-        return hash_prompt(self.hash_config, self.args.block_size, list(token_ids),
-                           cache_salt or None)
+        ids = list(token_ids)
+        return hash_prompt(self.hash_config, self.args.block_size, ids, cache_salt or None,
+                           salt_block=self.salt_block(ids))
 
     def chain_ending_at(self, block_hash: bytes) -> list[bytes]:
         return self.prefixes.chain_ending_at(block_hash)
@@ -672,6 +691,7 @@ class Engine:
             retention=self.retention.stats(
                 mgr.cached_hashes().__contains__,
                 self.tiers.media_below if self.tiers is not None else None),
+            tenancy=self.tenancy.stats() if self.tenancy is not None else None,
         )
 
     def tier_costs(self) -> dict[str, float]:

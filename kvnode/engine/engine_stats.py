@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pagekv.kvnode.engine.handover_holds import HoldStats
 from pagekv.kvnode.engine.retention import RetentionStats
+from pagekv.kvnode.engine.tenancy import TenancyStats
 from pagekv.kvnode.memory.metrics import Histogram
 from pagekv.proto.medium import Medium
 from pagekv.proto.tier_stats import ChainStats, TierStats
@@ -83,6 +84,7 @@ class EngineStats:
     costs: dict[str, float] = field(default_factory=dict)
     decode_step_s: float | None = None
     retention: RetentionStats | None = None  # pins and sessions (kvnode/engine/retention.py)
+    tenancy: TenancyStats | None = None  # per tenant and tier (kvnode/engine/tenancy.py)
 
     @property
     def tiers(self) -> dict[Medium, TierStats]:

@@ -16,7 +16,7 @@ kvnode.engine.peer_pull, checks them with): the pod's transfer service only send
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +56,12 @@ class ExportRun:
 
 class KvExporter:
     def __init__(self, manager: KVCacheManager, runner, chain: TierChain | None,
-                 layout: KvLayout) -> None:
+                 layout: KvLayout, salt_block: Callable[[Sequence[int]], int] = lambda _: 0
+                 ) -> None:
+        """`salt_block`: which block of a prompt carries its salt (after the shared region's:
+        proto/shared_prefix.py), as the pod's own requests hash."""
         self.manager = manager
+        self.salt_block = salt_block
         self.runner = runner
         self.chain = chain
         self.layout = layout
@@ -67,7 +71,8 @@ class KvExporter:
                     claim: ChainClaim) -> bool:
         """Any thread. Whether `block_hashes` (continuing `parent_hash`) end the chain the
         claim's tokens give when hashed as this pod hashes a request. The salt is in block
-        0's hash and every hash is its parent's child, so only a caller holding the salt and
+        0's hash (block k after k shared-region blocks, which are public) and every hash is
+        its parent's child, so only a caller holding the salt and
         the very prompt gets another request's blocks: hashes read from the index are not
         enough, and this pod keeps nothing per block to decide it."""
         bs = self.manager.block_size
@@ -76,7 +81,7 @@ class KvExporter:
         if not block_hashes or len(claim.tokens) % bs or first < 0:
             return False
         chain = hash_prompt(self.manager.hash_config, bs, claim.tokens, claim.cache_salt,
-                            lora_key(claim.lora_id))
+                            lora_key(claim.lora_id), salt_block=self.salt_block(claim.tokens))
         return (chain[first:] == list(block_hashes)
                 and (parent_hash or None) == (chain[first - 1] if first else None))
 

@@ -34,6 +34,7 @@ from pagekv.kvnode.memory.request import Request
 from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.medium import OFFLOAD_MEDIUMS, Medium
 from pagekv.proto.retention import RetentionTable
+from pagekv.proto.tenant_ledger import TenantLedger
 from pagekv.proto.tier_stats import ChainStats
 from pagekv.tiers.chain import TierChain
 from pagekv.tiers.codec import elem_size_of
@@ -87,9 +88,10 @@ def kv_layout(runner) -> KvLayout:
 def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
                      disk_offload_dir: str | None, block_size: int,
                      retention: RetentionTable | None = None,
-                     retained_dram_bytes: int = 0, retained_ssd_bytes: int = 0
-                     ) -> TierChain | None:
-    """`retention`: the tiers pass over the blocks it holds, up to their retained bytes."""
+                     retained_dram_bytes: int = 0, retained_ssd_bytes: int = 0,
+                     ledger: TenantLedger | None = None) -> TierChain | None:
+    """`retention`: the tiers pass over the blocks it holds, up to their retained bytes;
+    `ledger`: the tenants' quotas the chain enforces."""
     if cpu_offload_bytes <= 0 and disk_offload_bytes <= 0:
         return None
     dram = None
@@ -113,7 +115,7 @@ def build_tier_chain(runner, cpu_offload_bytes: int, disk_offload_bytes: int,
         ssd = SsdTier(disk_offload_dir, disk_offload_bytes, runner.block_bytes, layout.json,
                       dtype=layout.dtype, retention=retention,
                       retained_cap_bytes=retained_ssd_bytes)
-    chain = TierChain(dram, ssd, block_size=block_size)
+    chain = TierChain(dram, ssd, block_size=block_size, ledger=ledger, retention=retention)
     logger.info(
         "offload tiers: DRAM %.1f MiB (%d blocks), SSD %.1f MiB in %s",
         cpu_offload_bytes / 2**20, cpu_offload_bytes // runner.block_bytes,

@@ -14,6 +14,10 @@ idle session) is passed over when blocks are popped for reuse — it moves to th
 up to the pool's cap of retained blocks; when nothing else is free it yields, counted and
 logged: a pin never refuses a request. A one-shot request's private blocks go to the head
 and are never handed to the tiers.
+
+Quotas (proto/tenant_ledger.py): with a ledger, every cached hash is placed under its owner;
+an owner over its pool quota has its oldest idle blocks evicted at once (to the tiers, as any
+eviction) — its own, never another's — each time it caches or frees blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pagekv.kvnode.memory.metrics import KVCacheMetrics
 from pagekv.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagekv.proto.medium import Medium
 from pagekv.proto.retention import RetentionTable
+from pagekv.proto.tenant_ledger import NO_OWNER, SHARED_OWNER, TenantLedger
 
 
 @dataclass(slots=True, eq=False)
@@ -186,9 +191,11 @@ class BlockPool:
         on_evict_many: EvictManyHook | None = None,
         retention: RetentionTable | None = None,
         retained_cap_blocks: int = 0,
+        ledger: TenantLedger | None = None,
     ) -> None:
         """`retention`: the table of retained hashes; at most `retained_cap_blocks` free
-        retained blocks are passed over by one allocation."""
+        retained blocks are passed over by one allocation. `ledger`: whose blocks these are,
+        and the quotas."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -204,6 +211,7 @@ class BlockPool:
         self._events: list[KVEvent] = []
         self.retention = retention
         self.retained_cap_blocks = retained_cap_blocks
+        self.ledger = ledger
 
     # -- prefix cache -------------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
@@ -217,11 +225,15 @@ class BlockPool:
         num_full_blocks: int,
         token_ids: Sequence[int] | None = None,
         lora_id: int | None = None,
+        owner: str = NO_OWNER,
+        shared_blocks: int = 0,
     ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under their chained hashes.
 
         A hash already mapped to another block (two requests computed the same prefix at the
         same time) leaves the newcomer unhashed: it is freed to the queue's head later.
+        `owner`: the request's tenant, whose quota the blocks count against; the first
+        `shared_blocks` are the shared region's (proto/shared_prefix.py).
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
@@ -250,6 +262,12 @@ class BlockPool:
             # recompute the run's hashes (the vLLM ingester checks them that way).
             toks = list(token_ids[first * bs : num_full_blocks * bs]) if token_ids is not None else []
             self._events.append(BlockStored(stored, parent, toks, bs, lora_id, Medium.GPU))
+        ledger = self.ledger
+        if stored and ledger is not None:
+            region = set(block_hashes[:shared_blocks])
+            ledger.placed([h for h in stored if h in region], Medium.GPU, SHARED_OWNER)
+            ledger.placed([h for h in stored if h not in region], Medium.GPU, owner)
+            self._trim_over_quota(ledger)
 
     # -- allocation ---------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -263,11 +281,19 @@ class BlockPool:
             blocks = self._pop_sparing_retained(num_blocks, self.retention)
         else:
             blocks = self.free_block_queue.popleft_n(num_blocks)
+        now = time.monotonic() if self.metrics is not None else 0.0
+        self._evict(blocks, now)
+        for block in blocks:
+            block.ref_cnt = 1
+            block.alloc_time = now
+        return blocks
+
+    def _evict(self, blocks: list[KVCacheBlock], now: float) -> None:
+        """The hashed ones among blocks about to be reused leave the prefix cache: handed to
+        the tiers first (a one-shot request's private blocks are not worth the copy)."""
         metrics = self.metrics
-        now = time.monotonic() if metrics is not None else 0.0
         if self.on_evict is not None or self.on_evict_many is not None:
-            # The hooks copy the data out (to the tiers) before the blocks are overwritten;
-            # a one-shot request's private blocks are not worth the copy.
+            # The hooks copy the data out (to the tiers) before the blocks are overwritten.
             evicted = [b for b in blocks if b.block_hash is not None and not b.one_shot]
             if evicted and self.on_evict_many is not None:
                 self.on_evict_many(evicted)
@@ -284,13 +310,44 @@ class BlockPool:
                     removed = []
                 removed.append(block.block_hash)
                 block.block_hash = None
-            block.ref_cnt = 1
             block.payload_xxh = None
             block.one_shot = False
-            block.alloc_time = now
-        if removed and self.enable_kv_events:
-            self._events.append(BlockRemoved(removed, Medium.GPU))
-        return blocks
+        if removed:
+            if self.enable_kv_events:
+                self._events.append(BlockRemoved(removed, Medium.GPU))
+            if self.ledger is not None:
+                self.ledger.gone(removed, Medium.GPU)
+
+    def _trim_over_quota(self, ledger: TenantLedger) -> None:
+        """Evict, now, the oldest idle blocks of each owner over its pool quota (unretained
+        ones first) until it is within it or has no idle block left (running requests'
+        blocks are not evictable)."""
+        over = ledger.over(Medium.GPU)
+        if not over:
+            return
+        cached = self.cached_block_hash_to_block
+        retention = self.retention
+        now = retention.now() if retention else 0.0
+
+        def idle(h: bytes) -> bool:
+            block = cached.get(h)
+            return block is not None and block.ref_cnt == 0
+
+        def retained(h: bytes) -> bool:
+            return retention is not None and retention.holds(h, now)
+
+        for owner in over:
+            excess = ledger.excess(owner, Medium.GPU)
+            if not excess:
+                continue
+            victims = [cached[h] for h in ledger.victims(
+                owner, Medium.GPU, excess, idle, retained if retention else None)]
+            if not victims:
+                continue
+            self.free_block_queue.remove_n(victims)
+            self._evict(victims, time.monotonic() if self.metrics is not None else 0.0)
+            self.free_block_queue.prepend_n(victims)  # uncached now: reused first
+            ledger.count_evicted(owner, Medium.GPU, len(victims))
 
     def _pop_sparing_retained(self, n: int, retention: RetentionTable) -> list[KVCacheBlock]:
         """`n` blocks off the free queue's head, passing over retained ones (to the tail) up
@@ -324,6 +381,11 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix hits; a free one leaves the free queue (not evicted)."""
         revived = []
+        ledger = self.ledger
+        if ledger is not None:
+            blocks = list(blocks)
+            ledger.touched([b.block_hash for b in blocks if b.block_hash is not None],
+                           Medium.GPU)
         for block in blocks:
             if block.ref_cnt == 0:
                 revived.append(block)
@@ -367,6 +429,12 @@ class BlockPool:
             self.free_block_queue.append_n(hashed)
         if unhashed:
             self.free_block_queue.prepend_n(unhashed)
+        if hashed and self.ledger is not None:
+            # Released in the order given (a request's leaves first): its owner's oldest are
+            # then the chain's ends, and a quota's eviction never cuts a prefix short.
+            self.ledger.touched([b.block_hash for b in hashed if b.block_hash is not None],
+                                Medium.GPU)
+            self._trim_over_quota(self.ledger)
 
     def forget(self, block_hashes: Iterable[bytes]) -> list[KVCacheBlock]:
         """Take these hashes out of the prefix cache (an operator's delete): a free block goes
@@ -388,6 +456,8 @@ class BlockPool:
             gone.append(block)
         if removed and self.enable_kv_events:
             self._events.append(BlockRemoved(removed, Medium.GPU))
+        if removed and self.ledger is not None:
+            self.ledger.gone(removed, Medium.GPU)
         return gone
 
     def reset_prefix_cache(self) -> bool:
@@ -399,6 +469,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         if self.enable_kv_events:
             self._events.append(AllBlocksCleared(Medium.GPU))
+        if self.ledger is not None:
+            self.ledger.cleared(Medium.GPU)
         return True
 
     # -- accounting -----------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pagekv.proto.hashing import (
 from pagekv.proto.kv_events import KVEvent
 from pagekv.proto.medium import Medium
 from pagekv.proto.retention import RetentionTable
+from pagekv.proto.tenant_ledger import NO_OWNER, TenantLedger
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +80,14 @@ class KVCacheManager:
         retention: RetentionTable | None = None,
         retained_cap_blocks: int = 0,
         session_idle_s: float = 0.0,
+        ledger: TenantLedger | None = None,
     ) -> None:
         """`on_evict_many` gets every batch of hashed blocks about to be reused, before they
         are overwritten (the tiers copy them out); it is fixed here, once, at construction.
         `retention`: the pod's table of pinned and session blocks (proto/retention.py); a
         request's pin is marked at admission, a session's blocks for `session_idle_s` when
-        each turn ends, and every hit renews them."""
+        each turn ends, and every hit renews them. `ledger`: the blocks' owners and quotas
+        (proto/tenant_ledger.py)."""
         if block_size not in VALID_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {VALID_BLOCK_SIZES}, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -95,7 +98,7 @@ class KVCacheManager:
         self.metrics = metrics if metrics is not None else KVCacheMetrics()
         self.block_pool = BlockPool(
             num_blocks, enable_caching, block_size, on_evict, self.metrics, enable_kv_events,
-            on_evict_many, retention, retained_cap_blocks,
+            on_evict_many, retention, retained_cap_blocks, ledger,
         )
         self.retention = retention
         self.session_idle_s = session_idle_s
@@ -121,7 +124,8 @@ class KVCacheManager:
         ):
             lora = lora_key(request.lora_id, request.lora_path)
             request.hasher = RequestBlockHasher(
-                self.hash_config, self.block_size, request.cache_salt, lora, request.mm_inputs
+                self.hash_config, self.block_size, request.cache_salt, lora, request.mm_inputs,
+                request.shared_blocks,
             )
             request.block_hashes = []
             request.hasher.extend(request.all_token_ids, request.block_hashes)
@@ -287,7 +291,8 @@ class KVCacheManager:
         num_cached = self.num_cached_blocks[rid]
         if num_full > num_cached:
             self.block_pool.cache_full_blocks(
-                req_blocks, hashes, num_cached, num_full, request.all_token_ids
+                req_blocks, hashes, num_cached, num_full, request.all_token_ids,
+                owner=request.tenant or NO_OWNER, shared_blocks=request.shared_blocks,
             )
             self.num_cached_blocks[rid] = num_full
 
@@ -345,7 +350,9 @@ class KVCacheManager:
         if landed:
             hashes = request.block_hashes
             self.block_pool.cache_full_blocks(list(hit.blocks) + list(blocks), hashes, start,
-                                              start + landed, request.all_token_ids)
+                                              start + landed, request.all_token_ids,
+                                              owner=request.tenant or NO_OWNER,
+                                              shared_blocks=request.shared_blocks)
             self._continue_lookup(hit, hashes)
         self.unpin(blocks)  # tail first: the run's head stays cached longest
         return landed

@@ -44,6 +44,8 @@ class Request:
         "prefix_stats_recorded",
         "cache_control",
         "num_hit_blocks",
+        "tenant",
+        "shared_blocks",
     )
 
     def __init__(
@@ -55,7 +57,12 @@ class Request:
         mm_hashes: Sequence[MMInput] = (),
         lora_path: str | None = None,
         cache_control: CacheControl = NO_CACHE_CONTROL,
+        tenant: str = "",
+        shared_blocks: int = 0,
     ) -> None:
+        """`tenant`: whose quota its cached blocks count against ("": no tenant);
+        `shared_blocks`: its leading blocks in the shared region (proto/shared_prefix.py),
+        hashed without its salt."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         self.request_id = request_id
@@ -74,6 +81,8 @@ class Request:
         self.prefix_stats_recorded = False
         self.cache_control = cache_control  # pin, one-shot, session (proto/retention.py)
         self.num_hit_blocks = 0  # its prefix hit at admission: the blocks it did not compute
+        self.tenant = tenant
+        self.shared_blocks = shared_blocks
 
     @property
     def num_tokens(self) -> int:

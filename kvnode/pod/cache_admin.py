@@ -128,7 +128,8 @@ class CacheAdminServicer(pb_grpc.CacheAdminServicer):
             control = cache_control_of(generate)
             prompt = await asyncio.to_thread(parse_prompt, generate, eng.tokenizer.encode,
                                              self.pod.prompt_limits)
-            salt = self.pod.salting.salt(context, prompt.cache_salt)
+            salt, tenant = self.pod.salting.identity(context, prompt.cache_salt,
+                                                     request.tenant)
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoTenant as exc:
@@ -147,7 +148,7 @@ class CacheAdminServicer(pb_grpc.CacheAdminServicer):
         try:
             async with contextlib.aclosing(aengine.generate(
                     f"prewarm-{uuid.uuid4().hex}", tokens, params, salt, None, source,
-                    cache_control=control)) as deltas:
+                    cache_control=control, tenant=tenant)) as deltas:
                 async for delta in deltas:
                     last = delta
         except RequestRejected as exc:

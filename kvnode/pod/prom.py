@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from pagekv.kvnode.engine.engine import Engine
     from pagekv.kvnode.engine.engine_stats import EngineStats, PeerPullStats
     from pagekv.kvnode.engine.retention import RetentionStats
+    from pagekv.kvnode.engine.tenancy import TenancyStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -154,6 +155,8 @@ class EngineCollector(Collector):
         yield from self._cost_metrics(st)
         if st.retention is not None:
             yield from self._retention_metrics(st.retention)
+        if st.tenancy is not None:
+            yield from self._tenancy_metrics(st.tenancy)
         if self.publish_lag is not None:
             yield histogram_family("pagekv_index_publish_lag_seconds",
                                    "Index publisher: submit to visible in Redis, per batch",
@@ -192,6 +195,24 @@ class EngineCollector(Collector):
             yield metric
         yield self._counter("pagekv_pod_retained_refused", "Marks refused: the pod's table "
                             "of retained blocks was full", st.refused)
+
+    def _tenancy_metrics(self, st: TenancyStats) -> Iterable:
+        """Per tenant and tier (kvnode/engine/tenancy.py: the tenant labels are bounded)."""
+        labels = [*self.label_names, "tenant", "tier"]
+        for name, family, doc, values, scale in (
+            ("pagekv_pod_tenant_cached_bytes", GaugeMetricFamily, "Bytes of the tenant's cached "
+             "blocks in the tier now (_shared: the shared region; _none: no tenant)",
+             st.held_blocks, st.block_bytes),
+            ("pagekv_pod_tenant_quota_bytes", GaugeMetricFamily, "The tenant's quota in the "
+             "tier (the tenants file's, in whole blocks)", st.quota_blocks, st.block_bytes),
+            ("pagekv_pod_tenant_quota_evictions", CounterMetricFamily, "Blocks of the tenant "
+             "evicted for being over its quota in the tier (its own, never another's)",
+             st.evicted, 1),
+        ):
+            metric = family(name, doc, labels=labels)
+            for (tenant, medium), value in sorted(values.items()):
+                metric.add_metric([*self.label_values, tenant, str(medium)], value * scale)
+            yield metric
 
     def _tier_metrics(self, chain: ChainStats) -> Iterable:
         """The tiers below the pool, one series per medium or direction, read off the chain's

@@ -106,9 +106,10 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         tokens = list(prompt.token_ids)
         params = to_sampling_params(request.sampling, eng.max_model_len - len(tokens))
         rid = request.request_id or uuid.uuid4().hex
-        salt = self.pod.salting.salt(context, prompt.cache_salt)  # NoTenant
+        salt, tenant = self.pod.salting.identity(context, prompt.cache_salt,
+                                                 request.tenant)  # NoTenant
         return (rid, tokens, params, salt, prompt.lora_id, self._kv_source(request),
-                cache_control_of(request))
+                cache_control_of(request), tenant)
 
     @staticmethod
     def _hold_s(request: pb.GenerateRequest) -> float:
@@ -130,12 +131,13 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         await self._started(context)
         rid = request.request_id
         try:
-            rid, tokens, params, salt, lora, source, control = await self._parse(request,
-                                                                                 context)
+            rid, tokens, params, salt, lora, source, control, tenant = await self._parse(
+                request, context)
             # aclosing: a cancelled call aborts its request now, not when collected.
             async with contextlib.aclosing(
                 pod.aengine.generate(engine_request_id(rid), tokens, params, salt, lora, source,
-                                     hold_s=self._hold_s(request), cache_control=control)
+                                     hold_s=self._hold_s(request), cache_control=control,
+                                     tenant=tenant)
             ) as deltas:
                 async for delta in deltas:
                     yield rid, tokens, delta
@@ -284,6 +286,7 @@ class PodServer:
         # The fleet's credentials (the router's --pod-api-token is this --api-token) carry a
         # salt already derived from the router's client's tenant (proto/tenant_identity.py).
         self.salting = TenantSalting(tenants, (api_token, admin_token))
+        self.tenants = tenants  # the engine's quotas and shared region (engine/tenancy.py)
         self.auth_profile = AuthProfile.of_pod(api_token, admin_token, tls, tenants)
         self.kv_events_config = kv_events
         self.kv_events: VllmEventPublisher | None = None
@@ -469,7 +472,8 @@ class PodServer:
     async def _start_engine(self) -> None:
         # Building the engine loads weights: keep the event loop free meanwhile. It is built
         # on the thread that will step it (see AsyncEngine.build).
-        aengine = await asyncio.to_thread(AsyncEngine.build, lambda: Engine(self.args),
+        aengine = await asyncio.to_thread(AsyncEngine.build,
+                                          lambda: Engine(self.args, tenants=self.tenants),
                                           self.max_queue)
         engine = self.engine = aengine.engine
         self.aengine = aengine  # from here on stop() shuts it down, started or not

@@ -63,7 +63,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., min_p: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "lora_id", "kv_source", "handover", "cache_control", "one_shot", "session_id")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "lora_id", "kv_source", "handover", "cache_control", "one_shot", "session_id", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class GenerateRequest(_message.Message):
     CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     ONE_SHOT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -86,7 +87,8 @@ class GenerateRequest(_message.Message):
     cache_control: CacheControl
     one_shot: bool
     session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ..., one_shot: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ..., one_shot: _Optional[bool] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class CacheControl(_message.Message):
     __slots__ = ("ttl_s", "tokens")
@@ -459,20 +461,22 @@ class PrefixHoldings(_message.Message):
     def __init__(self, pods: _Optional[_Iterable[_Union[PodHolding, _Mapping]]] = ..., total_blocks: _Optional[int] = ...) -> None: ...
 
 class PrewarmRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "cache_salt", "pod_id", "kv_source", "cache_control")
+    __slots__ = ("text", "token_ids", "cache_salt", "pod_id", "kv_source", "cache_control", "tenant")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     POD_ID_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     cache_salt: str
     pod_id: str
     kv_source: KvSource
     cache_control: CacheControl
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pod_id: _Optional[str] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pod_id: _Optional[str] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PrewarmResponse(_message.Message):
     __slots__ = ("pod_id", "prompt_tokens", "cached_tokens", "pulled_tokens", "computed_tokens", "source", "seconds")
