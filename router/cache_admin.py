@@ -8,6 +8,8 @@
 - Prewarm: the named pod is told to load the prompt; when the index shows another live pod
   holding some of it, the deepest such holder is named as its `kv_source`, so the blocks are
   pulled rather than recomputed.
+- HotPrefixes: every pod's most-hit prefixes, merged (most hits first; a pod that fails is
+  left out, logged).
 
 The caller's admin credential (its `authorization` header) is passed on to the pods, which
 check it themselves; without one, the router's --pod-api-token is sent.
@@ -100,6 +102,27 @@ class RouterCacheAdmin(pb_grpc.CacheAdminServicer):
 
     async def DeletePrefix(self, request: pb.PrefixQuery, context: Any) -> pb.PrefixHoldings:
         return await self._fan_out("DeletePrefix", request, context)
+
+    async def HotPrefixes(self, request: pb.HotPrefixesRequest, context: Any
+                          ) -> pb.HotPrefixesResponse:
+        metadata = self._metadata(context)
+
+        async def ask(pod_id: str) -> list[pb.HotPrefix]:
+            stub = self.router.registry.admin_stub(pod_id)
+            if stub is None:
+                return []
+            try:
+                reply: pb.HotPrefixesResponse = await stub.HotPrefixes(
+                    request, metadata=metadata, timeout=POD_CALL_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("cache admin: %s did not list its hot prefixes: %s", pod_id,
+                               exc.details() or exc.code().name)
+                return []
+            return [p for p in reply.prefixes if p.pod_id == pod_id]
+
+        answers = await asyncio.gather(*(ask(p) for p in sorted(self.router.registry.pods)))
+        merged = sorted((p for answer in answers for p in answer), key=lambda p: -p.hits)
+        return pb.HotPrefixesResponse(prefixes=merged[: request.limit or 16])
 
     async def Prewarm(self, request: pb.PrewarmRequest, context: Any) -> pb.PrewarmResponse:
         registry = self.router.registry

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -140,7 +140,7 @@ class AsyncEngine:
         hold_s: float = 0.0,
         cache_control: CacheControl = NO_CACHE_CONTROL,
         tenant: str = "",
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's deltas as they are produced; closing the iterator aborts it.
         `prompt`: the prompt's text when the client sent text (RequestOutput.prompt);
         `cache_control`: a pin, one-shot or session (proto/retention.py); `tenant`: whose

@@ -28,6 +28,7 @@ from pagekv.kvnode.engine.engine_stats import (
     PrefixCacheStats,
 )
 from pagekv.kvnode.engine.handover_holds import HandoverHolds
+from pagekv.kvnode.engine.hot_prefixes import HotPrefixes
 from pagekv.kvnode.engine.kv_export import ExportRun, KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
 from pagekv.kvnode.engine.model_dtype import check_dtype
@@ -167,6 +168,7 @@ class Engine:
                                    self.salt_block)
         # P/D: a finished prefill's prompt blocks, held for the decode pod's pull.
         self.holds = HandoverHolds(self.kv_manager)
+        self.hot_prefixes = HotPrefixes()  # the most-hit prefixes, for a scale-out's pre-warm
         self.groups: dict[str, SequenceGroup] = {}
         # Requests whose prompt logprobs are not all computed yet: while it is empty, a step
         # spends nothing on them.
@@ -530,6 +532,12 @@ class Engine:
             blocks = self.kv_manager.get_blocks(seq.req.request_id)[:full]
             self.holds.hold(group.request_id,
                             [b for b in blocks if b.block_hash is not None], group.hold_s)
+        req = seq.req
+        if req.num_hit_blocks and seq.index == 0 and seq.finish_reason != "abort":
+            n = req.num_hit_blocks  # (its deepest hit: what a scale-out pod pre-warms)
+            self.hot_prefixes.record(req.block_hashes[n - 1],
+                                     req.prompt_token_ids[: n * self.args.block_size],
+                                     req.cache_salt, req.lora_id, req.tenant)
         self.scheduler.remove(seq)
         self._child_ids.discard(seq.req.request_id)
         if self.tiers is not None:

@@ -1,4 +1,5 @@
-"""The pod's CacheAdmin service (admin token): where a prefix is, delete it, pre-warm one.
+"""The pod's CacheAdmin service (admin token): where a prefix is, delete it, pre-warm one,
+its hottest prefixes.
 
 A prefix arrives as a prompt (tokenized and hashed as an admission would, with the salt
 given: an admin call's salt is used as sent), as its chain of block hashes, or as the hash
@@ -20,6 +21,7 @@ import grpc
 
 from pagekv.kvnode.engine.async_engine import QueueFull
 from pagekv.kvnode.engine.engine import RequestRejected
+from pagekv.kvnode.engine.hot_prefixes import HotPrefix
 from pagekv.kvnode.engine.peer_pull import KvSource
 from pagekv.kvnode.engine.prefix_admin import MAX_CHAIN_BLOCKS, PrefixHolding
 from pagekv.kvnode.engine.sampling_params import SamplingParams
@@ -33,6 +35,7 @@ from pagekv.proto.requests import (
     parse_prompt,
     prompt_request,
 )
+from pagekv.proto.retention import NO_CACHE_CONTROL, CacheControl
 from pagekv.proto.tenant_identity import NoTenant
 
 if TYPE_CHECKING:
@@ -41,6 +44,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_HASH_BYTES = 64
+DEFAULT_HOT_LIMIT = 16
+MAX_HOT_LIMIT = 256
+
+
+def hot_prefix_message(pod_id: str, prefix: HotPrefix) -> pb.HotPrefix:
+    return pb.HotPrefix(token_ids=pb.TokenIds(ids=prefix.token_ids),
+                        cache_salt=prefix.cache_salt or "", lora_id=prefix.lora_id or "",
+                        tenant=prefix.tenant, hits=prefix.hits, pod_id=pod_id,
+                        prefix_hash=prefix.key)
 
 
 def holding_message(pod_id: str, holding: PrefixHolding) -> pb.PodHolding:
@@ -139,25 +151,34 @@ class CacheAdminServicer(pb_grpc.CacheAdminServicer):
         if request.HasField("kv_source") and src.address and src.num_blocks and \
                 src.pod_id != self.pod.pod_id:
             source = KvSource(src.pod_id, src.address, src.num_blocks, src.handover_id)
-        tokens = list(prompt.token_ids)
+        try:
+            return await self.warm(list(prompt.token_ids), salt, tenant, source, control)
+        except RequestRejected as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        raise AssertionError("unreachable")  # (abort raises)
+
+    async def warm(self, tokens: list[int], salt: str | None, tenant: str,
+                   source: KvSource | None, control: CacheControl = NO_CACHE_CONTROL,
+                   lora_id: str | None = None) -> pb.PrewarmResponse:
+        """Load a prompt's prefix into this pod's pool: a one-token greedy request, pulling
+        from `source` when given. RequestRejected, QueueFull; RuntimeError: no output."""
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         aengine = self.pod.aengine
         assert aengine is not None
         start = time.monotonic()
         last = None
-        try:
-            async with contextlib.aclosing(aengine.generate(
-                    f"prewarm-{uuid.uuid4().hex}", tokens, params, salt, None, source,
-                    cache_control=control, tenant=tenant)) as deltas:
-                async for delta in deltas:
-                    last = delta
-        except RequestRejected as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        async with contextlib.aclosing(aengine.generate(
+                f"prewarm-{uuid.uuid4().hex}", tokens, params, salt, lora_id, source,
+                cache_control=control, tenant=tenant)) as deltas:
+            async for delta in deltas:
+                last = delta
         seconds = time.monotonic() - start
         if last is None:
-            await context.abort(grpc.StatusCode.INTERNAL, "the pre-warm produced no output")
+            raise RuntimeError("the pre-warm produced no output")
         by_tier = last.cached_tokens_by_tier
         pulled = int(by_tier.get(PEER_SHARE, 0))
         cached = last.num_cached_tokens - pulled
@@ -169,3 +190,10 @@ class CacheAdminServicer(pb_grpc.CacheAdminServicer):
             pod_id=self.pod.pod_id, prompt_tokens=len(tokens), cached_tokens=cached,
             pulled_tokens=pulled, computed_tokens=len(tokens) - last.num_cached_tokens,
             source=source.pod_id if source is not None and pulled else "", seconds=seconds)
+
+    async def HotPrefixes(self, request, context):
+        await self._ready(context)
+        eng = self.pod.built_engine()
+        limit = min(request.limit or DEFAULT_HOT_LIMIT, MAX_HOT_LIMIT)
+        return pb.HotPrefixesResponse(prefixes=[hot_prefix_message(self.pod.pod_id, p)
+                                                for p in eng.hot_prefixes.top(limit)])

@@ -27,6 +27,7 @@ from pagekv.proto.credentials import (
 from pagekv.proto.grpc_security import open_channel
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
 from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
+from pagekv.proto.tenant_salt import tenant_salt
 
 ACTIONS = ("locate", "delete", "prewarm")
 
@@ -47,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prefix.add_argument("--prefix-hash", type=bytes.fromhex, metavar="HEX",
                         help="locate/delete: the hash of the prefix's last block")
     p.add_argument("--cache-salt", default="", help="the salt the prefix was hashed with")
+    p.add_argument("--tenant", default="",
+                   help="a tenant of the tenants file: the prefix is that tenant's (its salt "
+                        "derived from the name and --cache-salt, as the router derives it) and "
+                        "a prewarm counts against its quota")
     p.add_argument("--pod", default="", help="prewarm through a router: the pod to warm")
     p.add_argument("--pin-ttl-s", type=int, default=0,
                    help="prewarm: also pin it this many seconds")
@@ -56,20 +61,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_token_argument(p, "--admin-token", ADMIN_TOKEN_ENV, "the servers' --admin-token")
 
 
+def salt_of(args: argparse.Namespace) -> str:
+    """The salt the servers hash with: a tenant's is derived (the admin token's salt is taken
+    as sent, like the router's)."""
+    return tenant_salt(args.tenant, args.cache_salt) if args.tenant else args.cache_salt
+
+
 def query_of(args: argparse.Namespace) -> pb.PrefixQuery:
     if args.prefix_hash is not None:
         return pb.PrefixQuery(prefix_hash=args.prefix_hash)
     if args.token_ids is not None:
         return pb.PrefixQuery(token_ids=pb.TokenIds(ids=args.token_ids),
-                              cache_salt=args.cache_salt)
-    return pb.PrefixQuery(text=args.text, cache_salt=args.cache_salt)
+                              cache_salt=salt_of(args))
+    return pb.PrefixQuery(text=args.text, cache_salt=salt_of(args))
 
 
 def prewarm_of(args: argparse.Namespace) -> pb.PrewarmRequest:
     if args.prefix_hash is not None:
         raise SystemExit("pagekv cache prewarm: error: give the prompt (--text or "
                          "--token-ids), not its hash")
-    req = pb.PrewarmRequest(pod_id=args.pod, cache_salt=args.cache_salt)
+    req = pb.PrewarmRequest(pod_id=args.pod, cache_salt=salt_of(args), tenant=args.tenant)
     if args.token_ids is not None:
         req.token_ids.ids.extend(args.token_ids)
     else:

@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_token_argument(p, "--api-token", API_TOKEN_ENV,
                        "bearer token that Generate, GenerateStream and Stats require")
     add_tenants_argument(p)
+    p.add_argument("--prewarm-hottest", type=int, default=0, metavar="N",
+                   help="a scale-out: once serving, ask the other pods of the index for their "
+                        "hottest prefixes and pre-warm the N most hit, pulled from them "
+                        "(needs the fleet's --admin-token; 0: off)")
     add_transfer_arguments(p)
     add_kv_events_arguments(p)
     add_engine_arguments(p)
@@ -162,6 +166,7 @@ def main(args: argparse.Namespace) -> int:
         http_limits=http_limits_from(args),
         served_model_names=args.served_model_name, transfer=transfer_config_from(args),
         kv_events=kv_events_config_from(args), tenants=tenants_from(args),
+        prewarm_hottest=args.prewarm_hottest,
     )
 
     async def run() -> None:

@@ -37,6 +37,7 @@ from pagekv.kvnode.pod.kv_pull_client import PeerFetcher
 from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
 from pagekv.kvnode.pod.kv_transports import data_clients, data_servers
 from pagekv.kvnode.pod.messages import Completions, engine_request_id, to_sampling_params, usage
+from pagekv.kvnode.pod.peer_warmup import PeerWarmup
 from pagekv.kvnode.pod.prom import EngineCollector, RequestMetricsExporter
 from pagekv.proto.auth_profile import (
     AUTH_CONFIG_FIELD,
@@ -243,7 +244,10 @@ class PodServer:
         transfer: TransferConfig | None = None,
         kv_events: ZmqEventsConfig | None = None,
         tenants: TenantMap | None = None,
+        prewarm_hottest: int = 0,
     ) -> None:
+        """`prewarm_hottest` > 0: once serving, pre-warm that many of the peers' hottest
+        prefixes (kvnode/pod/peer_warmup.py)."""
         self.args = engine_args
         self.pod_id = pod_id
         self.host = host
@@ -316,6 +320,17 @@ class PodServer:
         self.http_responses = Counter(
             "pagekv_http_requests", "OpenAI API (HTTP) responses by route and status",
             [*self.metric_labels, "route", "status"], registry=self.registry)
+        self.prewarm_hottest = prewarm_hottest
+        self.admin_token = admin_token  # also what it asks its peers' hottest prefixes with
+        self.warmup: asyncio.Task | None = None
+        self.prewarm_peer_prefixes = Counter(
+            "pagekv_pod_prewarm_peer_prefixes", "Peers' hottest prefixes this pod pre-warmed "
+            "at start (--prewarm-hottest), by outcome (warmed, failed)",
+            [*self.metric_labels, "outcome"], registry=self.registry)
+        self.prewarm_peer_tokens = Counter(
+            "pagekv_pod_prewarm_peer_tokens", "Tokens of those pre-warms, by source (pulled "
+            "from the peer, computed here)", [*self.metric_labels, "source"],
+            registry=self.registry)
 
     def built_engine(self) -> Engine:
         """The engine, once start() has built it (the pod listens first); PodStarting before.
@@ -387,8 +402,9 @@ class PodServer:
         servicer = PodServicer(self)
         for service in ("Generation", "KVNode"):
             add_servicer(self.server, pb.DESCRIPTOR.services_by_name[service], servicer)
+        self.cache_admin = CacheAdminServicer(self)
         add_servicer(self.server, pb.DESCRIPTOR.services_by_name["CacheAdmin"],
-                     CacheAdminServicer(self))
+                     self.cache_admin)
         logger.info("limits: %s", self.prompt_limits.describe())
         self.health = pod_health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(pod_health, self.server)
@@ -429,6 +445,9 @@ class PodServer:
             await pod_health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("pod %s serving gRPC on %s:%d (%s); %s", self.pod_id, self.host, self.port,
                     transport(self.tls), self.guard.describe())
+        if self.prewarm_hottest > 0:  # a scale-out: serve at once, warm in the background
+            self.warmup = asyncio.create_task(
+                PeerWarmup(self, self.cache_admin, self.prewarm_hottest).run())
 
     def _enable_pull(self, engine: Engine) -> None:
         """Pull prefixes from the peer a request names (its kv_source), over gRPC."""
@@ -540,6 +559,8 @@ class PodServer:
         new calls get UNAVAILABLE — a router retries them elsewhere — while in-flight
         requests finish within the drain timeout."""
         self.serving = False  # new HTTP requests get 503, as new gRPC calls UNAVAILABLE
+        if self.warmup is not None and not self.warmup.done():
+            self.warmup.cancel()
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
         if self.publisher is not None:

@@ -326,3 +326,43 @@ def test_a_stopped_pod_is_listed_with_its_error_not_waited_on(cluster, make_rout
     # (the call's deadline, or the channel's keepalive ping first: either is the pod's error)
     assert by_pod["node-b"].error.split(":")[0] in ("DEADLINE_EXCEEDED", "UNAVAILABLE")
     assert not by_pod["node-a"].error and by_pod["node-a"].prefix_blocks == 2
+
+
+def test_a_scale_out_pod_prewarms_its_peers_hottest_prefixes(cluster, make_router) -> None:
+    from pagekv.deploy.local_cluster import stop_child, wait_healthy
+
+    reset(cluster)
+    a = cluster.pods[0]
+    gen = stub(a.address)[0]
+    hot = [256] + tokens(61, 639)  # 40 blocks, hit three times
+    cold = gen.Generate(tokens_req(hot + tokens(62, 9)), timeout=120)
+    for i in range(3):
+        gen.Generate(tokens_req(hot + tokens(63 + i, 9)), timeout=120)
+    cool = [256] + tokens(70, 319)  # 20 blocks, hit once
+    for i in range(2):
+        gen.Generate(tokens_req(cool + tokens(71 + i, 9)), timeout=120)
+    listed = admin(a.address).HotPrefixes(pb.HotPrefixesRequest(limit=4), timeout=30)
+    assert [(list(p.token_ids.ids), p.hits) for p in listed.prefixes] == [(hot, 3), (cool, 1)]
+    router = make_router(cluster.redis_url)
+    router.wait_pods(2)
+    merged = admin(router.address).HotPrefixes(pb.HotPrefixesRequest(limit=1), timeout=30)
+    assert [(p.pod_id, p.hits) for p in merged.prefixes] == [(a.name, 3)]
+    # A scale-out: a new pod warms the hottest prefix of its peers by pulling it.
+    c = cluster.start_pod("node-c", ["--disk-offload-dir", str(cluster.run_dir / "ssd-node-c"),
+                                     "--prewarm-hottest", "1"])
+    try:
+        wait_healthy(c.address, 120, c.proc)
+        deadline = time.monotonic() + 60
+        while pod_metric(cluster, "node-c", "pagekv_pod_prewarm_peer_prefixes_total",
+                         'outcome="warmed"') < 1:
+            assert time.monotonic() < deadline, "node-c did not pre-warm"
+            time.sleep(0.2)
+        assert pod_metric(cluster, "node-c", "pagekv_pod_prewarm_peer_tokens_total",
+                          'source="pulled"') >= 39 * 16
+        first = stub(c.address)[0].Generate(tokens_req(hot + tokens(62, 9)), timeout=120)
+        assert first.usage.cached_tokens == 640  # its first call: the whole hot prefix
+        assert list(first.completions[0].token_ids) == list(cold.completions[0].token_ids)
+    finally:
+        stop_child(c)
+        cluster.pods.remove(c)
+        cluster.children.remove(c)

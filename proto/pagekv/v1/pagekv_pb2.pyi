@@ -478,6 +478,36 @@ class PrewarmRequest(_message.Message):
     tenant: str
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pod_id: _Optional[str] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
+class HotPrefixesRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class HotPrefix(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "lora_id", "tenant", "hits", "pod_id", "prefix_hash")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    POD_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    token_ids: TokenIds
+    cache_salt: str
+    lora_id: str
+    tenant: str
+    hits: int
+    pod_id: str
+    prefix_hash: bytes
+    def __init__(self, token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., tenant: _Optional[str] = ..., hits: _Optional[int] = ..., pod_id: _Optional[str] = ..., prefix_hash: _Optional[bytes] = ...) -> None: ...
+
+class HotPrefixesResponse(_message.Message):
+    __slots__ = ("prefixes",)
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    prefixes: _containers.RepeatedCompositeFieldContainer[HotPrefix]
+    def __init__(self, prefixes: _Optional[_Iterable[_Union[HotPrefix, _Mapping]]] = ...) -> None: ...
+
 class PrewarmResponse(_message.Message):
     __slots__ = ("pod_id", "prompt_tokens", "cached_tokens", "pulled_tokens", "computed_tokens", "source", "seconds")
     POD_ID_FIELD_NUMBER: _ClassVar[int]

@@ -377,6 +377,11 @@ class CacheAdminStub:
                 request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmRequest.SerializeToString,
                 response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmResponse.FromString,
                 _registered_method=True)
+        self.HotPrefixes = channel.unary_unary(
+                '/pagekv.v1.CacheAdmin/HotPrefixes',
+                request_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.HotPrefixesRequest.SerializeToString,
+                response_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.HotPrefixesResponse.FromString,
+                _registered_method=True)
 
 
 class CacheAdminServicer:
@@ -406,6 +411,14 @@ class CacheAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HotPrefixes(self, request, context):
+        """A pod's most-hit prefixes, most first (what a scale-out pod pre-warms: --prewarm-hottest);
+        a router's: every pod's, merged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -423,6 +436,11 @@ def add_CacheAdminServicer_to_server(servicer, server):
                     servicer.Prewarm,
                     request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmRequest.FromString,
                     response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmResponse.SerializeToString,
+            ),
+            'HotPrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.HotPrefixes,
+                    request_deserializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.HotPrefixesRequest.FromString,
+                    response_serializer=pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.HotPrefixesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -508,6 +526,33 @@ class CacheAdmin:
             '/pagekv.v1.CacheAdmin/Prewarm',
             pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmRequest.SerializeToString,
             pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.PrewarmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HotPrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagekv.v1.CacheAdmin/HotPrefixes',
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.HotPrefixesRequest.SerializeToString,
+            pagekv_dot_proto_dot_pagekv_dot_v1_dot_pagekv__pb2.HotPrefixesResponse.FromString,
             options,
             channel_credentials,
             insecure,
