@@ -28,7 +28,7 @@ from pagekv.kvnode.engine.engine_stats import (
     PrefixCacheStats,
 )
 from pagekv.kvnode.engine.handover_holds import HandoverHolds
-from pagekv.kvnode.engine.hot_prefixes import HotPrefixes
+from pagekv.kvnode.engine.hot_prefixes import HotPrefix, HotPrefixes
 from pagekv.kvnode.engine.kv_export import ExportRun, KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
 from pagekv.kvnode.engine.model_dtype import check_dtype
@@ -646,6 +646,12 @@ class Engine:
         ids = list(token_ids)
         return hash_prompt(self.hash_config, self.args.block_size, ids, cache_salt or None,
                            salt_block=self.salt_block(ids))
+
+    def hot_prefixes_held(self, n: int) -> list[HotPrefix]:
+        """The `n` most-hit prefixes whose last block this pod still holds (in any tier):
+        what a scale-out peer can pull from here."""
+        return [p for p in self.hot_prefixes.top(2 * n + 8)
+                if self.prefixes.locate([p.key]).total][:n]
 
     def chain_ending_at(self, block_hash: bytes) -> list[bytes]:
         return self.prefixes.chain_ending_at(block_hash)

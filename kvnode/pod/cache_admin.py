@@ -195,5 +195,6 @@ class CacheAdminServicer(pb_grpc.CacheAdminServicer):
         await self._ready(context)
         eng = self.pod.built_engine()
         limit = min(request.limit or DEFAULT_HOT_LIMIT, MAX_HOT_LIMIT)
+        held = await self._on_engine(lambda: eng.hot_prefixes_held(limit))
         return pb.HotPrefixesResponse(prefixes=[hot_prefix_message(self.pod.pod_id, p)
-                                                for p in eng.hot_prefixes.top(limit)])
+                                                for p in held])

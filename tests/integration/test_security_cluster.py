@@ -70,8 +70,9 @@ def metric(port: int, name: str) -> dict[tuple[str, str], float]:
 
 def test_served_over_mutual_tls_with_tokens(cluster: LocalCluster, certs: Certs) -> None:
     with Client(cluster.router.address, 60, tls=certs.client, token=API_TOKEN) as client:
-        resp = client.generate("hello", max_tokens=3)
-        chunks = list(client.stream("hello", max_tokens=3))
+        # (ignore_eos: a sampled EOS would end it short of 3 tokens)
+        resp = client.generate("hello", max_tokens=3, ignore_eos=True)
+        chunks = list(client.stream("hello", max_tokens=3, ignore_eos=True))
     assert resp.served_by == cluster.pods[0].name and len(resp.completions[0].token_ids) == 3
     assert chunks[-1].served_by == cluster.pods[0].name
     # The pod itself, directly: the same client certificate and the pods' own token.
