@@ -37,6 +37,15 @@ class BadRequest(ValueError):
     """The request cannot be served as sent: gRPC INVALID_ARGUMENT, the message as details."""
 
 
+class NoSuchAdapter(BadRequest):
+    """No pod serves the LoRA adapter asked for: NOT_FOUND / 404, in the same words on the
+    router and the pods."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(unknown_adapter(name))
+        self.name = name
+
+
 # -- limits (README "Limits"; pagekv.proto names them too) --------------------------------------
 MAX_REQUEST_ID_BYTES = 256   # echoed in every stream chunk: bounds what a stream carries
 MAX_CACHE_SALT_BYTES = 256   # mixed into the first block's hash
@@ -193,15 +202,24 @@ def undecodable(message_name: str, error: Exception) -> str:
             "a string field such as text, request_id or cache_salt that is not UTF-8)")
 
 
-NO_ADAPTERS = ("lora_id: LoRA adapters are not supported yet, so a request with lora_id would "
-               "be served by the base model; omit the field")
+NO_INT_ADAPTER_IDS = ("lora_id: vLLM's integer adapter id is not used by PageKV (ids are "
+                      "assigned per server, so they name different adapters on different "
+                      "pods): name the adapter with lora_name")
+MAX_ADAPTER_NAME = 128
+
+
+def unknown_adapter(name: str) -> str:
+    """The one refusal of an adapter no pod serves (router and pods say it alike)."""
+    return (f"LoRA adapter {name[:MAX_ADAPTER_NAME]!r} is not loaded (start pods with "
+            "--lora-modules NAME=PATH or load it with POST /v1/load_lora_adapter)")
 
 
 def refuse_unsupported(request: GenerateRequest) -> None:
-    """BadRequest for a field the servers accept on the wire but cannot honour (a lora_id
-    would only change the cache key while the base model answered)."""
+    """BadRequest for a field the servers accept on the wire but cannot honour."""
     if request.HasField("lora_id"):
-        raise BadRequest(NO_ADAPTERS)
+        raise BadRequest(NO_INT_ADAPTER_IDS)
+    if len(request.lora_name) > MAX_ADAPTER_NAME:
+        raise BadRequest(f"lora_name is longer than {MAX_ADAPTER_NAME} characters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +227,8 @@ class Prompt:
     """What a request asks to be continued, and what changes its block hashes.
 
     The pods' rules (kvnode.memory.request): an empty cache salt is no salt, and a LoRA
-    adapter is named by str(lora_id) (it enters every block's hash via proto.hashing.lora_key).
+    adapter is named by lora_name (it enters every block's hash, with its path, via
+    proto.hashing.lora_key).
     """
 
     kind: str                  # the field the client set: "text" or "token_ids"
@@ -239,5 +258,4 @@ def parse_prompt(request: GenerateRequest, encode: Callable[[str], Sequence[int]
             raise BadRequest("prompt token_ids is empty")
     else:
         raise BadRequest("prompt is required: set exactly one of text or token_ids")
-    lora = str(request.lora_id) if request.HasField("lora_id") else None
-    return Prompt(kind, token_ids, request.cache_salt or None, lora)
+    return Prompt(kind, token_ids, request.cache_salt or None, request.lora_name or None)

@@ -211,6 +211,10 @@ class AsyncEngine:
             if eng.last_step_idle:  # e.g. every waiting request awaits an SSD load
                 self._wake.wait(0.002)
                 self._wake.clear()
+            for rid, error in eng.take_failures():  # (aborted already: their error, no delta)
+                listener = self._streams.get(rid)
+                if listener is not None:
+                    listener.loop.call_soon_threadsafe(listener.queue.put_nowait, error)
             for d in deltas:
                 listener = self._streams.get(d.request_id)
                 if listener is not None:

@@ -45,6 +45,11 @@ class EngineArgs:
     dtype: str = "auto"  # vLLM's: only the dtype PageKV computes in on the device is accepted
     seed: int | None = None  # vLLM's: seeds the sampling of requests without their own seed
     role: str = "mixed"  # prefill/decode disaggregation: prefill, decode or mixed
+    # LoRA adapters (kvnode/engine/lora_adapters.py): "name=path" each, as vLLM's flag; at
+    # most `max_loras` resident at once, of rank up to `max_lora_rank`.
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -114,6 +119,12 @@ HELP: dict[str, str] = {
              "naming another dtype than that is refused",
     "seed": "seed of the sampling of requests that give no seed of their own: repeated runs "
             "of the same requests give the same outputs (default: unseeded)",
+    "lora_modules": "LoRA adapters to serve, as vLLM's: name=path (a PEFT adapter directory) "
+                    "or JSON {\"name\": ..., \"path\": ...}, several after one flag; a "
+                    "request names one by name (OpenAI `model`, gRPC lora_name)",
+    "max_loras": "LoRA adapters resident at once (least recently used out; one a running "
+                 "request uses stays)",
+    "max_lora_rank": "largest LoRA rank accepted",
     "role": "prefill/decode disaggregation: prefill (computes prompts and holds their KV for "
             "a decode pod's pull), decode (generates from handed-over KV; its per-step prefill "
             "budget follows its measured decode step, its admissions reserve their output's "

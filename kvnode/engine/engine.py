@@ -31,6 +31,11 @@ from pagekv.kvnode.engine.handover_holds import HandoverHolds
 from pagekv.kvnode.engine.hot_prefixes import HotPrefix, HotPrefixes
 from pagekv.kvnode.engine.kv_export import ExportRun, KvExporter
 from pagekv.kvnode.engine.logits_processors import SeqHistory
+from pagekv.kvnode.engine.lora_adapters import (
+    AdapterSlots,
+    AdapterUnavailable,
+    parse_lora_modules,
+)
 from pagekv.kvnode.engine.model_dtype import check_dtype
 from pagekv.kvnode.engine.output_text import OutputText
 from pagekv.kvnode.engine.outputs import (
@@ -58,11 +63,12 @@ from pagekv.kvnode.engine.tier_connector import (
 from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
 from pagekv.kvnode.memory.metrics import KVCacheMetrics
 from pagekv.kvnode.memory.request import Request
+from pagekv.kvnode.model.lora import LoraWeights, load_adapter
 from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem
 from pagekv.proto.hashing import HashConfig, hash_prompt
 from pagekv.proto.index.schema import ROLE_DECODE
 from pagekv.proto.medium import Medium
-from pagekv.proto.requests import EMPTY_PROMPT
+from pagekv.proto.requests import EMPTY_PROMPT, NoSuchAdapter
 from pagekv.proto.retention import NO_CACHE_CONTROL, CacheControl
 from pagekv.proto.tenants import TenantMap
 from pagekv.proto.tier_stats import TierStats
@@ -111,6 +117,12 @@ class Engine:
         )
         self.tokenizer = self.runner.tokenizer
         self.model_config = self.runner.model_config
+        # LoRA adapters (kvnode/engine/lora_adapters.py): each --lora-modules entry is read
+        # in full now, so a bad one stops the start here, in one line.
+        self.adapters = AdapterSlots(args.max_loras, self.read_adapter, self._busy_adapters)
+        for name, path in parse_lora_modules(args.lora_modules).items():
+            self.adapters.register(name, path, self.read_adapter(name, path))
+        self._failures: list[tuple[str, Exception]] = []  # queued requests failed since
         self.max_model_len = self.runner.max_model_len
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -158,6 +170,7 @@ class Engine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_chunked_prefill=args.enable_chunked_prefill,
             prefix_loader=self._load_prefix,
+            admit=self._adapter_ready,
             reserve_output=args.role == ROLE_DECODE,
         )
         self.puller: PeerPuller | None = None  # enable_peer_pull: the pod supplies a transport
@@ -165,7 +178,7 @@ class Engine:
         self.kv_layout = kv_layout(self.runner)  # what peers must share to exchange blocks
         # Peers pull from it: it reads and packs the blocks, the pod only sends the bytes.
         self.exporter = KvExporter(self.kv_manager, self.runner, chain, self.kv_layout,
-                                   self.salt_block)
+                                   self.salt_block, self._adapter_path)
         # P/D: a finished prefill's prompt blocks, held for the decode pod's pull.
         self.holds = HandoverHolds(self.kv_manager)
         self.hot_prefixes = HotPrefixes()  # the most-hit prefixes, for a scale-out's pre-warm
@@ -235,6 +248,42 @@ class Engine:
             group.kv_pull_s, group.kv_pull_fallback = pulled.seconds, pulled.failure or ""
         return True
 
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def read_adapter(self, name: str, path: str) -> LoraWeights:
+        """Any thread (the loader's): a PEFT adapter for this model, in its dtype; AdapterError."""
+        return load_adapter(name, path, self.model_config, self.runner.dtype,
+                            self.runner.device, self.args.max_lora_rank)
+
+    def _busy_adapters(self) -> set[str]:
+        return {s.req.lora_id for s in self.scheduler.running if s.req.lora_id}
+
+    def _adapter_ready(self, req: Request) -> bool:
+        """The scheduler's check: a request of an adapter waits until it is resident."""
+        return req.lora_id is None or self.adapters.ready(req.lora_id) is not None
+
+    def _adapter_path(self, name: str) -> str | None:
+        try:
+            return self.adapters.path_of(name)
+        except NoSuchAdapter:
+            return None
+
+    def _fail_adapter_waiters(self) -> None:
+        """Waiting requests whose adapter failed to load fail with the loader's reason."""
+        for seq in list(self.scheduler.waiting):
+            name = seq.req.lora_id
+            why = self.adapters.failed.get(name) if name else None
+            if why is not None and seq.group.request_id in self.groups:
+                rid = seq.group.request_id
+                self.abort(rid)
+                self._failures.append((rid, AdapterUnavailable(why)))
+        self.adapters.failed.clear()  # a later request may try again (the file may be fixed)
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """Queued requests the engine failed since the last call (aborted already), each with
+        the error its caller gets."""
+        failures, self._failures = self._failures, []
+        return failures
+
     # -- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Reject, naming the limit, what can never be served."""
@@ -292,6 +341,7 @@ class Engine:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         prompt_ids = list(prompt_token_ids)
         self.validate(prompt_ids, params)
+        lora_path = self.adapters.path_of(lora_id) if lora_id else None  # NoSuchAdapter
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         group = SequenceGroup(request_id, prompt_ids, params, metrics, cache_salt, lora_id,
                               prompt=prompt, hold_s=hold_s)
@@ -301,7 +351,7 @@ class Engine:
                 group.skip_reading_prefix_cache = True  # every position is computed
                 self._scoring[request_id] = group
         req = Request(request_id, prompt_ids, cache_salt=cache_salt, lora_id=lora_id,
-                      cache_control=cache_control, tenant=tenant,
+                      lora_path=lora_path, cache_control=cache_control, tenant=tenant,
                       shared_blocks=self.salt_block(prompt_ids))
         gen = self.default_generator if params.seed is None else make_generator(params.seed)
         seq = Sequence(req, group, 0, gen,
@@ -371,6 +421,8 @@ class Engine:
         self.retention.tick()
         if self.args.role == ROLE_DECODE:
             self.scheduler.prefill_budget = self._prefill_budget or None
+        if self.adapters.failed:
+            self._fail_adapter_waiters()
         sched = self.scheduler.schedule()
         self._prefill_backlog = self.scheduler.prefill_backlog()
         self.num_steps += 1
@@ -392,7 +444,8 @@ class Engine:
             start = req.num_computed_tokens
             batch.append(
                 SeqBatchItem(
-                    req.all_token_ids[start : start + n], start, mgr.get_block_ids(req.request_id)
+                    req.all_token_ids[start : start + n], start, mgr.get_block_ids(req.request_id),
+                    self.adapters.resident_weights(req.lora_id) if req.lora_id else None,
                 )
             )
         scored = self._rows_to_score(sched.scheduled) if self._scoring else None
@@ -489,6 +542,7 @@ class Engine:
             child_req = Request(
                 cid, group.prompt_token_ids, cache_salt=group.cache_salt, lora_id=group.lora_id,
                 tenant=parent.req.tenant, shared_blocks=parent.req.shared_blocks,
+                lora_path=parent.req.lora_path,
             )
             gen = self.default_generator if base_seed is None else make_generator(base_seed + i)
             child = Sequence(child_req, group, i, gen,
@@ -533,6 +587,9 @@ class Engine:
             self.holds.hold(group.request_id,
                             [b for b in blocks if b.block_hash is not None], group.hold_s)
         req = seq.req
+        if req.lora_id and seq.index == 0 and seq.finish_reason != "abort":
+            self.adapters.note_request(req.lora_id, len(group.prompt_token_ids),
+                                       group.num_cached_tokens)
         if req.num_hit_blocks and seq.index == 0 and seq.finish_reason != "abort":
             n = req.num_hit_blocks  # (its deepest hit: what a scale-out pod pre-warms)
             self.hot_prefixes.record(req.block_hashes[n - 1],
@@ -706,6 +763,7 @@ class Engine:
                 mgr.cached_hashes().__contains__,
                 self.tiers.media_below if self.tiers is not None else None),
             tenancy=self.tenancy.stats() if self.tenancy is not None else None,
+            adapters=self.adapters.stats(),
         )
 
     def tier_costs(self) -> dict[str, float]:
@@ -734,3 +792,4 @@ class Engine:
         if self.tiers is not None:
             self.tiers.close(persist=self.args.disk_offload_persist)
         self.retention.tick(force=True)
+        self.adapters.close()

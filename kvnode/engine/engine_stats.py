@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagekv.kvnode.engine.handover_holds import HoldStats
+from pagekv.kvnode.engine.lora_adapters import AdapterStats
 from pagekv.kvnode.engine.retention import RetentionStats
 from pagekv.kvnode.engine.tenancy import TenancyStats
 from pagekv.kvnode.memory.metrics import Histogram
@@ -85,6 +86,7 @@ class EngineStats:
     decode_step_s: float | None = None
     retention: RetentionStats | None = None  # pins and sessions (kvnode/engine/retention.py)
     tenancy: TenancyStats | None = None  # per tenant and tier (kvnode/engine/tenancy.py)
+    adapters: AdapterStats | None = None  # LoRA (kvnode/engine/lora_adapters.py)
 
     @property
     def tiers(self) -> dict[Medium, TierStats]:

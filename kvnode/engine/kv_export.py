@@ -56,10 +56,12 @@ class ExportRun:
 
 class KvExporter:
     def __init__(self, manager: KVCacheManager, runner, chain: TierChain | None,
-                 layout: KvLayout, salt_block: Callable[[Sequence[int]], int] = lambda _: 0
-                 ) -> None:
+                 layout: KvLayout, salt_block: Callable[[Sequence[int]], int] = lambda _: 0,
+                 adapter_path: Callable[[str], str | None] = lambda _: None) -> None:
         """`salt_block`: which block of a prompt carries its salt (after the shared region's:
-        proto/shared_prefix.py), as the pod's own requests hash."""
+        proto/shared_prefix.py), as the pod's own requests hash; `adapter_path`: a LoRA
+        adapter's directory by name (None: not on this pod), which its hash holds too."""
+        self.adapter_path = adapter_path
         self.manager = manager
         self.salt_block = salt_block
         self.runner = runner
@@ -80,8 +82,14 @@ class KvExporter:
         first = blocks - len(block_hashes)
         if not block_hashes or len(claim.tokens) % bs or first < 0:
             return False
+        lora = None
+        if claim.lora_id:
+            path = self.adapter_path(claim.lora_id)
+            if path is None:
+                return False  # an adapter this pod does not serve: none of its blocks here
+            lora = lora_key(claim.lora_id, path)
         chain = hash_prompt(self.manager.hash_config, bs, claim.tokens, claim.cache_salt,
-                            lora_key(claim.lora_id), salt_block=self.salt_block(claim.tokens))
+                            lora, salt_block=self.salt_block(claim.tokens))
         return (chain[first:] == list(block_hashes)
                 and (parent_hash or None) == (chain[first - 1] if first else None))
 

@@ -104,6 +104,9 @@ class SchedulerOutput:
 # tiers hold into fresh pool blocks and extend the hit in place (True), or say that a load
 # from SSD is still running (False: the request waits; others are served).
 PrefixLoader = Callable[[Request, PrefixHit], bool]
+# Whether a waiting request may be admitted now (False: its LoRA adapter is still loading;
+# it waits, others are served).
+AdmitCheck = Callable[[Request], bool]
 
 
 class Scheduler:
@@ -115,8 +118,10 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         prefix_loader: PrefixLoader | None = None,
         reserve_output: bool = False,
+        admit: AdmitCheck | None = None,
     ) -> None:
         self.manager = manager
+        self.admit = admit
         # A decode pod's: admit only what fits with its whole output, and every running
         # sequence's too, so a decode never preempts (Scheduler._fits).
         self.reserve_output = reserve_output
@@ -234,6 +239,9 @@ class Scheduler:
         ):
             seq = self.waiting[idx]
             req = seq.req
+            if self.admit is not None and not self.admit(req):
+                idx += 1  # its adapter is loading: serve others meanwhile
+                continue
             # The only lookup of this admission: the tiers (and a peer) extend it.
             skip = seq.group.skip_reading_prefix_cache
             hit = mgr.lookup(req, skip_reading=skip)

@@ -32,7 +32,7 @@ VLLM_ONLY_OPTIONS: Mapping[str, UnsupportedOption] = {
     "tokenizer": UnsupportedOption(
         (None,), "the model's own tokenizer is used (its tokenizer.json, or a GGUF file's "
                  "vocabulary)"),
-    "enable_lora": UnsupportedOption((False,), "LoRA adapters are not served"),
+    "enable_lora": UnsupportedOption((True, False), ""),  # adapters: lora_modules
     # Always true of PageKV (it captures no CUDA graphs), so any value is accepted.
     "enforce_eager": UnsupportedOption((True, False), ""),
 }

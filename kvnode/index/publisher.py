@@ -82,6 +82,7 @@ class IndexPublisher:
         placed: bool = False,
         renew_every_third: bool = False,
         retire_after_s: float | None = None,
+        extra_fields_fn: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         if not pod_id or any(c in pod_id for c in " \t\r\n"):
             raise ValueError(f"pod_id must be non-empty without whitespace, got {pod_id!r}")
@@ -101,6 +102,8 @@ class IndexPublisher:
         self._load_fn = load_fn
         self._full_state_fn = full_state_fn
         self._tier_costs_fn = tier_costs_fn
+        # More fields renewed with the lease (a pod's LoRA adapters: proto/index/pod_adapters).
+        self._extra_fields_fn = extra_fields_fn
         self.lease_ttl_s = lease_ttl_s
         self.flush_interval_s = flush_interval_s
         # Every second at least, for the load it carries; a pod without load to tell (the
@@ -419,6 +422,11 @@ class IndexPublisher:
                 fields.update(writes.cost_fields(self._tier_costs_fn()))
             except Exception:
                 logger.exception("index publisher %s: tier_costs_fn failed", self.pod_id)
+        if self._extra_fields_fn is not None:
+            try:
+                fields.update(self._extra_fields_fn())
+            except Exception:
+                logger.exception("index publisher %s: extra_fields_fn failed", self.pod_id)
         return fields
 
     def _register(self) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from pagekv.kvnode.model.attention import AttentionBackend
 from pagekv.kvnode.model.attention.kv_cache import KVCache
 from pagekv.kvnode.model.config import ModelConfig, RopeConfig
+from pagekv.kvnode.model.lora import LoraBatch
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32, cached + new
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    lora: LoraBatch | None = None  # the batch's LoRA adapters, per token row (model/lora.py)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -146,9 +148,15 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
                                 dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None, layer: int = 0
+                ) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.add(layer, "gate_up", x, gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
+        out = self.down_proj(h)
+        return lora.add(layer, "down", h, out) if lora is not None else out
 
 
 class PagedSelfAttention(nn.Module):
@@ -177,11 +185,14 @@ class PagedSelfAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        i = self.layer_idx
+        qkv = self.qkv_proj(x)
+        if meta.lora is not None:
+            qkv = meta.lora.add(i, "qkv", x, qkv)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        i = self.layer_idx
         k_cache, v_cache = kv.key_caches[i], kv.value_caches[i]
         k_scale, v_scale = kv.k_scales[i], kv.v_scales[i]
         # Write first, then attend through the cache: new tokens see exactly what later
@@ -192,7 +203,9 @@ class PagedSelfAttention(nn.Module):
             q.float(), k_cache, v_cache, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, self.scale, k_scale, v_scale, **window,
         )
-        return self.o_proj(out.to(x.dtype).reshape(n, self.q_size))
+        attended = out.to(x.dtype).reshape(n, self.q_size)
+        o = self.o_proj(attended)
+        return meta.lora.add(i, "o", attended, o) if meta.lora is not None else o
 
 
 class DecoderLayer(nn.Module):
@@ -214,4 +227,5 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta.lora,
+                            self.self_attn.layer_idx)

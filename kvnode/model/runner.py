@@ -24,6 +24,7 @@ from pagekv.kvnode.model.attention.kv_cache import KVCache, KVCacheSpec, resolve
 from pagekv.kvnode.model.config import ModelConfig
 from pagekv.kvnode.model.layers import AttentionMetadata
 from pagekv.kvnode.model.loader import load_model
+from pagekv.kvnode.model.lora import LoraBatch, LoraWeights
 from pagekv.kvnode.model.memory_planning import (
     CudaMemoryProfile,
     GiB,
@@ -42,6 +43,18 @@ class SeqBatchItem:
     token_ids: list[int]  # the new tokens to run this step
     num_computed_tokens: int  # position of the first new token (= tokens already cached)
     block_ids: list[int]  # the sequence's whole block table
+    lora: LoraWeights | None = None  # its LoRA adapter (None: the base model)
+
+
+def _adapter_order(batch: Sequence[SeqBatchItem]) -> list[int] | None:
+    """The batch's items grouped by LoRA adapter, in order of first appearance (stable);
+    None when they already are (the common case)."""
+    keys = [id(it.lora) if it.lora is not None else 0 for it in batch]
+    first: dict[int, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    order = sorted(range(len(batch)), key=lambda i: (first[keys[i]], i))
+    return None if order == list(range(len(batch))) else order
 
 
 def default_device() -> str:
@@ -179,9 +192,17 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         if not batch:
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        order = None if all_positions else _adapter_order(batch)
+        if order is not None:  # each adapter's rows made one run (model/lora.py)
+            batch = [batch[i] for i in order]
         input_ids, positions, meta, last = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attention)
-        return self.model.compute_logits(hidden if all_positions else hidden[last])
+        logits = self.model.compute_logits(hidden if all_positions else hidden[last])
+        if order is None:
+            return logits
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(len(order))
+        return logits[back.to(logits.device)]
 
     @torch.inference_mode()
     def execute_with_token_logits(
@@ -240,6 +261,7 @@ class ModelRunner:
             block_tables=tables.to(torch.int32).to(dev),
             seq_lens=seq_lens.to(torch.int32).to(dev),
             query_start_loc=qsl.to(torch.int32).to(dev),
+            lora=LoraBatch.of([it.lora for it in batch], q_lens.tolist()),
         )
         return tokens.to(dev), positions.to(dev), meta, (qsl[1:] - 1).to(dev)
 

@@ -32,10 +32,10 @@ def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
                  repetition_penalty: float | None = None, logprobs: int | None = None,
                  pin_ttl_s: int = 0, pin_tokens: int = 0, one_shot: bool = False,
-                 session_id: str = "") -> pb.GenerateRequest:
+                 session_id: str = "", lora_name: str = "") -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset, so the server's default applies.
     `pin_ttl_s` > 0 pins the prompt's first `pin_tokens` (0: all of it) for that long;
-    `one_shot` and `session_id`: README "Cache control"."""
+    `one_shot` and `session_id`: README "Cache control"; `lora_name`: a LoRA adapter."""
     sp = pb.SamplingParams(n=n, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids),
                            stop=[stop] if isinstance(stop, str) else list(stop),
                            min_tokens=min_tokens)
@@ -48,7 +48,7 @@ def make_request(prompt: str | Sequence[int], *, max_tokens: int | None = None,
             setattr(sp, name, value)
     req = pb.GenerateRequest(sampling=sp, cache_salt=cache_salt or "",
                              request_id=request_id or "", one_shot=one_shot,
-                             session_id=session_id)
+                             session_id=session_id, lora_name=lora_name)
     if pin_ttl_s:
         req.cache_control.ttl_s = pin_ttl_s
         req.cache_control.tokens = pin_tokens
@@ -120,7 +120,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
                         frequency_penalty=args.frequency_penalty,
                         repetition_penalty=args.repetition_penalty, logprobs=args.logprobs,
                         pin_ttl_s=args.pin_ttl_s, pin_tokens=args.pin_tokens,
-                        one_shot=args.one_shot, session_id=args.session_id)
+                        one_shot=args.one_shot, session_id=args.session_id,
+                        lora_name=args.lora_name)
 
 
 def add_cache_control_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,6 +164,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--cache-salt", default=None)
     add_cache_control_arguments(p)
+    p.add_argument("--lora-name", default="",
+                   help="the LoRA adapter to answer with (a pod's --lora-modules name)")
     p.add_argument("--token-ids", action="store_true")
     p.add_argument("--chat", action="store_true",
                    help="the prompt is a user message: render it with --model's chat template "

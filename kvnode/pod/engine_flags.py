@@ -33,6 +33,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag_name(f.name), dest=f.name, default=default,
                                action=argparse.BooleanOptionalAction, help=HELP.get(f.name))
             continue
+        if typing.get_origin(hints[f.name]) is tuple:  # a list of values (--lora-modules)
+            group.add_argument(flag_name(f.name), dest=f.name, default=default, nargs="*",
+                               help=HELP.get(f.name))
+            continue
         group.add_argument(flag_name(f.name), dest=f.name, default=default,
                            type=_value_type(f.name, hints[f.name]),
                            choices=CHOICES.get(f.name), help=HELP.get(f.name))
@@ -40,6 +44,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     values = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
+    values["lora_modules"] = tuple(values["lora_modules"] or ())
     if getattr(ns, "model_tag", None):
         values["model"] = ns.model_tag
     if values["disk_offload_bytes"] > 0 and not values["disk_offload_dir"]:

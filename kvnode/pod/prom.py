@@ -25,6 +25,7 @@ from pagekv.proto.tier_stats import ChainStats
 if TYPE_CHECKING:
     from pagekv.kvnode.engine.engine import Engine
     from pagekv.kvnode.engine.engine_stats import EngineStats, PeerPullStats
+    from pagekv.kvnode.engine.lora_adapters import AdapterStats
     from pagekv.kvnode.engine.retention import RetentionStats
     from pagekv.kvnode.engine.tenancy import TenancyStats
 
@@ -157,6 +158,8 @@ class EngineCollector(Collector):
             yield from self._retention_metrics(st.retention)
         if st.tenancy is not None:
             yield from self._tenancy_metrics(st.tenancy)
+        if st.adapters is not None and st.adapters.known:
+            yield from self._adapter_metrics(st.adapters)
         if self.publish_lag is not None:
             yield histogram_family("pagekv_index_publish_lag_seconds",
                                    "Index publisher: submit to visible in Redis, per batch",
@@ -212,6 +215,30 @@ class EngineCollector(Collector):
             metric = family(name, doc, labels=labels)
             for (tenant, medium), value in sorted(values.items()):
                 metric.add_metric([*self.label_values, tenant, str(medium)], value * scale)
+            yield metric
+
+    def _adapter_metrics(self, st: AdapterStats) -> Iterable:
+        """LoRA adapters (kvnode/engine/lora_adapters.py): per-adapter labels are bounded."""
+        yield self._gauge("pagekv_pod_lora_adapters_known", "LoRA adapters this pod serves",
+                          st.known)
+        yield self._gauge("pagekv_pod_lora_adapters_resident", "LoRA adapters in its slots "
+                          "now (--max-loras)", len(st.resident))
+        yield self._counter("pagekv_pod_lora_loads", "Adapter loads into a slot", st.loads)
+        yield self._counter("pagekv_pod_lora_evictions", "Adapters evicted from a slot "
+                            "(least recently used)", st.evictions)
+        yield self._counter("pagekv_pod_lora_load_failures", "Adapter loads that failed",
+                            st.load_failures)
+        yield self._counter("pagekv_pod_lora_load_seconds", "Seconds spent loading adapters",
+                            st.load_seconds_total)
+        labels = [*self.label_names, "adapter"]
+        for name, doc, values in (
+            ("pagekv_pod_lora_requests", "Finished requests per adapter", st.requests),
+            ("pagekv_pod_lora_prompt_tokens", "Their prompt tokens", st.prompt_tokens),
+            ("pagekv_pod_lora_cached_tokens", "Of them, prefix-cache hits", st.cached_tokens),
+        ):
+            metric = CounterMetricFamily(name, doc, labels=labels)
+            for adapter, value in sorted(values.items()):
+                metric.add_metric([*self.label_values, adapter], value)
             yield metric
 
     def _tier_metrics(self, chain: ChainStats) -> Iterable:

@@ -29,9 +29,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pagekv.kvnode.engine.async_engine import AsyncEngine, QueueFull
 from pagekv.kvnode.engine.config import EngineArgs
 from pagekv.kvnode.engine.engine import DuplicateRequestId, Engine, RequestRejected
+from pagekv.kvnode.engine.lora_adapters import AdapterUnavailable
 from pagekv.kvnode.engine.peer_pull import NO_ROOM, KvSource, PullResult
 from pagekv.kvnode.index.kv_events_zmq import VllmEventPublisher, ZmqEventsConfig
 from pagekv.kvnode.index.publisher import IndexPublisher
+from pagekv.kvnode.pod.adapter_admin import PodAdapterAdmin
 from pagekv.kvnode.pod.cache_admin import CacheAdminServicer
 from pagekv.kvnode.pod.kv_pull_client import PeerFetcher
 from pagekv.kvnode.pod.kv_transfer import KvTransferService, TransferConfig
@@ -52,6 +54,9 @@ from pagekv.proto.credentials import (
 from pagekv.proto.grpc_security import TokenGuard, bind, transport
 from pagekv.proto.index import REDIS_ERRORS, IndexSchema, check_tls_url
 from pagekv.proto.index.connect import connect
+from pagekv.proto.index.pod_adapters import EMPTY as EMPTY_ADAPTERS
+from pagekv.proto.index.pod_adapters import FIELD as ADAPTERS_FIELD
+from pagekv.proto.index.pod_adapters import adapter_fields
 from pagekv.proto.index.schema import text
 from pagekv.proto.index.writes import role_fields
 from pagekv.proto.openai import Backend, HttpServer
@@ -61,6 +66,7 @@ from pagekv.proto.pagekv.v1 import pagekv_pb2_grpc as pb_grpc
 from pagekv.proto.redact import redact_url
 from pagekv.proto.requests import (
     BadRequest,
+    NoSuchAdapter,
     PromptLimits,
     already_in_flight,
     cache_control_of,
@@ -145,12 +151,16 @@ class PodServicer(pb_grpc.GenerationServicer, pb_grpc.KVNodeServicer):
         except DuplicateRequestId:
             # The client's id, not the engine's escaped one (the router says the same).
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, already_in_flight(rid))
+        except NoSuchAdapter as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (BadRequest, RequestRejected) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except NoTenant as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except AdapterUnavailable as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except Exception:
             logger.exception("request %s failed", rid)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {rid})")
@@ -321,6 +331,7 @@ class PodServer:
             "pagekv_http_requests", "OpenAI API (HTTP) responses by route and status",
             [*self.metric_labels, "route", "status"], registry=self.registry)
         self.prewarm_hottest = prewarm_hottest
+        self._published_adapters = False
         self.admin_token = admin_token  # also what it asks its peers' hottest prefixes with
         self.warmup: asyncio.Task | None = None
         self.prewarm_peer_prefixes = Counter(
@@ -352,11 +363,22 @@ class PodServer:
             prompt_limits=self.prompt_limits, metrics=self.registry, limits=self.http_limits,
             headers={"x-pagekv-served-by": self.pod_id},
             on_response=lambda route, status: self.http_responses.labels(
-                **self.metric_labels, route=route, status=str(status)).inc())
+                **self.metric_labels, route=route, status=str(status)).inc(),
+            adapters=lambda: self.built_engine().adapters.names(),
+            adapter_admin=PodAdapterAdmin(self), admin_token=self.admin_token)
 
     def load(self) -> dict[str, float]:
         """The load the index lease carries (Engine.load: no full stats per renewal)."""
         return self.built_engine().load().as_fields()
+
+    def adapter_fields(self) -> dict[str, str]:
+        """The LoRA adapters this pod serves, for its registration (proto/index/
+        pod_adapters.py); once it had some, an empty set is written too (it replaces them)."""
+        paths, resident, load_s = self.built_engine().adapters.snapshot()
+        if not paths and not self._published_adapters:
+            return {}
+        self._published_adapters = True
+        return adapter_fields(paths, resident, load_s) or {ADAPTERS_FIELD: EMPTY_ADAPTERS}
 
     def tier_costs(self) -> dict[str, float]:
         """Measured seconds per token (prefill, each tier's reload, a peer pull)."""
@@ -508,6 +530,7 @@ class PodServer:
                 lambda: aengine.call(engine.full_state), self.tier_costs,
                 lease_ttl_s=self.lease_ttl_s, redis_tls=self.redis_tls,
                 registration=role_fields(self.args.role),
+                extra_fields_fn=self.adapter_fields,
             )
             engine.event_sinks.append(self.publisher.submit)
         if self.kv_events_config is not None:

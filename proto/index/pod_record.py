@@ -24,6 +24,8 @@ from pagekv.proto.index.bad_records import (
     BAD_REPLY,
     BadRecords,
 )
+from pagekv.proto.index.pod_adapters import FIELD as ADAPTERS_FIELD
+from pagekv.proto.index.pod_adapters import NO_ADAPTERS, PodAdapters, parse_adapters
 from pagekv.proto.index.schema import (
     POD_KIND_PAGEKV,
     POD_KIND_VLLM,
@@ -68,6 +70,7 @@ class PodInfo:
     # Its registration's claim id: what its block claims carry (b"": none readable, so
     # none of its claims count; it is still routed to by load).
     claim_id: bytes = b""
+    adapters: PodAdapters = NO_ADAPTERS  # the LoRA adapters it serves (pod_adapters.py)
 
     @property
     def waiting(self) -> int:
@@ -214,6 +217,11 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
     if not claim_id and "claim" in fields:
         bad.note(BAD_REGISTRATION, f"pod {pod_id}: claim id {fields['claim']!r}; its "
                                    "claims cannot count")
+    adapters = parse_adapters(fields.get(ADAPTERS_FIELD))
+    if adapters is None:
+        bad.note(BAD_REGISTRATION, f"pod {pod_id}: {ADAPTERS_FIELD}="
+                                   f"{fields[ADAPTERS_FIELD][:80]!r}; its adapters taken as none")
+        adapters = NO_ADAPTERS
     updated = _number(fields.get("updated", "0"))
     if updated is None or not math.isfinite(updated) or updated < 0:
         bad.note(BAD_REGISTRATION, f"pod {pod_id}: updated={fields.get('updated')!r}")
@@ -232,4 +240,5 @@ def parse_pod_record(record: Any, bad: BadRecords) -> PodInfo | None:
         pull_costs=_pull_costs(pod_id, per_holder, bad),
         role=fields.get("role", ROLE_MIXED),
         claim_id=claim_id,
+        adapters=adapters,
     )

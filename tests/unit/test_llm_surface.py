@@ -224,7 +224,6 @@ def test_seed_makes_repeated_runs_reproducible():
     ("trust_remote_code", True, r"trust_remote_code=True\) is not supported: .* never a "
                                 r"checkpoint's Python code"),
     ("tokenizer", "other/tokenizer", r"tokenizer='other/tokenizer'\) is not supported"),
-    ("enable_lora", True, r"enable_lora=True\) is not supported: LoRA"),
 ])
 def test_vllm_only_options_are_refused_by_name(option, value, says):
     with pytest.raises(ValueError, match=says):
@@ -234,7 +233,7 @@ def test_vllm_only_options_are_refused_by_name(option, value, says):
 def test_vllm_only_options_at_their_default_are_accepted():
     llm = LLM("pagekv-tiny", tensor_parallel_size=1, pipeline_parallel_size=1,
               quantization=None, trust_remote_code=False, tokenizer="pagekv-tiny",
-              enable_lora=False, enforce_eager=True, **TINY)
+              enable_lora=True, enforce_eager=True, **TINY)  # (adapters: lora_modules)
     assert run(llm, "ok")[0].finished
     with pytest.raises(TypeError, match=r"unknown LLM option\(s\): \['no_such_option'\]"):
         LLM("pagekv-tiny", no_such_option=1, **TINY)

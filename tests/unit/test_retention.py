@@ -20,6 +20,7 @@ from pagekv.proto.medium import Medium
 from pagekv.proto.retention import FILE_NAME, NO_CACHE_CONTROL, CacheControl, RetentionTable
 from pagekv.tiers.dram import DramTier
 from pagekv.tiers.ssd_index import Segment, SsdIndex
+from tests.unit.engine_runs import run_request
 
 
 class Clock:
@@ -222,15 +223,7 @@ def fillers(k: int) -> list[list[int]]:
 
 def serve(engine: Engine, prompt: list[int], control: CacheControl = NO_CACHE_CONTROL):
     """The request's last delta, and every token it produced."""
-    rid = engine.add_request(None, prompt, P, cache_control=control)
-    last, tokens = None, []
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == rid:
-                last = out
-                tokens += out.outputs[0].token_ids
-    assert last is not None and last.finished
-    return last, tokens
+    return run_request(engine, prompt, P, cache_control=control)
 
 
 def engine_with(tmp_path: Path | None = None, **kw) -> Engine:

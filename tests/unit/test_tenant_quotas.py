@@ -20,6 +20,7 @@ from pagekv.proto.tenant_salt import tenant_salt
 from pagekv.proto.tenants import SharedRegion, TenantMap, TierQuota, hash_token
 from pagekv.tiers.chain import TierChain
 from pagekv.tiers.dram import DramTier
+from tests.unit.engine_runs import run_request
 
 BB = 8192  # the tiny model's block: 2 layers x K,V x 2 heads x 16 dims x 16 tokens x 4 B
 
@@ -197,15 +198,7 @@ SYSTEM = [(i * 13) % 200 + 1 for i in range(64)]  # 4 blocks
 
 
 def serve(engine: Engine, prompt: list[int], tenant: str, salt: str | None):
-    rid = engine.add_request(None, prompt, P, cache_salt=salt, tenant=tenant)
-    last, tokens = None, []
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == rid:
-                last = out
-                tokens += out.outputs[0].token_ids
-    assert last is not None and last.finished
-    return last, tokens
+    return run_request(engine, prompt, P, cache_salt=salt, tenant=tenant)
 
 
 def test_through_the_engine_quotas_hold_and_the_shared_region_is_hit_by_all(caplog) -> None:

@@ -63,7 +63,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., min_p: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "lora_id", "kv_source", "handover", "cache_control", "one_shot", "session_id", "tenant")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "cache_salt", "lora_id", "kv_source", "handover", "cache_control", "one_shot", "session_id", "tenant", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class GenerateRequest(_message.Message):
     ONE_SHOT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -88,7 +89,8 @@ class GenerateRequest(_message.Message):
     one_shot: bool
     session_id: str
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ..., one_shot: _Optional[bool] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ..., one_shot: _Optional[bool] = ..., session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class CacheControl(_message.Message):
     __slots__ = ("ttl_s", "tokens")
