@@ -98,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds each waiting or running request adds to the TTFT on "
                             "a pod as fast as --cost-prefill-per-token (scaled by the pod's "
                             "measured speed); defaults measured, see router/config.py")
+    group.add_argument("--cost-adapter-load-s", type=float, default=c.adapter_load_s,
+                       help="seconds a LoRA adapter load costs a pod that has it known but not "
+                            "resident, at least (its measured load time when longer): a load "
+                            "also evicts an adapter someone will reload")
     group.add_argument("--tie-tolerance", type=float, default=c.tie_rel,
                        help="costs within this fraction of the best are tied (load decides)")
     group.add_argument("--speed-band", type=float, default=c.speed_band,
@@ -110,6 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--session-max-waiting", type=int, default=d.session_max_waiting,
                        help="a session's pod with this many requests waiting is saturated: "
                             "the turn goes where the scores send it, and the session with it")
+    group.add_argument("--adapter-routing", action=argparse.BooleanOptionalAction,
+                       default=d.adapter_routing,
+                       help="LoRA-aware routing: an adapter's request goes to the pods serving "
+                            "it, a load priced in (--no-adapter-routing: a baseline that "
+                            "hashes and scores as if there were no adapters)")
     group.add_argument("--burst-ttl-s", type=float, default=d.burst_ttl_s,
                        help="how long a routed request counts as a predicted hit")
     group.add_argument("--shared-bursts", action=argparse.BooleanOptionalAction,
@@ -183,6 +192,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         queue_per_request=args.cost_queue_per_request,
         peer_per_token=args.cost_peer_per_token,
         pull_min_token_delta=args.pull_min_token_delta,
+        adapter_load_s=args.cost_adapter_load_s,
         tie_rel=args.tie_tolerance,
         speed_band=args.speed_band,
     )
@@ -193,7 +203,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy, costs=costs, kv_pull=args.kv_pull,
         cold_placement=args.cold_placement, burst_ttl_s=args.burst_ttl_s,
         session_idle_s=args.session_idle_s, session_max_waiting=args.session_max_waiting,
-        shared_bursts=args.shared_bursts,
+        adapter_routing=args.adapter_routing, shared_bursts=args.shared_bursts,
         refresh_interval_s=args.refresh_interval_s, max_attempts=args.max_attempts,
         reap_dead_after_s=args.reap_dead_after_s,
         redis_timeout_s=args.redis_timeout_s,

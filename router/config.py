@@ -79,6 +79,10 @@ class RouterConfig:
     # long after the last one, while the pod has fewer than session_max_waiting waiting.
     session_idle_s: float = 600.0
     session_max_waiting: int = 2
+    # LoRA adapters (README "LoRA adapters"): hash an adapter's request with the path its
+    # pods publish, score only the pods serving it, price a load. False: a router that knows
+    # nothing of adapters (a baseline: hashes without them, scores every pod alike).
+    adapter_routing: bool = True
     refresh_interval_s: float = 0.5
     namespace_check_interval_s: float = 2.0
     reap_dead_after_s: float = 60.0   # drop a lease-less pod's index entries after this; 0: never

@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.requests import NO_INT_ADAPTER_IDS
 from pagekv.router.http_client import BrokenResponse, ConnectFailed, HttpOrigin, Response
 from pagekv.router.openai_stream import (
     StreamReader,
@@ -66,16 +67,16 @@ def _float32(value: float) -> float:
 
 def completion_body(request: pb.GenerateRequest) -> dict[str, Any]:
     """The /v1/completions body of one Generate request (vLLM's parameter names)."""
-    if request.HasField("lora_id"):
-        # vLLM names an adapter by model name; PageKV's lora_id has no counterpart there.
-        raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "lora_id is not supported by a "
-                        "vLLM pod (it names LoRA adapters by model name)")
+    if request.HasField("lora_id"):  # (the router refuses it first: refuse_unsupported)
+        raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, NO_INT_ADAPTER_IDS)
     sp = request.sampling
     prompt: Any = list(request.token_ids.ids) if request.HasField("token_ids") else request.text
     body: dict[str, Any] = {
         "prompt": prompt, "stream": True, "stream_options": {"include_usage": True},
         "return_token_ids": True,
         "max_tokens": sp.max_tokens if sp.HasField("max_tokens") else None}
+    if request.lora_name:  # vLLM names an adapter as the model
+        body["model"] = request.lora_name
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         if sp.HasField(name):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from pagekv.proto.index.bad_records import BadRecords
 from pagekv.proto.index.connect import is_cluster
 from pagekv.proto.index.schema import POD_KIND_VLLM
 from pagekv.proto.pagekv.v1 import pagekv_pb2
-from pagekv.proto.requests import parse_prompt
+from pagekv.proto.requests import NoSuchAdapter, parse_prompt
 from pagekv.proto.shared_prefix import SharedPrefixes
 from pagekv.router.burst import BurstTracker
 from pagekv.router.config import PREFIX_POLICIES, RouterConfig
@@ -29,6 +30,7 @@ from pagekv.router.metrics import RouterMetrics
 from pagekv.router.placement import BAND_QUEUE_REL, BAND_QUEUE_SLACK, is_cold, place_cold
 from pagekv.router.pods import PodEntry, PodRegistry
 from pagekv.router.pull_crossovers import PullCrossovers
+from pagekv.router.recent_pairs import RecentPairs
 from pagekv.router.scoring import (
     REASON_COLD_SPREAD,
     REASON_COOLDOWN,
@@ -65,6 +67,7 @@ class Prepared:
     # pod -> the prompt tokens it would compute (neither cached nor pulled), by decide
     uncached: dict[str, int] = field(default_factory=dict)
     session: tuple[str, str] | None = None  # (cache salt, session_id): router/sessions.py
+    lora_name: str | None = None  # its LoRA adapter (pods that do not serve it are left out)
 
 
 @dataclass(slots=True)
@@ -101,6 +104,9 @@ class Decision:
         return info
 
 
+ADAPTER_PREDICT_S = 5.0  # a few lease renewals: the pod's own report has arrived by then
+
+
 class Router:
     def __init__(self, config: RouterConfig, redis_client: Any, tokenizer: PromptTokenizer,
                  metrics: RouterMetrics) -> None:
@@ -127,6 +133,9 @@ class Router:
             if config.shared_bursts and config.burst_ttl_s > 0 else None
         self.view = FleetView(config.costs)
         self.sessions = SessionAffinity(config.session_idle_s, config.session_max_waiting)
+        # An adapter just sent to a pod is loading or loaded there, before its registration
+        # says so (renewed with the lease): predicted resident for a while.
+        self._adapter_sent = RecentPairs(ADAPTER_PREDICT_S)
         # The tenants file's shared region, hashed without the tenant's salt as pods do.
         self.shared_prefixes = SharedPrefixes.of(
             config.tenants.shared if config.tenants is not None else None, tokenizer.encode,
@@ -154,11 +163,30 @@ class Router:
         ids = prompt.token_ids[:]  # (a slice copies a protobuf field in C: 1.5x list())
         hashes: list[bytes] = []
         shared = self.shared_prefixes.blocks(ids) if self.shared_prefixes is not None else 0
+        lora = None
+        aware = self.config.adapter_routing
+        if prompt.lora_id is not None and aware:  # hashed with the path its pods publish
+            lora = lora_key(prompt.lora_id, self._adapter_path(prompt.lora_id))
         RequestBlockHasher(self.hash_config, self.config.block_size, prompt.cache_salt,
-                           lora_key(prompt.lora_id), (), shared).extend(ids, hashes)
+                           lora, (), shared).extend(ids, hashes)
         lookup = min(len(hashes), max_hit_blocks(len(ids), self.config.block_size))
         return Prepared(forward, forward.token_ids.ids, hashes, lookup,
-                        session=SessionAffinity.key(request.cache_salt, request.session_id))
+                        session=SessionAffinity.key(request.cache_salt, request.session_id),
+                        lora_name=prompt.lora_id if aware else None)
+
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter a live pod serves -> the path most of them serve it from."""
+        names = {n for p in self.registry.pods.values() for n in p.info.adapters.paths}
+        return {n: self._adapter_path(n) for n in sorted(names)}
+
+    def _adapter_path(self, name: str) -> str:
+        """The path most live pods serve adapter `name` from; NoSuchAdapter when none does
+        (the words the pods use)."""
+        paths = Counter(p.info.adapters.paths[name] for p in self.registry.pods.values()
+                        if p.info.adapters.knows(name))
+        if not paths:
+            raise NoSuchAdapter(name)
+        return min(paths, key=lambda path: (-paths[path], path))
 
     # -- the decision ----------------------------------------------------------------------
     def _next_counter(self) -> int:
@@ -166,7 +194,8 @@ class Router:
         return self._counter
 
     def _candidate(self, p: PodEntry, view: FleetView, match: PodMatch | None,
-                   burst_depth: int, limit: int, now: float) -> Candidate:
+                   burst_depth: int, limit: int, now: float, lora: str | None = None
+                   ) -> Candidate:
         """One pod as the scorer sees it for this request: its load, its settled costs,
         what the index confirms there and what the predictions add."""
         held = match.tiers if match else ()
@@ -185,6 +214,16 @@ class Router:
             cand.backlog_tokens = p.backlog(view.speed(p.pod_id), now)
         if p.info.kind == POD_KIND_VLLM:  # no KVNode.PullBlocks either way
             cand.lendable = cand.can_pull = False
+        if lora is not None:  # a pod that must load the adapter first pays for the load
+            adapters = p.info.adapters
+            if not adapters.knows(lora):
+                cand.eligible, cand.excluded_reason = False, f"does not serve adapter {lora}"
+            elif lora not in adapters.resident and not self._adapter_sent.recent(p.pod_id, lora):
+                # Its measured seconds, at least the configured floor: a load also evicts an
+                # adapter another request will load again (bench.lora_routing: priced at a
+                # 5 ms measured load alone, the traffic spread and loaded 2.4x as often).
+                cand.adapter_load_s = max(adapters.load_s or 0.0,
+                                          self.config.costs.adapter_load_s)
         return cand
 
     def _base_scores(self, pods: list[PodEntry]) -> list[Score]:
@@ -230,8 +269,9 @@ class Router:
         policy = self.config.policy
         counter = self._next_counter()
         prompt_len = len(prepared.token_ids)
+        lora = prepared.lora_name
         if policy not in PREFIX_POLICIES:
-            base = self._base_scores(serving_pods(reg.eligible()))
+            base = self._base_scores(self._serving(serving_pods(reg.eligible()), lora))
             if policy == "round_robin":
                 order, reason = order_round_robin(base, counter), REASON_ROUND_ROBIN
             else:
@@ -245,7 +285,7 @@ class Router:
             matches, lookup_ms = await self._lookup(prepared)
         cause = "index_down" if matches is None else ""
         if cause:  # load only, among the last known pods
-            base = self._base_scores(serving_pods(reg.eligible()))
+            base = self._base_scores(self._serving(serving_pods(reg.eligible()), lora))
             self.metrics.fallbacks.labels(cause=cause).inc()
             return self._finish(order_least_loaded(base, counter), REASON_FALLBACK, base,
                                 prepared, lookup_ms)
@@ -257,15 +297,21 @@ class Router:
         # The pods that hold (or are predicted to hold) some of the prefix, then a few of
         # the least-loaded others: every pod that could win, not every pod (fleet_view.py).
         entries = view.holders(matches, bursts)
-        entries += view.others([p.pod_id for p in entries], self.config.pd_split)
+        if lora is None:
+            entries += view.others([p.pod_id for p in entries], self.config.pd_split)
+        else:  # every pod serving the adapter (few): the others could only refuse it
+            held = {p.pod_id for p in entries}
+            entries += [p for p in (*view.serving.values(), *view.prefill.values())
+                        if p.pod_id not in held and p.info.adapters.knows(lora)]
         cands = [self._candidate(p, view, matches.get(p.pod_id), bursts.get(p.pod_id, 0),
-                                 limit, now) for p in entries]
+                                 limit, now, lora) for p in entries]
         # Every pod is a pull source; only the serving ones (decode, mixed) take requests.
         scores = score_all(cands, prompt_len, self.config.block_size, self.config.costs,
                            self.config.kv_pull, by_tokens=policy == "sticky")
         order, reason = rank([s for s in scores if s.pod_id in view.serving],
                              self.config.costs, counter)
-        if self.config.cold_placement == "hash" and prepared.block_hashes:
+        # (an adapter's cold prompt: its pods are few, their load costs decide among them)
+        if self.config.cold_placement == "hash" and prepared.block_hashes and lora is None:
             order, reason = self._place_cold(order, reason, prepared, view, now)
         if prepared.session is not None and self.config.session_idle_s > 0:
             order, reason = self._keep_session(order, reason, prepared, view, now)
@@ -282,6 +328,11 @@ class Router:
             self.metrics.pd_requests.labels(decision=outcome).inc()
         decision.split, decision.pd_threshold = split, threshold
         return decision
+
+    @staticmethod
+    def _serving(pods: list[PodEntry], lora: str | None) -> list[PodEntry]:
+        """The pods that can serve a request of adapter `lora` (all, for the base model)."""
+        return pods if lora is None else [p for p in pods if p.info.adapters.knows(lora)]
 
     def _fleet(self) -> FleetView:
         """The fleet view, rebuilt when the registry's pods changed (a refresh makes a new
@@ -317,7 +368,7 @@ class Router:
             return place_cold(order, reason, self.config.costs, key)
         chosen = next((s for s in order if s.pod_id == pick.pod_id), None)
         if chosen is None:  # on the ring, not among the few scored: score it as they were
-            cand = self._candidate(pick, view, None, 0, 0, now)
+            cand = self._candidate(pick, view, None, 0, 0, now, prepared.lora_name)
             chosen = score_all([cand], prompt_len, self.config.block_size, self.config.costs,
                                False, by_tokens=self.config.policy == "sticky")[0]
         return [chosen, *(s for s in order if s is not chosen)], REASON_COLD_SPREAD
@@ -333,7 +384,7 @@ class Router:
             chosen = next((s for s in order if s.pod_id == pod_id), None)
             entry = view.serving.get(pod_id)
             if chosen is None and entry is not None:  # not among the few scored
-                cand = self._candidate(entry, view, None, 0, 0, now)
+                cand = self._candidate(entry, view, None, 0, 0, now, prepared.lora_name)
                 chosen = score_all([cand], len(prepared.token_ids), self.config.block_size,
                                    self.config.costs, False,
                                    by_tokens=self.config.policy == "sticky")[0]
@@ -377,6 +428,8 @@ class Router:
         prefix the index already confirms there)."""
         if prepared.session is not None:
             self.sessions.record(prepared.session, pod_id)
+        if prepared.lora_name is not None:
+            self._adapter_sent.record(pod_id, prepared.lora_name)
         entry = self.registry.pods.get(pod_id)
         if entry is not None:
             entry.note_dispatch()

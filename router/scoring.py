@@ -100,11 +100,13 @@ class CostModel:
     tie_abs_s: float = 0.0005
     speed_band: float = 2.0
     pull_min_token_delta: int = 0  # tokens
+    # A LoRA adapter load, at least (a pod's measured load time when longer).
+    adapter_load_s: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("prefill_per_token", "cpu_per_token", "disk_per_token",
                      "queue_per_request", "peer_per_token", "tie_rel", "tie_abs_s", "speed_band",
-                     "pull_min_token_delta"):
+                     "pull_min_token_delta", "adapter_load_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -132,6 +134,7 @@ class Candidate:
     backlog_tokens: float = 0.0  # prompt tokens ahead of it (`--policy sticky`'s queue)
     lendable: bool = True       # may be a pull source (not while cooling down, not vLLM)
     can_pull: bool = True       # may take the pull option (a vLLM pod cannot pull)
+    adapter_load_s: float = 0.0  # loading the request's LoRA adapter first (0: resident)
     eligible: bool = True
     excluded_reason: str = ""
 
@@ -157,6 +160,7 @@ class Score:
     free_blocks: int = 0
     cost_s: float = math.inf
     queue_s: float = 0.0   # the queue's share of cost_s (the rest: prefill and reloads)
+    adapter_load_s: float = 0.0  # a LoRA adapter load's share of cost_s
     from_burst: bool = False  # the burst prediction extended this pod's hit
     eligible: bool = True
     excluded_reason: str = ""
@@ -292,7 +296,8 @@ def score_candidate(c: Candidate, prompt_len: int, block_size: int, costs: CostM
     s.cost_s = (uncached * prefill
                 + s.cached_cpu * _pod_cost(pub, Medium.CPU, costs.cpu_per_token)
                 + s.cached_disk * _pod_cost(pub, Medium.DISK, costs.disk_per_token)
-                + s.queue_s)
+                + s.queue_s + c.adapter_load_s)
+    s.adapter_load_s = c.adapter_load_s
     if c.can_pull and sources:
         _take_pull(s, c, sources, min(len(c.tiers), limit), block_size, prefill, costs)
     return s
@@ -360,7 +365,9 @@ def rank(scores: Sequence[Score], costs: CostModel, rotation: int = 0
     if not eligible:
         return [], ""
     best = eligible[0].cost_s
-    tolerance = max(costs.tie_abs_s, costs.tie_rel * best)
+    # Relative to the work, not to an adapter load every pod may pay alike: a wide band would
+    # rotate a new adapter over every pod, each loading it.
+    tolerance = max(costs.tie_abs_s, costs.tie_rel * (best - eligible[0].adapter_load_s))
     tied = [s for s in eligible if s.cost_s <= best + tolerance]
     rest = eligible[len(tied):]
     reason = REASON_COST

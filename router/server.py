@@ -47,7 +47,13 @@ from pagekv.proto.openai import Backend, HttpServer
 from pagekv.proto.openai.backend import HandlerContext
 from pagekv.proto.pagekv.v1 import pagekv_pb2, pagekv_pb2_grpc
 from pagekv.proto.redact import redact_url
-from pagekv.proto.requests import BadRequest, already_in_flight, check_request, prompt_is_large
+from pagekv.proto.requests import (
+    BadRequest,
+    NoSuchAdapter,
+    already_in_flight,
+    check_request,
+    prompt_is_large,
+)
 from pagekv.proto.serving import HealthServicer, add_servicer, method_paths
 from pagekv.proto.tenant_identity import NoTenant, TenantSalting
 from pagekv.router.cache_admin import RouterCacheAdmin
@@ -158,6 +164,9 @@ class RouterService(pagekv_pb2_grpc.GenerationServicer):
                 prepared = await asyncio.to_thread(self.router.prepare, request)
             else:
                 prepared = self.router.prepare(request)
+        except NoSuchAdapter as exc:  # (no live pod serves it: the pods' words)
+            self.metrics.failures.labels(code="NOT_FOUND").inc()
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except BadRequest as exc:
             self.metrics.failures.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -577,8 +586,7 @@ def _prefill_request(prepared: Prepared, hold_ms: int) -> pagekv_pb2.GenerateReq
         request_id=f"pd-{uuid.uuid4().hex}", cache_salt=forward.cache_salt,
         handover=pagekv_pb2.Handover(hold_ms=hold_ms))
     request.token_ids.ids.extend(prepared.token_ids)
-    if forward.HasField("lora_id"):
-        request.lora_id = forward.lora_id
+    request.lora_name = forward.lora_name
     request.sampling.max_tokens = 1
     request.sampling.temperature = 0.0
     return request
@@ -716,7 +724,8 @@ class RouterServer:
             prompt_limits=cfg.prompt_limits, metrics=self.metrics.registry,
             limits=cfg.http_limits,
             on_response=lambda route, status: self.metrics.http_responses.labels(
-                route=route, status=str(status)).inc())
+                route=route, status=str(status)).inc(),
+            adapters=service.router.adapters)
 
     async def _mark_ready(self) -> None:
         assert self.router is not None

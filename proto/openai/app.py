@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagekv.proto.openai.backend import Backend, Tokenizer
+from pagekv.proto.openai.backend import AdapterAdmin, Backend, Tokenizer
 from pagekv.proto.openai.calls import Calls, ClientGone, EventStream, until_disconnect
 from pagekv.proto.openai.errors import ApiError, invalid
 from pagekv.proto.openai.limits import REQUEST_TIMEOUT_HEADER
@@ -48,6 +48,7 @@ from pagekv.proto.openai.tokenization import (
     tokenizer_info,
 )
 from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
+from pagekv.proto.requests import NoSuchAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -142,13 +143,22 @@ class OpenAIFrontend:
         return self._check_model_name(parsed.model)
 
     def _check_model_name(self, model: str | None) -> str:
+        """The model the request names (a served name, or a LoRA adapter's name, as vLLM
+        takes it); 404 naming what is served."""
         names = self.backend.model_names
-        if model is not None and model not in names:
-            raise ApiError(404, f"The model `{model}` does not exist (this server "
-                           f"serves {', '.join(names)})", param="model", code="model_not_found")
+        if model is not None and model not in names and model not in self.backend.adapters():
+            adapters = sorted(self.backend.adapters())[:20]
+            raise ApiError(404, f"The model `{model}` does not exist (this server serves "
+                           f"{', '.join(names)}"
+                           + (f"; LoRA adapters: {', '.join(adapters)}" if adapters else "")
+                           + ")", param="model", code="model_not_found")
         if not self.backend.ready():
             raise ApiError(503, f"the {self.backend.kind} is starting", code="starting")
         return model or names[0]
+
+    def _adapter_of(self, model: str) -> str:
+        """The LoRA adapter a checked model name selects ("": the base model)."""
+        return "" if model in self.backend.model_names else model
 
     def _texts(self, tokenizer: Tokenizer) -> TokenTexts:
         if self.token_texts is None:
@@ -179,14 +189,72 @@ class OpenAIFrontend:
         b = self.backend
         created = int(time.time())
         cards = []
+        max_len = b.max_model_len() if b.ready() else None
         for name in b.model_names:
             card: dict[str, Any] = {"id": name, "object": "model", "created": created,
                                     "owned_by": "pagekv", "root": b.root, "parent": None}
-            max_len = b.max_model_len() if b.ready() else None
+            if max_len is not None:
+                card["max_model_len"] = max_len
+            cards.append(card)
+        for name, path in sorted(b.adapters().items()):  # vLLM's: root the path, parent the base
+            card = {"id": name, "object": "model", "created": created, "owned_by": "pagekv",
+                    "root": path, "parent": b.model_names[0]}
             if max_len is not None:
                 card["max_model_len"] = max_len
             cards.append(card)
         return self._json("/v1/models", 200, {"object": "list", "data": cards})
+
+    # -- LoRA adapters at run time (a pod's; vLLM's routes and bodies) -----------------------
+    def _check_admin(self, request: Request) -> None:
+        token = self.backend.admin_token
+        if token is None:
+            self._check_auth(request)  # no admin token: as open as the API itself
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 token.encode()):
+            raise ApiError(401, "this route needs the admin token (Authorization: Bearer "
+                           "<--admin-token>)", code="invalid_api_key")
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        route = "/v1/load_lora_adapter"
+        try:
+            admin = self._adapter_routes()
+            self._check_admin(request)
+            body = await self._body(request)
+            name, path = read_str(body, "lora_name"), read_str(body, "lora_path")
+            if not name or not path:
+                raise invalid("lora_name and lora_path are required")
+            try:
+                await admin.load(name, path)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="lora_path", code="bad_adapter") from None
+            return self._json(route, 200, {"status": "ok", "lora_name": name,
+                                           "message": f"LoRA adapter {name!r} added"})
+        except ApiError as exc:
+            return self._error(route, exc)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        route = "/v1/unload_lora_adapter"
+        try:
+            admin = self._adapter_routes()
+            self._check_admin(request)
+            name = read_str(await self._body(request), "lora_name")
+            if not name:
+                raise invalid("lora_name is required")
+            try:
+                await admin.unload(name)
+            except NoSuchAdapter as exc:
+                raise ApiError(404, str(exc), param="lora_name",
+                               code="model_not_found") from None
+            return self._json(route, 200, {"status": "ok", "lora_name": name,
+                                           "message": f"LoRA adapter {name!r} removed"})
+        except ApiError as exc:
+            return self._error(route, exc)
+
+    def _adapter_routes(self) -> AdapterAdmin:
+        assert self.backend.adapter_admin is not None  # (the routes exist only with one)
+        return self.backend.adapter_admin
 
     async def metrics(self, request: Request) -> Response:
         """The registry the metrics port serves, in the format the scraper asks for."""
@@ -307,6 +375,7 @@ class OpenAIFrontend:
         else:
             parsed, prompts = parse_completion(body)
         model = self._check_model(parsed)
+        lora = self._adapter_of(model)
         tokenizer = self.backend.tokenizer()
         chat_echo = ""
         if chat:
@@ -320,7 +389,7 @@ class OpenAIFrontend:
                 chat_echo = _chat_echo(messages, template_kwargs)
         self._log_ignored(parsed.ignored)
         rid = parsed.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-        requests = [self._request(rid if len(prompts) == 1 else f"{rid}-{k}", p, parsed)
+        requests = [self._request(rid if len(prompts) == 1 else f"{rid}-{k}", p, parsed, lora)
                     for k, p in enumerate(prompts)]
         echoes = None if chat else await prompt_echoes(requests, parsed, tokenizer,
                                                        self.backend.prompt_limits)
@@ -353,9 +422,11 @@ class OpenAIFrontend:
         return await self._off_loop_if(large, render_chat, tokenizer, messages, kwargs)
 
     @staticmethod
-    def _request(rid: str, prompt: str | list[int], parsed: Parsed) -> pb.GenerateRequest:
+    def _request(rid: str, prompt: str | list[int], parsed: Parsed, lora: str
+                 ) -> pb.GenerateRequest:
         req = pb.GenerateRequest(request_id=rid, cache_salt=parsed.cache_salt,
-                                 one_shot=parsed.one_shot, session_id=parsed.session_id)
+                                 one_shot=parsed.one_shot, session_id=parsed.session_id,
+                                 lora_name=lora)
         if parsed.pin_ttl_s:
             req.cache_control.ttl_s = parsed.pin_ttl_s
             req.cache_control.tokens = parsed.pin_tokens
@@ -467,6 +538,10 @@ def build_app(backend: Backend) -> Starlette:
         Route("/metrics", front.metrics, methods=["GET"]),
         Route("/openapi.json", front.openapi_json, methods=["GET"]),
     ]
+    if backend.adapter_admin is not None:  # a pod's run-time LoRA adapters
+        routes += [Route("/v1/load_lora_adapter", front.load_lora_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", front.unload_lora_adapter,
+                         methods=["POST"])]
     # Every route must be described: a route added without its description fails here.
     front.openapi = openapi_document(routes, backend.kind, _version())
     return Starlette(routes=routes, exception_handlers={HTTPException: front.http_error,

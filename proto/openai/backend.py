@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
@@ -91,6 +91,15 @@ StreamHandler = Callable[[pb.GenerateRequest, HandlerContext],
                          AsyncGenerator[pb.GenerateChunk, None]]
 
 
+class AdapterAdmin(Protocol):
+    """Loads and unloads LoRA adapters at run time (a pod). `load` raises ValueError with a
+    one-line reason (a bad adapter, a name taken); `unload` raises NoSuchAdapter."""
+
+    async def load(self, name: str, path: str) -> None: ...
+
+    async def unload(self, name: str) -> None: ...
+
+
 @dataclass(slots=True)
 class Backend:
     """A pod or a router, as the HTTP front end sees it."""
@@ -113,3 +122,10 @@ class Backend:
     # where it tokenizes a prompt itself (echo with logprobs, /tokenize).
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
     metrics: CollectorRegistry | None = None  # what /metrics serves (the metrics port's)
+    # LoRA adapters served, name -> path (a pod's own; a router's: what its pods publish):
+    # `model` may name one (vLLM's convention), and /v1/models lists them.
+    adapters: Callable[[], Mapping[str, str]] = dict
+    # A pod's run-time adapter loading (POST /v1/load_lora_adapter, /v1/unload_lora_adapter,
+    # under `admin_token`); None: those routes answer 404 here.
+    adapter_admin: AdapterAdmin | None = None
+    admin_token: str | None = None

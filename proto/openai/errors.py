@@ -21,6 +21,8 @@ _BY_GRPC_CODE: dict[str, tuple[int, str, str | None]] = {
     "CANCELLED": (499, "cancelled_error", "cancelled"),
     "UNAUTHENTICATED": (401, "authentication_error", "invalid_api_key"),
     "PERMISSION_DENIED": (403, "permission_error", None),
+    # A LoRA adapter that is known but failed to load (the pod keeps serving the rest).
+    "FAILED_PRECONDITION": (503, "service_unavailable_error", "adapter_unavailable"),
 }
 
 

@@ -208,6 +208,14 @@ SCHEMAS: dict[str, Schema] = {
     "DetokenizeRequest": _obj({"model": FIELDS["model"], "tokens": _INT_IDS},
                               required=("tokens",)),
     "DetokenizeResponse": _obj({"prompt": _t("string")}),
+    "LoadLoraAdapterRequest": _obj({
+        "lora_name": _t("string", "The adapter's name: what `model` names it by"),
+        "lora_path": _t("string", "A PEFT adapter directory on the pod (adapter_config.json, "
+                                  "adapter_model.safetensors)")},
+        required=("lora_name", "lora_path")),
+    "UnloadLoraAdapterRequest": _obj({"lora_name": _t("string")}, required=("lora_name",)),
+    "LoraAdapterResponse": _obj({"status": _t("string"), "lora_name": _t("string"),
+                                 "message": _t("string")}),
 }
 
 _HEADERS = {
@@ -261,11 +269,23 @@ OPERATIONS: dict[tuple[str, str], Schema] = {
         "responses": {"200": _reply("ChatCompletion", "The answer (or its event stream)",
                                     stream=True, headers=True), **_GENERATION_ERRORS}},
     ("get", "/v1/models"): {
-        "summary": "The served model names", "security": _SECURED,
+        "summary": "The served model names, then the LoRA adapters (parent: the base model)",
+        "security": _SECURED,
         "responses": {"200": _reply(_obj({"object": _t("string"), "data": _array(_obj({
             "id": _t("string"), "object": _t("string"), "created": _t("integer"),
-            "owned_by": _t("string"), "root": _t("string"),
+            "owned_by": _t("string"), "root": _t("string", "an adapter's: its path"),
+            "parent": _nullable(_t("string", "an adapter's base model")),
             "max_model_len": _t("integer")}))}), "The models"), **_errors(401)}},
+    ("post", "/v1/load_lora_adapter"): {
+        "summary": "vLLM's: load a LoRA adapter at run time (a pod; the admin token)",
+        "security": _SECURED, "requestBody": _json_body("LoadLoraAdapterRequest"),
+        "responses": {"200": _reply("LoraAdapterResponse", "Loaded"),
+                      **_errors(400, 401, 404)}},
+    ("post", "/v1/unload_lora_adapter"): {
+        "summary": "vLLM's: unload a LoRA adapter (a pod; the admin token)",
+        "security": _SECURED, "requestBody": _json_body("UnloadLoraAdapterRequest"),
+        "responses": {"200": _reply("LoraAdapterResponse", "Unloaded"),
+                      **_errors(400, 401, 404)}},
     ("post", "/tokenize"): {
         "summary": "vLLM's: a prompt or a conversation as the server's token ids",
         "security": _SECURED, "requestBody": _json_body("TokenizeRequest"),

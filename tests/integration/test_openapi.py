@@ -29,12 +29,19 @@ def document(target: HttpTarget) -> dict:
         return json.loads(resp.read())
 
 
-def route_table() -> set[tuple[str, str]]:
+def route_table(kind: str) -> set[tuple[str, str]]:
+    """The routes a pod's (with its run-time adapter loading) or a router's app serves."""
     async def nothing(*_: object) -> None:
         return None
 
-    app = build_app(Backend(kind="pod", model_names=["m"], root="m", tokenizer=lambda: None,
-                            generate_stream=nothing, ready=lambda: True))  # type: ignore[arg-type]
+    class Adapters:
+        async def load(self, name: str, path: str) -> None: ...
+
+        async def unload(self, name: str) -> None: ...
+
+    app = build_app(Backend(kind=kind, model_names=["m"], root="m", tokenizer=lambda: None,
+                            generate_stream=nothing, ready=lambda: True,  # type: ignore[arg-type]
+                            adapter_admin=Adapters() if kind == "pod" else None))
     return {(m.lower(), r.path) for r in app.routes if isinstance(r, Route)
             for m in (r.methods or ()) if m != "HEAD"}
 
@@ -44,7 +51,7 @@ def test_the_document_is_valid_and_names_every_served_route(http_target: HttpTar
     validate(doc)  # OpenAPI 3.1, by the spec's own schema
     assert doc["openapi"] == "3.1.0" and http_target.name in doc["info"]["title"]
     described = {(m, p) for p, ops in doc["paths"].items() for m in ops}
-    assert described == route_table()
+    assert described == route_table(http_target.name)
     assert {("post", "/tokenize"), ("post", "/detokenize"), ("get", "/metrics"),
             ("get", "/openapi.json"), ("post", "/v1/completions")} <= described
     # Each described route is served: no 404 or 405 from any of them.

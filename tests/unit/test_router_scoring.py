@@ -261,29 +261,37 @@ def test_importing_the_router_does_not_load_torch() -> None:
 @pytest.mark.parametrize("salt,lora_id,algo,seed", [
     ("", None, "sha256", "vllm-none-hash"),
     ("tenant-1", None, "sha256", "vllm-none-hash"),
-    ("", 0, "sha256_cbor", "seed-2"),
-    ("tenant-2", 7, "xxhash", "s"),
+    ("", "sql", "sha256_cbor", "seed-2"),
+    ("tenant-2", "chat-7", "xxhash", "s"),
 ])
-def test_router_chain_equals_the_pods_chain(salt: str, lora_id: int | None, algo: str,
+def test_router_chain_equals_the_pods_chain(salt: str, lora_id: str | None, algo: str,
                                             seed: str) -> None:
     from pagekv.kvnode.memory.kv_cache_manager import KVCacheManager
     from pagekv.kvnode.memory.request import Request
+    from pagekv.proto.index.pod_adapters import PodAdapters
+    from pagekv.proto.index.pod_record import PodInfo
     from pagekv.proto.pagekv.v1 import pagekv_pb2 as pb
     from pagekv.router.config import RouterConfig
     from pagekv.router.metrics import RouterMetrics
+    from pagekv.router.pods import PodEntry
     from pagekv.router.routing import Router
 
     router = Router(RouterConfig(hash_algo=algo, hash_seed=seed), None, ByteEncoder(),
                     RouterMetrics())
-    req = pb.GenerateRequest(text="system prompt " * 20 + "question?", cache_salt=salt)
-    if lora_id is not None:
-        req.lora_id = lora_id
+    path = f"/adapters/{lora_id}"
+    # A pod serving the adapter (its registration's `lora` field): the router hashes with
+    # the path it publishes, as the pod hashes with its own.
+    info = PodInfo("p", "p:1", "e", {}, {}, {}, 0.0, 1000,
+                   adapters=PodAdapters({lora_id: path} if lora_id else {}))
+    router.registry.pods = {"p": PodEntry(info, None)}  # type: ignore[arg-type]
+    req = pb.GenerateRequest(text="system prompt " * 20 + "question?", cache_salt=salt,
+                             lora_name=lora_id or "")
     prepared = router.prepare(req)
     assert prepared.forward.WhichOneof("prompt") == "token_ids"
     assert list(prepared.forward.token_ids.ids) == ByteEncoder().encode(req.text)
     # What kvnode.pod.server does with the same request, then the pod's own hasher.
     pod_req = Request("r", list(prepared.forward.token_ids.ids), cache_salt=salt or None,
-                      lora_id=str(lora_id) if lora_id is not None else None)
+                      lora_id=lora_id, lora_path=path if lora_id else None)
     pod_hashes = KVCacheManager(8, BS, hash_algo=algo, hash_seed=seed)._hashes(pod_req)
     assert prepared.block_hashes == pod_hashes
     assert prepared.lookup_blocks == (len(prepared.token_ids) - 1) // BS
