@@ -268,14 +268,17 @@ class Engine:
             return None
 
     def _fail_adapter_waiters(self) -> None:
-        """Waiting requests whose adapter failed to load fail with the loader's reason."""
+        """Waiting requests whose adapter failed to load fail with the loader's reason (or,
+        unloaded meanwhile, as an unknown adapter)."""
         for seq in list(self.scheduler.waiting):
             name = seq.req.lora_id
             why = self.adapters.failed.get(name) if name else None
-            if why is not None and seq.group.request_id in self.groups:
+            if name and why is not None and seq.group.request_id in self.groups:
                 rid = seq.group.request_id
                 self.abort(rid)
-                self._failures.append((rid, AdapterUnavailable(why)))
+                error = AdapterUnavailable(why) if self.adapters.knows(name) else \
+                    NoSuchAdapter(name)
+                self._failures.append((rid, error))
         self.adapters.failed.clear()  # a later request may try again (the file may be fixed)
 
     def take_failures(self) -> list[tuple[str, Exception]]:

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagekv.kvnode.model.lora import AdapterError, LoraWeights, read_adapter_config
-from pagekv.proto.requests import NoSuchAdapter
+from pagekv.proto.requests import NoSuchAdapter, unknown_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,9 @@ class AdapterSlots:
                 raise NoSuchAdapter(name)
             self.failed.pop(name, None)
 
+    def knows(self, name: str) -> bool:
+        return name in self._known
+
     def path_of(self, name: str) -> str:
         """The adapter's directory; NoSuchAdapter."""
         path = self._known.get(name)
@@ -158,7 +161,10 @@ class AdapterSlots:
             self.resident.move_to_end(name)
             return weights
         path = self._known.get(name)
-        if path is None or name in self._loading or name in self.failed:
+        if path is None:  # unloaded while its request waited: that request fails (NOT_FOUND)
+            self.failed.setdefault(name, unknown_adapter(name))
+            return None
+        if name in self._loading or name in self.failed:
             return None
         if len(self.resident) + len(self._loading) >= self.max_loras and not self._evict_one():
             return None

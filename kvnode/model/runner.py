@@ -49,6 +49,8 @@ class SeqBatchItem:
 def _adapter_order(batch: Sequence[SeqBatchItem]) -> list[int] | None:
     """The batch's items grouped by LoRA adapter, in order of first appearance (stable);
     None when they already are (the common case)."""
+    if all(it.lora is None for it in batch):  # the base model's step: nothing to order
+        return None
     keys = [id(it.lora) if it.lora is not None else 0 for it in batch]
     first: dict[int, int] = {}
     for i, key in enumerate(keys):

@@ -172,3 +172,12 @@ def test_an_adapters_block_hash_is_vllms_lora_key_byte_for_byte() -> None:
     assert got == want
     assert got != hash_prompt(HashConfig("sha256", "vllm-none-hash"), 16, tokens,
                               lora=lora_key("sql", "/adapters/other"))
+
+
+def test_an_adapter_unloaded_while_its_request_waits_fails_that_request(tmp_path: Path
+                                                                         ) -> None:
+    slots = AdapterSlots(1, lambda n, p: LoraWeights(n, p, 1, (), []), set)
+    slots.register("gone", adapter_dir(tmp_path, "gone"))
+    slots.unregister("gone")
+    assert slots.ready("gone") is None
+    assert "'gone' is not loaded" in slots.failed["gone"] and not slots.knows("gone")
