@@ -73,7 +73,7 @@ def merge(runner: ModelRunner, adapter: LoraWeights, sign: float) -> None:
             for fused in FUSED:
                 pair = adapter.layers[layer].get(fused)
                 if pair is not None:
-                    projections[fused].weight.add_(pair.b @ pair.a, alpha=sign)
+                    projections[fused].weight.add_((pair.a_t @ pair.b_t).t(), alpha=sign)
 
 
 def decode(runner: ModelRunner, prompts: list[list[int]], loras: list[LoraWeights | None],

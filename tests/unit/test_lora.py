@@ -116,8 +116,8 @@ def test_the_adapter_weights_are_fused_as_the_model_fuses_its_projections(setup)
     assert attn.targets == tuple(sorted(ATTENTION)) and attn.rank == 8
     assert set(attn.layers[0]) == {"qkv", "o"}  # no MLP delta at all
     cfg = runner.model_config
-    assert attn.layers[0]["qkv"].a.shape == (24, cfg.hidden_size)
-    assert attn.layers[0]["qkv"].b.shape == (cfg.q_size + 2 * cfg.kv_size, 24)
+    assert attn.layers[0]["qkv"].a_t.shape == (cfg.hidden_size, 24)
+    assert attn.layers[0]["qkv"].b_t.shape == (24, cfg.q_size + 2 * cfg.kv_size)
     assert set(weights["r16-all"].layers[1]) == {"qkv", "o", "gate_up", "down"}
 
 
