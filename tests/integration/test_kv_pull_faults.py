@@ -147,6 +147,17 @@ class FakePeer:
             if line.startswith(prefix):
                 return line
 
+    def drained(self) -> bool:
+        """Every byte this peer wrote has left the kernel's queues for the puller process
+        (`ss`: Send-Q and Recv-Q 0 on both ends of its connections): a SIGKILL now sends an
+        RST, which on Linux discards what the puller's kernel still held unread, so "what
+        arrived" only means arrived once it is drained."""
+        port = self.address.rsplit(":", 1)[1]
+        out = subprocess.run(["ss", "-tnH", f"( sport = :{port} or dport = :{port} )"],
+                             capture_output=True, text=True, timeout=10).stdout
+        rows = [line.split() for line in out.splitlines() if line.strip()]
+        return bool(rows) and all(r[1] == "0" and r[2] == "0" for r in rows if len(r) > 2)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -202,6 +213,7 @@ def test_peer_killed_mid_transfer_keeps_what_arrived(pods):
         future = generate_future(pods["b"], tokens, peer.address)
         assert peer.expect("SENT ") == f"SENT {sent}"
         assert not future.done()  # B is waiting on the stalled peer
+        wait_for(peer.drained, "the entries sent to reach the puller")
         peer.kill()
         resp = future.result()
     check_pull(resp, want, sent, pods["b"], before, "peer_unavailable")
