@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info
-from pagekv.kvnode.model.lora import FUSED, LoraWeights, load_adapter
+from pagekv.kvnode.model.lora import FUSED, LoraWeights, load_adapter, projection_sizes
 from pagekv.kvnode.model.runner import ModelRunner, SeqBatchItem
 
 ADAPTERS = 8
@@ -45,10 +45,7 @@ def write_adapter(directory: Path, runner: ModelRunner, rank: int, seed: int) ->
     from safetensors.torch import save_file
 
     cfg = runner.model_config
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    sizes = {"q_proj": (h, cfg.q_size), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
-             "o_proj": (cfg.q_size, h), "gate_proj": (h, inter), "up_proj": (h, inter),
-             "down_proj": (inter, h)}
+    sizes = projection_sizes(cfg)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_hidden_layers):

@@ -29,12 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagekv.kvnode.model.lora import AdapterError, LoraWeights, read_adapter_config
-from pagekv.proto.requests import NoSuchAdapter, unknown_adapter
+from pagekv.proto.requests import MAX_ADAPTER_NAME, NoSuchAdapter, unknown_adapter
 
 logger = logging.getLogger(__name__)
 
 Loader = Callable[[str, str], LoraWeights]  # (name, path) -> weights; AdapterError
-MAX_NAME = 128
 MAX_LABELS = 32  # adapters with their own metric label; the rest count as OTHER_LABEL
 OTHER_LABEL = "_other"
 
@@ -85,8 +84,8 @@ def parse_lora_modules(entries: Iterable[str]) -> dict[str, str]:
 
 
 def check_name(name: str) -> str:
-    if not name or len(name) > MAX_NAME or not name.isprintable() or "=" in name:
-        raise AdapterError(f"adapter name {name[:MAX_NAME]!r}: 1 to {MAX_NAME} printable "
+    if not name or len(name) > MAX_ADAPTER_NAME or not name.isprintable() or "=" in name:
+        raise AdapterError(f"adapter name {name[:MAX_ADAPTER_NAME]!r}: 1 to {MAX_ADAPTER_NAME} printable "
                            "characters, no '='")
     return name
 

@@ -49,17 +49,13 @@ class PodTenancy:
         if tenants.shared is not None:
             quotas[SHARED_OWNER] = tenants.shared.quota
         self.ledger = TenantLedger({owner: self._in_blocks(q) for owner, q in quotas.items()})
-        self._names = set(tenants.names)
         unquoted = [n for n in tenants.names if n not in tenants.quotas]
         self._labels = {*tenants.quotas, *unquoted[:MAX_UNQUOTED_LABELS], SHARED_OWNER,
                         NO_OWNER}
         logger.info("tenancy: %d tenants, %d with a quota; shared region: %s",
-                    len(self._names), len(tenants.quotas),
+                    len(tenants.names), len(tenants.quotas),
                     f"{len(self.shared)} prefixes, {self.shared.num_tokens} tokens in whole "
                     "blocks" if self.shared is not None else "none")
-
-    def knows(self, tenant: str) -> bool:
-        return tenant in self._names
 
     def shared_blocks(self, token_ids: Sequence[int]) -> int:
         """The prompt's leading blocks in the shared region (hashed without its salt)."""

@@ -66,8 +66,8 @@ class LoraWeights:
     nbytes: int = 0
 
 
-def _out_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection."""
+def projection_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection an adapter may target."""
     h, inter = cfg.hidden_size, cfg.intermediate_size
     return {"q_proj": (h, cfg.q_size), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
             "o_proj": (cfg.q_size, h), "gate_proj": (h, inter), "up_proj": (h, inter),
@@ -123,7 +123,7 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, dtype: tor
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise AdapterError(f"adapter {directory}: cannot read {WEIGHTS_FILE}: {exc}") from None
-    sizes = _out_sizes(model_cfg)
+    sizes = projection_sizes(model_cfg)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)

@@ -22,10 +22,11 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from pagekv.proto.requests import MAX_ADAPTER_NAME
+
 FIELD = "lora"
 EMPTY = '{"a":{},"r":[]}'  # what replaces a pod's adapters once it has none left
 MAX_ADAPTERS = 1024
-MAX_NAME = 128
 MAX_PATH = 4096
 MAX_LOAD_S = 3600.0
 
@@ -66,7 +67,7 @@ def parse_adapters(raw: str | None) -> PodAdapters | None:
         return None
     paths, resident, load_s = value.get("a", {}), value.get("r", []), value.get("s")
     if not isinstance(paths, dict) or len(paths) > MAX_ADAPTERS or not all(
-            _text(k, MAX_NAME) and _text(v, MAX_PATH) for k, v in paths.items()):
+            _text(k, MAX_ADAPTER_NAME) and _text(v, MAX_PATH) for k, v in paths.items()):
         return None
     if not isinstance(resident, list) or not all(isinstance(n, str) and n in paths
                                                  for n in resident):
